@@ -1,0 +1,197 @@
+#include "benchmarks/common.h"
+
+#include <gflags/gflags.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace ddprpc::benchmarks {
+
+void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
+  gflags::ParseCommandLineNonHelpFlags(argc, argv, /*remove_flags=*/false);
+  std::string help;
+  if (gflags::GetCommandLineOption("help", &help) && help == "true") {
+    gflags::ShowUsageWithFlagsRestrict((*argv)[0], flag_file_filter);
+    std::exit(0);
+  }
+  gflags::HandleCommandLineHelpFlags();
+}
+
+int env_rank() {
+  const char* r = std::getenv("RANK");
+  return r ? std::atoi(r) : -1;
+}
+
+int cpu_count() { return static_cast<int>(std::thread::hardware_concurrency()); }
+
+double percentile(std::vector<double> samples, double p) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  size_t i = std::min(samples.size() - 1, static_cast<size_t>(samples.size() * p));
+  return samples[i];
+}
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, n) : std::string();
+}
+
+std::string temp_path(const std::string& stem) {
+  const char* dir = std::getenv("TMPDIR");
+  return absl::StrCat(dir && *dir ? dir : "/tmp", "/", stem, ".", ::getpid());
+}
+
+std::string shared_path(const std::string& relative) {
+  std::vector<std::string> roots;
+  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY")) roots.push_back(ws);
+  char cwd[4096];
+  if (::getcwd(cwd, sizeof(cwd))) roots.push_back(cwd);
+  for (const auto& root : roots) {
+    std::string candidate = absl::StrCat(root, "/../shared/", relative);
+    if (::access(candidate.c_str(), R_OK) == 0) return candidate;
+  }
+  return "";
+}
+
+std::string output_path(const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  if (const char* wd = std::getenv("BUILD_WORKING_DIRECTORY")) return absl::StrCat(wd, "/", path);
+  return path;
+}
+
+int run_command(const std::vector<std::string>& argv, std::string* output) {
+  std::string cmd;
+  for (const auto& a : argv) {
+    std::string quoted = "'";
+    for (char c : a) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    absl::StrAppend(&cmd, quoted, "' ");
+  }
+  absl::StrAppend(&cmd, "2>&1");
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) return -1;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), pipe)) > 0) output->append(buf, n);
+  int status = ::pclose(pipe);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
+
+std::string Table::str() const {
+  std::vector<size_t> width;
+  for (const auto& row : rows_) {
+    if (width.size() < row.size()) width.resize(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  }
+  std::string out;
+  for (size_t r = 0; r < rows_.size(); ++r) {
+    for (size_t i = 0; i < rows_[r].size(); ++i) {
+      // First column left-aligned, figures right-aligned.
+      out += i == 0 ? absl::StrFormat("%-*s", width[i], rows_[r][i])
+                    : absl::StrFormat("  %*s", width[i], rows_[r][i]);
+    }
+    out += "\n";
+    if (r == 0) {
+      size_t total = 0;
+      for (size_t w : width) total += w + 2;
+      out += std::string(total - 2, '-') + "\n";
+    }
+  }
+  return out;
+}
+
+void Json::separate() {
+  if (after_key_) {
+    after_key_ = false;
+    return;
+  }
+  if (!first_.back()) out_ += ",";
+  first_.back() = false;
+}
+
+Json& Json::begin_object() {
+  separate();
+  out_ += "{";
+  first_.push_back(true);
+  return *this;
+}
+
+Json& Json::end_object() {
+  first_.pop_back();
+  out_ += "}";
+  return *this;
+}
+
+Json& Json::begin_array() {
+  separate();
+  out_ += "[";
+  first_.push_back(true);
+  return *this;
+}
+
+Json& Json::end_array() {
+  first_.pop_back();
+  out_ += "]";
+  return *this;
+}
+
+Json& Json::key(const std::string& k) {
+  separate();
+  write_string(k);
+  out_ += ":";
+  after_key_ = true;
+  return *this;
+}
+
+Json& Json::value(double v) {
+  separate();
+  out_ += std::isfinite(v) ? absl::StrFormat("%.6g", v) : std::string("null");
+  return *this;
+}
+
+Json& Json::value(const std::string& s) {
+  separate();
+  write_string(s);
+  return *this;
+}
+
+void Json::write_string(const std::string& s) {
+  out_ += "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out_ += "\\\""; break;
+      case '\\': out_ += "\\\\"; break;
+      case '\n': out_ += "\\n"; break;
+      case '\t': out_ += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          out_ += absl::StrFormat("\\u%04x", c);
+        } else {
+          out_ += c;
+        }
+    }
+  }
+  out_ += "\"";
+}
+
+Json& Json::value(bool b) {
+  separate();
+  out_ += b ? "true" : "false";
+  return *this;
+}
+
+bool Json::write(const std::string& path) const {
+  std::ofstream f(path);
+  f << out_ << "\n";
+  return static_cast<bool>(f);
+}
+
+}  // namespace ddprpc::benchmarks

@@ -1,0 +1,67 @@
+// Shared pieces of the benchmark binaries: flags with a focused --help,
+// percentiles, a text table, a small JSON writer, and paths.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ddprpc::benchmarks {
+
+// Parses gflags; --help lists only the flags defined in files whose path
+// contains `flag_file_filter` (not glog's), then exits.
+void parse_flags(int* argc, char*** argv, const char* flag_file_filter);
+
+// RANK from the environment, or -1 when not launched as a worker.
+int env_rank();
+int cpu_count();
+// p in [0, 1]; the value at index floor(n * p) of the sorted samples, as the
+// PyTorch anchors compute it.
+double percentile(std::vector<double> samples, double p);
+
+std::string self_exe();
+std::string temp_path(const std::string& stem);
+// `relative` under ../shared beside the workspace, or "" if it is not there.
+std::string shared_path(const std::string& relative);
+// Resolves a relative output path against the directory `bazel run` was
+// started from.
+std::string output_path(const std::string& path);
+// Runs argv, capturing stdout+stderr; returns the exit code.
+int run_command(const std::vector<std::string>& argv, std::string* output);
+
+class Table {
+ public:
+  explicit Table(std::vector<std::string> header) : rows_{std::move(header)} {}
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  std::string str() const;
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+// Streaming JSON writer: json.begin_object().key("a").value(1).end_object().
+class Json {
+ public:
+  Json& begin_object();
+  Json& end_object();
+  Json& begin_array();
+  Json& end_array();
+  Json& key(const std::string& k);
+  Json& value(double v);
+  Json& value(int v) { return value(static_cast<double>(v)); }
+  Json& value(int64_t v) { return value(static_cast<double>(v)); }
+  Json& value(const std::string& s);
+  Json& value(const char* s) { return value(std::string(s)); }
+  Json& value(bool b);
+  const std::string& str() const { return out_; }
+  bool write(const std::string& path) const;
+
+ private:
+  void separate();
+  void write_string(const std::string& s);
+  std::string out_;
+  std::vector<bool> first_{true};
+  bool after_key_ = false;
+};
+
+}  // namespace ddprpc::benchmarks

@@ -1,0 +1,210 @@
+// rpc_pingpong: round-trip latency and pipelined throughput of ddprpc's RPC
+// on loopback, next to PyTorch's own RPC measured in the same run
+// (../shared/anchors/pytorch_rpc_pingpong.py with /usr/bin/python3).
+//
+//   ./bazelw run //benchmarks:rpc_pingpong
+//
+// Two workers: rank 0 calls rpc_sync(identity, t) on rank 1 for 16 B, 64 KiB
+// and 4 MiB float tensors (p50/p90 microseconds), then issues pipelined
+// rpc_async calls with 16 B (calls/s). Prints a table and writes JSON.
+#include <ATen/ops/ones.h>
+#include <gflags/gflags.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "benchmarks/common.h"
+#include "rpc/launch.h"
+#include "rpc/rpc.h"
+
+DEFINE_int32(iters, 2000, "timed rpc_sync calls per small tensor size");
+DEFINE_int32(big_iters, 200, "timed rpc_sync calls for the 4 MiB tensor");
+DEFINE_int32(warmup, 50, "untimed calls before each size");
+DEFINE_int32(async_calls, 5000, "pipelined rpc_async calls for the throughput figure");
+DEFINE_int32(num_worker_threads, 8, "callee threads (the PyTorch reference uses 8)");
+DEFINE_string(json, "rpc_pingpong.json",
+              "where to write the results (relative paths are relative to the directory "
+              "bazel run was started from)");
+DEFINE_string(pytorch_anchor, "",
+              "PyTorch reference script; default: ../shared/anchors/pytorch_rpc_pingpong.py "
+              "beside the workspace. Empty and not found: PyTorch is not measured");
+DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs /usr/bin/python3 with torch)");
+DEFINE_string(result_file, "", "internal: where rank 0 writes its raw results");
+
+namespace rpc = ddprpc::rpc;
+namespace bench = ddprpc::benchmarks;
+
+namespace {
+
+at::Tensor identity(at::Tensor t) { return t; }
+DDPRPC_REGISTER_FUNCTION(identity);
+
+struct Sizes {
+  const char* key;
+  const char* label;
+  int64_t numel;
+};
+constexpr Sizes kSizes[] = {
+    {"sync_16B", "16 B", 4}, {"sync_65536B", "64 KiB", 16384}, {"sync_4194304B", "4 MiB", 1048576}};
+
+// Runs in each of the two worker processes.
+int worker() {
+  rpc::RpcBackendOptions options;
+  options.num_worker_threads = FLAGS_num_worker_threads;
+  rpc::init_rpc(absl::StrCat("w", bench::env_rank()), -1, 2, options);
+  if (bench::env_rank() == 0) {
+    std::map<std::string, double> results;
+    for (const auto& size : kSizes) {
+      std::fprintf(stderr, "rpc_pingpong: rpc_sync %s ...\n", size.label);
+      at::Tensor t = at::ones({size.numel});
+      for (int i = 0; i < FLAGS_warmup; ++i) rpc::rpc_sync<at::Tensor>("w1", "identity", t);
+      const int n = size.numel < 1000000 ? FLAGS_iters : FLAGS_big_iters;
+      std::vector<double> lat;
+      lat.reserve(n);
+      for (int i = 0; i < n; ++i) {
+        absl::Time start = absl::Now();
+        rpc::rpc_sync<at::Tensor>("w1", "identity", t);
+        lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+      }
+      results[absl::StrCat(size.key, ".p50_us")] = bench::percentile(lat, 0.5);
+      results[absl::StrCat(size.key, ".p90_us")] = bench::percentile(lat, 0.9);
+    }
+    std::fprintf(stderr, "rpc_pingpong: %d pipelined rpc_async ...\n", FLAGS_async_calls);
+    at::Tensor t = at::ones({4});
+    absl::Time start = absl::Now();
+    std::vector<rpc::Future<at::Tensor>> futures;
+    futures.reserve(FLAGS_async_calls);
+    for (int i = 0; i < FLAGS_async_calls; ++i) {
+      futures.push_back(rpc::rpc_async<at::Tensor>("w1", "identity", t));
+    }
+    rpc::wait_all(futures);
+    results["async_16B_calls_per_s"] =
+        FLAGS_async_calls / absl::ToDoubleSeconds(absl::Now() - start);
+    std::ofstream out(FLAGS_result_file);
+    for (const auto& [k, v] : results) out << k << " " << v << "\n";
+  }
+  rpc::shutdown();
+  return 0;
+}
+
+std::map<std::string, double> read_results(const std::string& path) {
+  std::map<std::string, double> out;
+  std::ifstream in(path);
+  std::string key;
+  double value;
+  while (in >> key >> value) out[key] = value;
+  return out;
+}
+
+// Parses the anchor's flat JSON ({"sync_16B": {"p50_us": x, ...}, ...}).
+std::map<std::string, double> parse_anchor_json(const std::string& text) {
+  std::map<std::string, double> out;
+  std::regex nested("\"(sync_\\d+B)\"\\s*:\\s*\\{\\s*\"p50_us\"\\s*:\\s*([0-9.eE+-]+)\\s*,"
+                    "\\s*\"p90_us\"\\s*:\\s*([0-9.eE+-]+)");
+  for (std::sregex_iterator it(text.begin(), text.end(), nested), end; it != end; ++it) {
+    out[(*it)[1].str() + ".p50_us"] = std::stod((*it)[2].str());
+    out[(*it)[1].str() + ".p90_us"] = std::stod((*it)[3].str());
+  }
+  std::smatch m;
+  if (std::regex_search(text, m, std::regex("\"async_16B_calls_per_s\"\\s*:\\s*([0-9.eE+-]+)"))) {
+    out["async_16B_calls_per_s"] = std::stod(m[1].str());
+  }
+  return out;
+}
+
+int coordinator(int argc, char** argv) {
+  const std::string tmp = bench::temp_path("rpc_pingpong");
+  rpc::LaunchOptions launch;
+  launch.nprocs = 2;
+  launch.argv = {bench::self_exe()};
+  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  launch.argv.push_back("--result_file=" + tmp);
+  launch.timeout = absl::Minutes(10);
+  std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers on loopback\n");
+  if (rpc::launch(launch).exit_code != 0) return 1;
+  std::map<std::string, double> ours = read_results(tmp);
+  std::remove(tmp.c_str());
+
+  std::map<std::string, double> theirs;
+  std::string anchor = FLAGS_pytorch_anchor.empty()
+                           ? bench::shared_path("anchors/pytorch_rpc_pingpong.py")
+                           : FLAGS_pytorch_anchor;
+  std::string pytorch_note;
+  if (FLAGS_pytorch && !anchor.empty()) {
+    std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", anchor.c_str());
+    const std::string json = bench::temp_path("pytorch_pingpong") + ".json";
+    std::string output;
+    int rc = bench::run_command({"/usr/bin/python3", anchor, json}, &output);
+    std::ifstream in(json);
+    std::stringstream text;
+    text << in.rdbuf();
+    theirs = parse_anchor_json(text.str());
+    std::remove(json.c_str());
+    if (rc != 0 || theirs.empty()) pytorch_note = "PyTorch reference failed: " + output;
+  } else {
+    pytorch_note = "PyTorch reference not run (no anchor script found; pass --pytorch_anchor)";
+  }
+
+  bench::Table table({"rpc_sync identity", "ddprpc p50", "ddprpc p90", "PyTorch p50",
+                      "PyTorch p90", "p50 speedup"});
+  auto fmt_us = [](double v) { return v > 0 ? absl::StrFormat("%.0f us", v) : std::string("-"); };
+  auto ratio = [](double a, double b) {
+    return a > 0 && b > 0 ? absl::StrFormat("%.1fx", b / a) : std::string("-");
+  };
+  for (const auto& size : kSizes) {
+    const std::string k = size.key;
+    table.add({size.label, fmt_us(ours[k + ".p50_us"]), fmt_us(ours[k + ".p90_us"]),
+               fmt_us(theirs[k + ".p50_us"]), fmt_us(theirs[k + ".p90_us"]),
+               ratio(ours[k + ".p50_us"], theirs[k + ".p50_us"])});
+  }
+  const double our_tput = ours["async_16B_calls_per_s"];
+  const double their_tput = theirs["async_16B_calls_per_s"];
+  table.add({"rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",
+             their_tput > 0 ? absl::StrFormat("%.0f calls/s", their_tput) : "-", "",
+             their_tput > 0 ? absl::StrFormat("%.1fx", our_tput / their_tput) : "-"});
+  std::printf("\nrpc_pingpong: 2 workers on loopback, %d callee threads, %d CPUs\n",
+              FLAGS_num_worker_threads, bench::cpu_count());
+  std::printf("%s", table.str().c_str());
+  if (!pytorch_note.empty()) std::printf("%s\n", pytorch_note.c_str());
+
+  bench::Json json;
+  json.begin_object();
+  json.key("benchmark").value("rpc_pingpong");
+  json.key("config").begin_object();
+  json.key("iters").value(FLAGS_iters);
+  json.key("big_iters").value(FLAGS_big_iters);
+  json.key("async_calls").value(FLAGS_async_calls);
+  json.key("num_worker_threads").value(FLAGS_num_worker_threads);
+  json.key("cpus").value(bench::cpu_count());
+  json.end_object();
+  for (const auto* side : {"ddprpc", "pytorch"}) {
+    const auto& m = std::string(side) == "ddprpc" ? ours : theirs;
+    json.key(side).begin_object();
+    for (const auto& [k, v] : m) json.key(k).value(v);
+    json.end_object();
+  }
+  json.end_object();
+  const std::string path = bench::output_path(FLAGS_json);
+  if (json.write(path)) std::printf("wrote %s\n", path.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "round-trip latency and pipelined throughput of ddprpc RPC vs PyTorch RPC on loopback\n"
+      "  usage: rpc_pingpong [flags]");
+  bench::parse_flags(&argc, &argv, "benchmarks/rpc_pingpong");
+  if (bench::env_rank() >= 0) return worker();
+  return coordinator(argc, argv);
+}

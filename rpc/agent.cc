@@ -1,0 +1,531 @@
+#include "rpc/agent.h"
+
+#include <cstdlib>
+#include <map>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "glog/logging.h"
+#include "rpc/internal/codec.h"
+#include "rpc/internal/thread_pool.h"
+#include "rpc/internal/transport.h"
+
+namespace ddprpc::rpc {
+namespace {
+
+using internal::Frame;
+
+thread_local const CallContext* t_current_call = nullptr;
+
+class CallScope {
+ public:
+  explicit CallScope(const CallContext* ctx) : saved_(t_current_call) { t_current_call = ctx; }
+  ~CallScope() { t_current_call = saved_; }
+
+ private:
+  const CallContext* saved_;
+};
+
+std::pair<std::string, int> parse_init_method(const std::string& init_method) {
+  std::string host, port;
+  if (init_method.empty() || init_method == "env://") {
+    const char* addr = std::getenv("MASTER_ADDR");
+    const char* p = std::getenv("MASTER_PORT");
+    if (!addr || !p) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     "init_method env:// needs the MASTER_ADDR and MASTER_PORT environment "
+                     "variables (or pass init_method=\"tcp://host:port\")");
+    }
+    host = addr;
+    port = p;
+  } else if (absl::StartsWith(init_method, "tcp://")) {
+    std::string rest = init_method.substr(6);
+    size_t colon = rest.rfind(':');
+    if (colon == std::string::npos) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     "init_method '" + init_method + "' has no port (expected tcp://host:port)");
+    }
+    host = rest.substr(0, colon);
+    port = rest.substr(colon + 1);
+  } else {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   "unsupported init_method '" + init_method + "' (use tcp://host:port or env://)");
+  }
+  int port_number = 0;
+  if (!absl::SimpleAtoi(port, &port_number) || port_number <= 0 || port_number > 65535) {
+    throw RpcError(ErrorCode::kInvalidArgument, "invalid rendezvous port '" + port + "'");
+  }
+  if (host == "localhost") host = "127.0.0.1";
+  return {host, port_number};
+}
+
+absl::Time deadline_after(absl::Duration timeout) {
+  if (timeout <= absl::ZeroDuration() || timeout == absl::InfiniteDuration()) {
+    return absl::InfiniteFuture();
+  }
+  return absl::Now() + timeout;
+}
+
+ErrorCode error_code_of(std::exception_ptr error, std::string* message) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const RpcError& e) {
+    *message = e.what();
+    return e.code();
+  } catch (const std::exception& e) {
+    *message = e.what();
+  } catch (...) {
+    *message = "unknown exception";
+  }
+  return ErrorCode::kRemoteException;
+}
+
+}  // namespace
+
+const CallContext* current_call() { return t_current_call; }
+
+RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackendOptions options,
+                   const FunctionRegistry* registry)
+    : rank_(rank), options_(std::move(options)), registry_(registry) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("invalid rank ", rank, " for world_size ", world_size));
+  }
+  if (name.empty() || absl::StrContains(name, "\n")) {
+    throw RpcError(ErrorCode::kInvalidArgument, "worker name must be non-empty, one line");
+  }
+  if (options_.num_worker_threads < 1) {
+    throw RpcError(ErrorCode::kInvalidArgument, "num_worker_threads must be at least 1");
+  }
+  auto [host, port] = parse_init_method(options_.init_method);
+  if (rank == 0) store_server_ = StoreServer::start(host, port);
+  store_ = std::make_unique<Store>(host, port,
+                                   std::max(options_.rpc_timeout, absl::Seconds(60)));
+  pool_ = std::make_unique<internal::ThreadPool>(options_.num_worker_threads);
+  server_ = internal::TransportServer::start(
+      options_.listen_address,
+      [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
+        on_request(std::move(responder), std::move(frame));
+      });
+  for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<PeerSlot>());
+  rendezvous(name, world_size);
+  store_->set_fail_fast(true);
+  {
+    absl::MutexLock lock(&mu_);
+    running_ = true;
+  }
+  timer_ = std::thread([this] { timer_loop(); });
+}
+
+RpcAgent::~RpcAgent() {
+  stop(/*graceful=*/false);
+  peers_.clear();  // before mu_ goes: a stream's close callback takes it
+}
+
+void RpcAgent::rendezvous(const std::string& name, int world_size) {
+  std::string address = absl::StrCat(options_.listen_address, ":", server_->port());
+  store_->set(absl::StrCat("rpc/worker/", rank_), absl::StrCat(name, "\n", address));
+  std::map<std::string, int> by_name;
+  for (int r = 0; r < world_size; ++r) {
+    std::string value = store_->get(absl::StrCat("rpc/worker/", r));
+    std::vector<std::string> parts = absl::StrSplit(value, absl::MaxSplits('\n', 1));
+    if (parts.size() != 2) {
+      throw RpcError(ErrorCode::kInternal, "malformed worker record for rank " + std::to_string(r));
+    }
+    auto [it, inserted] = by_name.emplace(parts[0], r);
+    if (!inserted) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     absl::StrCat("worker name '", parts[0], "' is used by ranks ", it->second,
+                                  " and ", r, "; names must be unique"));
+    }
+    workers_.push_back(WorkerInfo{parts[0], r, parts[1]});
+  }
+}
+
+const WorkerInfo& RpcAgent::worker(const std::string& name) const {
+  for (const auto& w : workers_) {
+    if (w.name == name) return w;
+  }
+  throw RpcError(ErrorCode::kInvalidArgument, "unknown worker '" + name + "'");
+}
+
+const WorkerInfo& RpcAgent::worker(int id) const {
+  if (id < 0 || id >= static_cast<int>(workers_.size())) {
+    throw RpcError(ErrorCode::kInvalidArgument, absl::StrCat("unknown worker id ", id));
+  }
+  return workers_[id];
+}
+
+bool RpcAgent::running() const {
+  absl::MutexLock lock(&mu_);
+  return running_;
+}
+
+int RpcAgent::busy_worker_threads() const { return pool_ ? pool_->busy() : 0; }
+
+std::string RpcAgent::describe(const PendingCall& call) const {
+  return absl::StrCat(call.api, "('", call.function, "') on worker '", workers_[call.to].name,
+                      "'");
+}
+
+void RpcAgent::fail_pending(const std::vector<PendingCall>& calls, ErrorCode code,
+                            const std::string& why) {
+  for (const auto& call : calls) {
+    call.future.set_error(RpcError(code, absl::StrCat(describe(call), " failed: ", why)));
+  }
+}
+
+// ------------------------------------------------------------------- caller
+
+Future<c10::IValue> RpcAgent::call(int to, const std::string& function,
+                                   std::vector<c10::IValue> args, absl::Duration timeout,
+                                   const char* api) {
+  Future<c10::IValue> future;
+  if (to < 0 || to >= static_cast<int>(workers_.size())) {
+    future.set_error(RpcError(ErrorCode::kInvalidArgument,
+                              absl::StrCat(api, "('", function, "'): unknown worker id ", to)));
+    return future;
+  }
+  PendingCall call{future, to, function, api,
+                   deadline_after(timeout < absl::ZeroDuration() ? options_.rpc_timeout : timeout)};
+  Frame frame;
+  wire::Header& header = frame.header;
+  header.set_kind(wire::REQUEST);
+  header.set_function(function);
+  header.set_src(rank_);
+  try {
+    internal::encode_value(c10::IValue(c10::ivalue::Tuple::create(std::move(args))),
+                           header.mutable_payload(), &frame);
+  } catch (const std::exception& e) {
+    fail_pending({call}, ErrorCode::kInvalidArgument,
+                 absl::StrCat("cannot send the arguments: ", e.what()));
+    return future;
+  }
+  uint64_t id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!running_) {
+      fail_pending({call}, ErrorCode::kShutdown, "RPC agent is shut down");
+      return future;
+    }
+    id = next_id_++;
+    header.set_id(id);
+    const uint64_t size = frame.size();
+    if (size > static_cast<uint64_t>(options_.max_message_bytes)) {
+      fail_pending({call}, ErrorCode::kMessageTooLarge,
+                   absl::StrCat("request of ", size, " bytes exceeds max_message_bytes (",
+                                options_.max_message_bytes, ")"));
+      return future;
+    }
+    pending_.emplace(id, call);
+    if (call.deadline != absl::InfiniteFuture()) deadlines_.emplace(call.deadline, id);
+  }
+  std::shared_ptr<internal::PeerStream> stream = peer(to);
+  if (!stream->send(internal::serialize_frame(frame))) {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(id);
+    if (it != pending_.end()) {
+      deadlines_.erase({it->second.deadline, id});
+      pending_.erase(it);
+      fail_pending({call}, ErrorCode::kUnavailable, "the connection to the worker is broken");
+    }
+  }
+  return future;
+}
+
+std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
+  PeerSlot& slot = *peers_[to];
+  absl::MutexLock lock(&slot.mu);
+  if (!slot.stream || slot.stream->broken()) {
+    if (slot.stream) {
+      absl::MutexLock state_lock(&mu_);
+      broken_.push_back(std::move(slot.stream));
+    }
+    slot.stream = std::make_shared<internal::PeerStream>(
+        workers_[to].address, [this](Frame frame) { on_reply(std::move(frame)); },
+        [this, to](const grpc::Status& status) {
+          on_peer_closed(to, status.ok() ? "the worker closed the connection"
+                                         : absl::StrCat("the worker is unreachable (",
+                                                        status.error_message(), ")"));
+        });
+  }
+  return slot.stream;
+}
+
+void RpcAgent::on_reply(Frame frame) {
+  PendingCall call;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(frame.header.id());
+    if (it == pending_.end()) return;  // timed out or failed already
+    call = std::move(it->second);
+    pending_.erase(it);
+    deadlines_.erase({call.deadline, frame.header.id()});
+  }
+  const wire::Header& header = frame.header;
+  if (header.kind() == wire::ERROR) {
+    fail_pending({call}, static_cast<ErrorCode>(header.error_code()), header.error());
+    return;
+  }
+  try {
+    call.future.set_result(internal::decode_value(header.payload(), frame));
+  } catch (const std::exception& e) {
+    fail_pending({call}, ErrorCode::kMalformedMessage,
+                 absl::StrCat("malformed response: ", e.what()));
+  }
+}
+
+void RpcAgent::on_peer_closed(int peer, const std::string& why) {
+  std::vector<PendingCall> failed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.to == peer) {
+        deadlines_.erase({it->second.deadline, it->first});
+        failed.push_back(std::move(it->second));
+        pending_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  fail_pending(failed, ErrorCode::kUnavailable, why);
+}
+
+void RpcAgent::timer_loop() {
+  while (true) {
+    std::vector<PendingCall> expired;
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time wake = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
+      auto due = [this, wake]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopped_ || (!deadlines_.empty() && deadlines_.begin()->first < wake);
+      };
+      mu_.AwaitWithDeadline(absl::Condition(&due), wake);
+      if (stopped_) return;
+      const absl::Time now = absl::Now();
+      while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+        auto it = pending_.find(deadlines_.begin()->second);
+        deadlines_.erase(deadlines_.begin());
+        if (it == pending_.end()) continue;
+        expired.push_back(std::move(it->second));
+        pending_.erase(it);
+      }
+    }
+    for (const auto& call : expired) {
+      absl::Duration timeout = options_.rpc_timeout;
+      call.future.set_error(RpcError(
+          ErrorCode::kTimeout, absl::StrCat(describe(call), " timed out (deadline passed; default "
+                                            "rpc_timeout is ", absl::FormatDuration(timeout), ")")));
+    }
+  }
+}
+
+// ------------------------------------------------------------------- callee
+
+void RpcAgent::on_request(std::shared_ptr<internal::Responder> responder, Frame frame) {
+  auto task = std::make_shared<std::pair<std::shared_ptr<internal::Responder>, Frame>>(
+      std::move(responder), std::move(frame));
+  pool_->run([this, task] { serve(task->first, task->second); });
+}
+
+void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request) {
+  const wire::Header& header = request.header;
+  const uint64_t id = header.id();
+  const std::string function = header.function();
+  const bool one_way = header.kind() == wire::NOTICE;
+  auto reply_error = [&](ErrorCode code, const std::string& message) {
+    if (one_way) {
+      LOG(WARNING) << "rpc: one-way '" << function << "' on worker '" << self().name
+                   << "' failed: " << message;
+      return;
+    }
+    Frame out;
+    out.header.set_id(id);
+    out.header.set_kind(wire::ERROR);
+    out.header.set_src(rank_);
+    out.header.set_error_code(static_cast<int>(code));
+    out.header.set_error(message);
+    responder->send(internal::serialize_frame(out));
+  };
+
+  const Handler* handler = registry_->find(function);
+  if (!handler) {
+    return reply_error(ErrorCode::kUnknownFunction,
+                       absl::StrCat("no function named '", function,
+                                    "' is registered on worker '", self().name, "'"));
+  }
+  std::vector<c10::IValue> args;
+  try {
+    c10::IValue value = internal::decode_value(header.payload(), request);
+    if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
+    args = value.toTupleRef().elements().vec();
+  } catch (const std::exception& e) {
+    return reply_error(ErrorCode::kMalformedMessage,
+                       absl::StrCat("malformed arguments: ", e.what()));
+  }
+  request.tensors.clear();
+
+  Future<c10::IValue> result;
+  CallContext context{header.src(), function};
+  {
+    CallScope scope(&context);
+    try {
+      result = (*handler)(args);
+    } catch (...) {
+      std::string message;
+      ErrorCode code = error_code_of(std::current_exception(), &message);
+      return reply_error(code, message);
+    }
+  }
+  if (one_way) return;
+  const int64_t limit = options_.max_message_bytes;
+  result.add_done_callback([this, responder, id, function, limit](const Future<c10::IValue>& f) {
+    Frame out;
+    out.header.set_id(id);
+    out.header.set_src(rank_);
+    auto set_error = [&](ErrorCode code, const std::string& message) {
+      out = Frame();
+      out.header.set_id(id);
+      out.header.set_src(rank_);
+      out.header.set_kind(wire::ERROR);
+      out.header.set_error_code(static_cast<int>(code));
+      out.header.set_error(message);
+    };
+    if (std::exception_ptr error = f.error()) {
+      std::string message;
+      ErrorCode code = error_code_of(error, &message);
+      set_error(code, message);
+    } else {
+      out.header.set_kind(wire::RESPONSE);
+      try {
+        internal::encode_value(f.value(), out.header.mutable_payload(), &out);
+        const uint64_t size = out.size();
+        if (size > static_cast<uint64_t>(limit)) {
+          set_error(ErrorCode::kMessageTooLarge,
+                    absl::StrCat("the result of '", function, "' is ", size,
+                                 " bytes, over max_message_bytes (", limit, ")"));
+        }
+      } catch (const std::exception& e) {
+        set_error(ErrorCode::kInvalidArgument,
+                  absl::StrCat("the result of '", function, "' cannot be sent: ", e.what()));
+      }
+    }
+    responder->send(internal::serialize_frame(out));
+  });
+}
+
+// ----------------------------------------------------------------- shutdown
+
+bool RpcAgent::peer_alive(int id) const {
+  auto channel = grpc::CreateCustomChannel(workers_[id].address, grpc::InsecureChannelCredentials(),
+                                           internal::channel_arguments());
+  return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+}
+
+bool RpcAgent::store_barrier(const std::string& prefix, bool wait, absl::Duration timeout) {
+  store_->set(absl::StrCat(prefix, "/", rank_), "1");
+  if (!wait) return true;
+  const absl::Time deadline = deadline_after(timeout);
+  std::vector<int> waiting;
+  for (int r = 0; r < static_cast<int>(workers_.size()); ++r) {
+    if (r != rank_) waiting.push_back(r);
+  }
+  while (!waiting.empty()) {
+    std::vector<std::string> keys;
+    for (int r : waiting) keys.push_back(absl::StrCat(prefix, "/", r));
+    try {
+      store_->wait(keys, std::min(absl::Seconds(2), deadline - absl::Now()));
+      return true;
+    } catch (const RpcError& e) {
+      if (e.code() != ErrorCode::kTimeout) throw;
+    }
+    if (absl::Now() >= deadline) return false;
+    std::vector<int> still;
+    for (int r : waiting) {
+      if (store_->check({absl::StrCat(prefix, "/", r)})) continue;
+      if (!peer_alive(r)) {
+        LOG(WARNING) << "rpc shutdown: worker '" << workers_[r].name
+                     << "' is unreachable; not waiting for it";
+        continue;
+      }
+      still.push_back(r);
+    }
+    waiting.swap(still);
+  }
+  return true;
+}
+
+void RpcAgent::shutdown(bool graceful) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+  }
+  bool barrier_ok = false;
+  if (graceful) {
+    {
+      // This worker's own calls first: each ends by its deadline at the latest.
+      absl::MutexLock lock(&mu_);
+      auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_.empty(); };
+      mu_.Await(absl::Condition(&idle));
+    }
+    try {
+      // Keep serving until every worker is done calling.
+      barrier_ok = store_barrier("rpc/shutdown/arrived", true, options_.shutdown_timeout);
+      if (!barrier_ok) {
+        LOG(WARNING) << "rpc shutdown on '" << self().name
+                     << "': other workers did not reach shutdown within shutdown_timeout";
+      }
+    } catch (const RpcError& e) {
+      LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << e.what();
+    }
+  }
+  stop(graceful);
+  if (graceful && barrier_ok) {
+    try {
+      // Rank 0 hosts the store: it stays until everyone is past the barrier.
+      store_barrier("rpc/shutdown/departed", rank_ == 0, absl::Seconds(30));
+    } catch (const RpcError& e) {
+      LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << e.what();
+    }
+  }
+  store_.reset();
+  store_server_.reset();
+}
+
+void RpcAgent::stop(bool graceful) {
+  std::vector<PendingCall> failed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+    running_ = false;
+    for (auto& [id, call] : pending_) failed.push_back(std::move(call));
+    pending_.clear();
+    deadlines_.clear();
+  }
+  fail_pending(failed, ErrorCode::kShutdown, "RPC was shut down before the reply arrived");
+  if (timer_.joinable()) timer_.join();
+  for (auto& slot : peers_) {
+    std::shared_ptr<internal::PeerStream> stream;
+    {
+      absl::MutexLock lock(&slot->mu);
+      stream = std::move(slot->stream);
+    }
+    if (stream) stream->close(graceful);
+  }
+  std::vector<std::shared_ptr<internal::PeerStream>> broken;
+  {
+    absl::MutexLock lock(&mu_);
+    broken.swap(broken_);
+  }
+  broken.clear();
+  if (server_) server_->shutdown(graceful ? absl::Seconds(5) : absl::ZeroDuration());
+  pool_.reset();
+  server_.reset();
+}
+
+}  // namespace ddprpc::rpc

@@ -1,0 +1,158 @@
+// RpcAgent: one worker's RPC endpoint (what PyTorch calls the RPC agent).
+//
+// Created by rpc::init_rpc, or directly (several agents may live in one
+// process). It rendezvouses through the Store, serves registered functions
+// on a pool of num_worker_threads, sends requests over one gRPC stream per
+// peer, and fails every call that cannot complete with an RpcError naming
+// the worker and the function: timeouts, dead peers, oversized messages,
+// unknown functions, bad arguments, remote exceptions, shutdown.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "rpc/future.h"
+#include "rpc/registry.h"
+#include "rpc/store.h"
+
+namespace ddprpc::rpc {
+
+namespace internal {
+struct Frame;
+class PeerStream;
+class Responder;
+class ThreadPool;
+class TransportServer;
+}  // namespace internal
+
+// Sentinel for "the agent's default rpc_timeout".
+inline constexpr absl::Duration kDefaultTimeout = absl::Seconds(-1);
+
+struct RpcBackendOptions {
+  // Threads that run incoming requests.
+  int num_worker_threads = 16;
+  // Default deadline of every call; zero or infinite means none.
+  absl::Duration rpc_timeout = absl::Seconds(60);
+  // How long a graceful shutdown waits for the other workers to reach
+  // shutdown too. Workers found dead are not waited for.
+  absl::Duration shutdown_timeout = absl::InfiniteDuration();
+  // "tcp://host:port" (rank 0 hosts the store there) or "env://", which reads
+  // MASTER_ADDR and MASTER_PORT.
+  std::string init_method = "env://";
+  // Address this worker listens on and advertises to the others.
+  std::string listen_address = "127.0.0.1";
+  // Largest request or response, in bytes; larger ones fail with kMessageTooLarge.
+  int64_t max_message_bytes = int64_t{1} << 31;
+};
+
+struct WorkerInfo {
+  std::string name;
+  int id = -1;
+  std::string address;  // host:port of its RPC server
+};
+
+// What a callee knows about the request it is running.
+struct CallContext {
+  int caller = -1;       // worker id of the caller
+  std::string function;  // registered function name
+};
+
+// The request being served on this thread, or nullptr outside a request.
+const CallContext* current_call();
+
+class RpcAgent {
+ public:
+  // Rendezvous with world_size workers; throws RpcError on failure (for
+  // instance a duplicate name or a store that never comes up).
+  RpcAgent(const std::string& name, int rank, int world_size, RpcBackendOptions options,
+           const FunctionRegistry* registry = &FunctionRegistry::global());
+  // Shuts down without waiting if shutdown() was not called.
+  ~RpcAgent();
+  RpcAgent(const RpcAgent&) = delete;
+  RpcAgent& operator=(const RpcAgent&) = delete;
+
+  const WorkerInfo& self() const { return workers_[rank_]; }
+  const std::vector<WorkerInfo>& workers() const { return workers_; }
+  // Throws RpcError(kInvalidArgument) for an unknown name or id.
+  const WorkerInfo& worker(const std::string& name) const;
+  const WorkerInfo& worker(int id) const;
+  const RpcBackendOptions& options() const { return options_; }
+  Store& store() { return *store_; }
+
+  // Calls `function` on worker `to`. `api` names the call in errors
+  // ("rpc_sync", "rpc_async", "remote"). Never throws: errors fail the future.
+  Future<c10::IValue> call(int to, const std::string& function, std::vector<c10::IValue> args,
+                           absl::Duration timeout = kDefaultTimeout, const char* api = "rpc");
+
+  // graceful: waits for this worker's outstanding calls and for every other
+  // worker to reach shutdown, then stops; bounded by rpc_timeout even if a
+  // peer died. Otherwise fails pending calls and stops at once.
+  void shutdown(bool graceful = true);
+  bool running() const;
+
+  // Requests being served right now (worker threads not idle).
+  int busy_worker_threads() const;
+
+ private:
+  struct PendingCall {
+    Future<c10::IValue> future;
+    int to;
+    std::string function;
+    const char* api;
+    absl::Time deadline;
+  };
+  struct PeerSlot {
+    absl::Mutex mu;
+    std::shared_ptr<internal::PeerStream> stream ABSL_GUARDED_BY(mu);
+  };
+
+  void rendezvous(const std::string& name, int world_size);
+  // Publishes "<prefix>/<rank>" and, if `wait`, waits until every other
+  // worker published it or is found dead. False if it gave up at `timeout`.
+  bool store_barrier(const std::string& prefix, bool wait, absl::Duration timeout);
+  bool peer_alive(int id) const;
+  std::shared_ptr<internal::PeerStream> peer(int to);
+  void on_request(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
+  void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame);
+  void on_reply(internal::Frame frame);
+  void on_peer_closed(int peer, const std::string& why);
+  void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);
+  std::string describe(const PendingCall& call) const;
+  void timer_loop();
+  void stop(bool graceful);
+
+  const int rank_;
+  const RpcBackendOptions options_;
+  const FunctionRegistry* const registry_;
+  // Fixed once the constructor returns.
+  std::vector<WorkerInfo> workers_;
+  std::unique_ptr<StoreServer> store_server_;  // rank 0 only
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<internal::TransportServer> server_;
+  std::unique_ptr<internal::ThreadPool> pool_;
+  std::vector<std::unique_ptr<PeerSlot>> peers_;
+  std::thread timer_;
+
+  mutable absl::Mutex mu_;
+  // State below is protected by mu_.
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<uint64_t, PendingCall> pending_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
+  // Streams that broke; kept until shutdown so no reader thread joins itself.
+  std::vector<std::shared_ptr<internal::PeerStream>> broken_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ddprpc::rpc

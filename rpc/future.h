@@ -1,0 +1,262 @@
+// rpc::Future<T>: the result of an asynchronous call, like torch.futures.Future.
+//
+// A Future is a shared handle: copies refer to the same state. It completes
+// once, with a value (set_result) or an error (set_error). wait()/value()
+// block and rethrow the error; callbacks run exactly once, on the thread that
+// completes the future (or at once when added to a completed future), and so
+// must not block. Future<void> completes without a value.
+#pragma once
+
+#include <atomic>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "rpc/errors.h"
+
+namespace ddprpc::rpc {
+
+template <typename T>
+class Future;
+
+namespace internal {
+
+template <typename T>
+struct Stored {
+  using type = T;
+};
+template <>
+struct Stored<void> {
+  using type = std::monostate;
+};
+
+template <typename T>
+struct IsFuture : std::false_type {};
+template <typename T>
+struct IsFuture<Future<T>> : std::true_type {};
+
+template <typename T>
+struct FutureState {
+  using Callback = std::function<void(const Future<T>&)>;
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  // Written once before `done` becomes true; read-only afterwards.
+  std::optional<typename Stored<T>::type> value;
+  std::exception_ptr error;
+  std::vector<Callback> callbacks ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace internal
+
+template <typename T>
+class Future {
+ public:
+  using value_type = T;
+  using stored_type = typename internal::Stored<T>::type;
+
+  // A new, not yet completed future. Completing is allowed through any
+  // handle (set_* are const, like the shared state they write once).
+  Future() : state_(std::make_shared<State>()) {}
+
+  bool completed() const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->done;
+  }
+
+  // True once completed with an error.
+  bool has_error() const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->done && state_->error != nullptr;
+  }
+
+  // Blocks until completed; rethrows the error if there is one.
+  void wait() const {
+    wait_done();
+    if (state_->error) std::rethrow_exception(state_->error);
+  }
+
+  // Blocks at most `timeout`; true when the future has completed. Never throws.
+  bool wait_for(absl::Duration timeout) const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->mu.AwaitWithTimeout(absl::Condition(&state_->done), timeout);
+  }
+
+  // Blocks until completed and returns the value, or rethrows the error.
+  const stored_type& value() const {
+    wait();
+    return *state_->value;
+  }
+
+  // The error of a completed future, or nullptr.
+  std::exception_ptr error() const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->done ? state_->error : nullptr;
+  }
+
+  // The error's message ("" without an error).
+  std::string error_message() const {
+    std::exception_ptr e = error();
+    if (!e) return "";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      return ex.what();
+    } catch (...) {
+      return "unknown exception";
+    }
+  }
+
+  template <typename U = T, typename = std::enable_if_t<!std::is_void_v<U>>>
+  void set_result(U value) const {
+    complete(std::optional<stored_type>(std::move(value)), nullptr);
+  }
+  template <typename U = T, typename = std::enable_if_t<std::is_void_v<U>>>
+  void set_result() const {
+    complete(std::optional<stored_type>(std::monostate{}), nullptr);
+  }
+  void set_error(std::exception_ptr error) const {
+    complete(std::nullopt, std::move(error));
+  }
+  void set_error(const RpcError& error) const {
+    set_error(std::make_exception_ptr(error));
+  }
+
+  // Runs `callback(*this)` once the future completes.
+  void add_done_callback(std::function<void(const Future<T>&)> callback) const {
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (!state_->done) {
+        state_->callbacks.push_back(std::move(callback));
+        return;
+      }
+    }
+    callback(*this);
+  }
+
+  // Chains `fn(const Future<T>&)`: the returned future completes with fn's
+  // result, or with the exception fn throws. When fn returns a Future<U>,
+  // the result is that future's outcome (a Future<U>, not Future<Future<U>>).
+  template <typename F>
+  auto then(F fn) const {
+    using R = std::invoke_result_t<F, const Future<T>&>;
+    if constexpr (internal::IsFuture<R>::value) {
+      using U = typename R::value_type;
+      Future<U> out;
+      add_done_callback([fn = std::move(fn), out](const Future<T>& f) mutable {
+        try {
+          R inner = fn(f);
+          inner.add_done_callback(
+              [out](const R& g) mutable { g.forward_to(out); });
+        } catch (...) {
+          out.set_error(std::current_exception());
+        }
+      });
+      return out;
+    } else {
+      Future<R> out;
+      add_done_callback([fn = std::move(fn), out](const Future<T>& f) mutable {
+        try {
+          if constexpr (std::is_void_v<R>) {
+            fn(f);
+            out.set_result();
+          } else {
+            out.set_result(fn(f));
+          }
+        } catch (...) {
+          out.set_error(std::current_exception());
+        }
+      });
+      return out;
+    }
+  }
+
+  // Completes `out` with this (completed) future's outcome.
+  void forward_to(const Future<T>& out) const {
+    if (state_->error) {
+      out.set_error(state_->error);
+    } else if constexpr (std::is_void_v<T>) {
+      out.set_result();
+    } else {
+      out.set_result(*state_->value);
+    }
+  }
+
+ private:
+  using State = internal::FutureState<T>;
+
+  void wait_done() const {
+    absl::MutexLock lock(&state_->mu);
+    state_->mu.Await(absl::Condition(&state_->done));
+  }
+
+  void complete(std::optional<stored_type> value, std::exception_ptr error) const {
+    std::vector<typename State::Callback> callbacks;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->done) {
+        throw std::logic_error("rpc::Future completed twice");
+      }
+      state_->value = std::move(value);
+      state_->error = std::move(error);
+      state_->done = true;
+      callbacks.swap(state_->callbacks);
+    }
+    for (auto& cb : callbacks) cb(*this);
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+// A future that is already completed with `value`.
+template <typename T>
+Future<T> make_ready_future(T value) {
+  Future<T> f;
+  f.set_result(std::move(value));
+  return f;
+}
+
+// Completes when every future has completed (with a value or an error), like
+// torch.futures.collect_all; the result holds the input futures.
+template <typename T>
+Future<std::vector<Future<T>>> collect_all(std::vector<Future<T>> futures) {
+  Future<std::vector<Future<T>>> out;
+  if (futures.empty()) {
+    out.set_result({});
+    return out;
+  }
+  auto remaining = std::make_shared<std::atomic<size_t>>(futures.size());
+  auto all = std::make_shared<std::vector<Future<T>>>(futures);
+  for (const auto& f : futures) {
+    f.add_done_callback([remaining, all, out](const Future<T>&) mutable {
+      if (remaining->fetch_sub(1) == 1) out.set_result(std::move(*all));
+    });
+  }
+  return out;
+}
+
+// Waits for every future, then returns their values in order, or throws the
+// first error (in input order), like torch.futures.wait_all.
+template <typename T>
+std::vector<typename Future<T>::stored_type> wait_all(
+    const std::vector<Future<T>>& futures) {
+  for (const auto& f : futures) {
+    f.wait_for(absl::InfiniteDuration());
+  }
+  std::vector<typename Future<T>::stored_type> values;
+  values.reserve(futures.size());
+  for (const auto& f : futures) values.push_back(f.value());
+  return values;
+}
+
+}  // namespace ddprpc::rpc

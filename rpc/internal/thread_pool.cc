@@ -1,0 +1,48 @@
+#include "rpc/internal/thread_pool.h"
+
+namespace ddprpc::rpc::internal {
+
+ThreadPool::ThreadPool(int num_threads) {
+  threads_.reserve(num_threads);
+  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::run(std::function<void()> task) {
+  absl::MutexLock lock(&mu_);
+  tasks_.push_back(std::move(task));
+}
+
+int ThreadPool::busy() const {
+  absl::MutexLock lock(&mu_);
+  return busy_;
+}
+
+void ThreadPool::loop() {
+  while (true) {
+    std::function<void()> task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !tasks_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (tasks_.empty()) return;  // stopping and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      ++busy_;
+    }
+    task();
+    absl::MutexLock lock(&mu_);
+    --busy_;
+  }
+}
+
+}  // namespace ddprpc::rpc::internal

@@ -1,0 +1,279 @@
+#include "rpc/internal/transport.h"
+
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/impl/rpc_service_method.h>
+#include <grpcpp/support/method_handler.h>
+
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "rpc/errors.h"
+
+namespace ddprpc::rpc::internal {
+namespace {
+
+// The one method of the transport: a bidirectional stream of raw frames.
+// Frames bypass protobuf (see codec.h), so the method is declared by hand
+// with grpc::ByteBuffer messages instead of generated from a .proto.
+constexpr char kStreamMethod[] = "/ddprpc.Transport/Stream";
+
+}  // namespace
+
+grpc::ChannelArguments channel_arguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);  // the agent enforces its own limit
+  args.SetMaxSendMessageSize(-1);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return args;
+}
+
+// ---------------------------------------------------------------- FrameWriter
+
+bool FrameWriter::send(grpc::ByteBuffer buffer) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    queue_.push_back(std::move(buffer));
+    if (writing_) return true;  // the active writer will send it
+    writing_ = true;
+  }
+  while (true) {
+    grpc::ByteBuffer next;
+    grpc::WriteOptions options;
+    {
+      absl::MutexLock lock(&mu_);
+      if (queue_.empty()) {
+        writing_ = false;
+        return true;
+      }
+      next = std::move(queue_.front());
+      queue_.pop_front();
+      if (!queue_.empty()) options.set_buffer_hint();
+    }
+    if (!write_(next, options)) {
+      absl::MutexLock lock(&mu_);
+      closed_ = true;
+      queue_.clear();
+      writing_ = false;
+      return true;  // the stream's reader reports the failure
+    }
+  }
+}
+
+void FrameWriter::close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
+  queue_.clear();
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; };
+  mu_.Await(absl::Condition(&idle));
+}
+
+// ------------------------------------------------------------- server side
+
+// One accepted stream: its writer plus the count of requests not yet
+// answered, so the handler does not return while replies are pending.
+class ServerStream {
+ public:
+  explicit ServerStream(Stream* stream)
+      : writer_([stream](const grpc::ByteBuffer& b, grpc::WriteOptions o) {
+          return stream->Write(b, o);
+        }) {}
+
+  void begin_request() {
+    absl::MutexLock lock(&mu_);
+    ++in_flight_;
+  }
+  void end_request() {
+    absl::MutexLock lock(&mu_);
+    --in_flight_;
+  }
+  void send(grpc::ByteBuffer b) { writer_.send(std::move(b)); }
+
+  // Waits until every request is answered, or the call is cancelled, or
+  // the server is stopping; then closes the writer.
+  void drain(grpc::ServerContext* ctx, const bool* stopping, absl::Mutex* stop_mu) {
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+        if (mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Milliseconds(50))) break;
+      }
+      if (ctx->IsCancelled()) break;
+      absl::MutexLock lock(stop_mu);
+      if (*stopping) break;
+    }
+    writer_.close();
+  }
+
+ private:
+  FrameWriter writer_;
+  absl::Mutex mu_;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+Responder::Responder(std::shared_ptr<ServerStream> stream) : stream_(std::move(stream)) {
+  stream_->begin_request();
+}
+
+Responder::~Responder() {
+  if (stream_) stream_->end_request();
+}
+
+void Responder::send(grpc::ByteBuffer reply) {
+  if (!stream_) return;
+  stream_->send(std::move(reply));
+  stream_->end_request();
+  stream_.reset();
+}
+
+class TransportServer::Service final : public grpc::Service {
+ public:
+  explicit Service(OnRequest on_request) : on_request_(std::move(on_request)) {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        kStreamMethod, grpc::internal::RpcMethod::BIDI_STREAMING,
+        new grpc::internal::BidiStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
+            [](Service* service, grpc::ServerContext* ctx, Stream* stream) {
+              return service->run(ctx, stream);
+            },
+            this)));
+  }
+
+  void stop() {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+
+ private:
+  grpc::Status run(grpc::ServerContext* ctx, Stream* stream) {
+    auto self = std::make_shared<ServerStream>(stream);
+    grpc::ByteBuffer buffer;
+    grpc::Status status = grpc::Status::OK;
+    while (stream->Read(&buffer)) {
+      Frame frame;
+      absl::Status parsed = parse_frame(buffer, &frame);
+      if (!parsed.ok()) {
+        LOG(ERROR) << "rpc transport: dropping stream from " << ctx->peer()
+                   << ": malformed frame: " << parsed.message();
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              absl::StrCat("malformed frame: ", parsed.message()));
+        break;
+      }
+      on_request_(std::make_shared<Responder>(self), std::move(frame));
+    }
+    self->drain(ctx, &stopping_, &mu_);
+    return status;
+  }
+
+  const OnRequest on_request_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
+                                                        OnRequest on_request) {
+  std::unique_ptr<TransportServer> s(new TransportServer());
+  s->service_ = std::make_unique<Service>(std::move(on_request));
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(host, ":0"), grpc::InsecureServerCredentials(), &s->port_);
+  builder.SetMaxReceiveMessageSize(INT_MAX);
+  builder.SetMaxSendMessageSize(INT_MAX);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || s->port_ == 0) {
+    throw RpcError(ErrorCode::kUnavailable,
+                   absl::StrCat("rpc transport: cannot listen on ", host));
+  }
+  return s;
+}
+
+void TransportServer::shutdown(absl::Duration grace) {
+  if (!server_) return;
+  service_->stop();
+  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  server_->Wait();
+  server_.reset();
+}
+
+TransportServer::~TransportServer() { shutdown(absl::ZeroDuration()); }
+
+// -------------------------------------------------------------- client side
+
+PeerStream::PeerStream(const std::string& address, OnFrame on_frame, OnClose on_close)
+    : on_frame_(std::move(on_frame)),
+      on_close_(std::move(on_close)),
+      channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                         channel_arguments())),
+      writer_([this](const grpc::ByteBuffer& b, grpc::WriteOptions o) {
+        return stream_->Write(b, o);
+      }) {
+  // Initial metadata goes out with the first frame, so opening never blocks.
+  ctx_.set_initial_metadata_corked(true);
+  static const grpc::internal::RpcMethod method(kStreamMethod,
+                                                grpc::internal::RpcMethod::BIDI_STREAMING);
+  stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+      channel_.get(), method, &ctx_));
+  reader_ = std::thread([this] { read_loop(); });
+}
+
+PeerStream::~PeerStream() { close(/*graceful=*/false); }
+
+bool PeerStream::broken() const {
+  absl::MutexLock lock(&mu_);
+  return broken_;
+}
+
+void PeerStream::read_loop() {
+  grpc::ByteBuffer buffer;
+  grpc::Status status = grpc::Status::OK;
+  while (stream_->Read(&buffer)) {
+    Frame frame;
+    absl::Status parsed = parse_frame(buffer, &frame);
+    if (!parsed.ok()) {
+      status = grpc::Status(grpc::StatusCode::DATA_LOSS,
+                            absl::StrCat("malformed reply frame: ", parsed.message()));
+      ctx_.TryCancel();
+      break;
+    }
+    on_frame_(std::move(frame));
+  }
+  writer_.close();  // no Write may race with Finish
+  {
+    absl::MutexLock lock(&mu_);
+    finishing_ = true;  // close() must not call WritesDone from now on
+  }
+  grpc::Status finished = stream_->Finish();
+  if (status.ok()) status = finished;
+  {
+    absl::MutexLock lock(&mu_);
+    broken_ = true;
+  }
+  on_close_(status);
+}
+
+void PeerStream::close(bool graceful) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  writer_.close();
+  if (graceful) {
+    absl::MutexLock lock(&mu_);
+    if (!finishing_) stream_->WritesDone();
+    // The peer ends the stream once it has answered everything it received.
+    mu_.AwaitWithTimeout(absl::Condition(&broken_), absl::Seconds(5));
+  }
+  ctx_.TryCancel();
+  if (reader_.joinable()) reader_.join();
+}
+
+}  // namespace ddprpc::rpc::internal

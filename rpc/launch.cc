@@ -1,0 +1,238 @@
+#include "rpc/launch.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace ddprpc::rpc {
+namespace {
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // read ends of its stdout / stderr pipes
+  int err = -1;
+  std::string out_partial, err_partial;
+  bool exited = false;
+  int status = 0;
+};
+
+void write_all(int fd, const std::string& s) {
+  size_t done = 0;
+  while (done < s.size()) {
+    ssize_t n = ::write(fd, s.data() + done, s.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    done += n;
+  }
+}
+
+// Emits the complete lines of `partial` (all of it at EOF) with a prefix.
+void emit(std::string& partial, const std::string& prefix, int to_fd, bool eof) {
+  std::string out;
+  size_t start = 0;
+  while (true) {
+    size_t nl = partial.find('\n', start);
+    if (nl == std::string::npos) break;
+    out += prefix;
+    out.append(partial, start, nl - start + 1);
+    start = nl + 1;
+  }
+  partial.erase(0, start);
+  if (eof && !partial.empty()) {
+    out += prefix + partial + "\n";
+    partial.clear();
+  }
+  write_all(to_fd, out);
+}
+
+// Reads what is available on *fd; closes it at EOF.
+void drain(int* fd, std::string& partial, const std::string& prefix, int to_fd) {
+  char buf[65536];
+  while (*fd >= 0) {
+    ssize_t n = ::read(*fd, buf, sizeof(buf));
+    if (n > 0) {
+      partial.append(buf, n);
+      emit(partial, prefix, to_fd, false);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    emit(partial, prefix, to_fd, true);
+    ::close(*fd);
+    *fd = -1;
+  }
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+void kill_all(std::vector<Child>& children, int sig) {
+  for (auto& c : children) {
+    if (!c.exited && c.pid > 0) ::kill(-c.pid, sig);  // its whole process group
+  }
+}
+
+}  // namespace
+
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+LaunchResult launch(const LaunchOptions& options) {
+  LaunchResult result;
+  if (options.argv.empty() || options.nprocs < 1) {
+    result.exit_code = 2;
+    result.message = "launch: nothing to run";
+    return result;
+  }
+  const int port = options.master_port > 0 ? options.master_port : pick_free_port();
+  std::vector<Child> children(options.nprocs);
+  ::fflush(stdout);
+  ::fflush(stderr);
+  for (int rank = 0; rank < options.nprocs; ++rank) {
+    int out_pipe[2], err_pipe[2];
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
+      kill_all(children, SIGKILL);
+      result.exit_code = 1;
+      result.message = "launch: pipe failed";
+      return result;
+    }
+    const pid_t parent = ::getpid();
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      ::dup2(out_pipe[1], STDOUT_FILENO);
+      ::dup2(err_pipe[1], STDERR_FILENO);
+      ::setenv("RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(options.nprocs).c_str(), 1);
+      ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      for (const auto& [k, v] : options.env) {
+        if (v.empty()) {
+          ::unsetenv(k.c_str());
+        } else {
+          ::setenv(k.c_str(), v.c_str(), 1);
+        }
+      }
+      std::vector<char*> argv;
+      for (const auto& a : options.argv) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(argv[0], argv.data());
+      std::fprintf(stderr, "launch: cannot execute %s: %s\n", argv[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    if (pid < 0) {
+      kill_all(children, SIGKILL);
+      result.exit_code = 1;
+      result.message = "launch: fork failed";
+      return result;
+    }
+    ::setpgid(pid, pid);  // also here, so kill(-pid) works right away
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    children[rank].pid = pid;
+    children[rank].out = out_pipe[0];
+    children[rank].err = err_pipe[0];
+    ::fcntl(out_pipe[0], F_SETFL, O_NONBLOCK);
+    ::fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
+  }
+
+  const absl::Time deadline = options.timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : absl::Now() + options.timeout;
+  absl::Time kill_at = absl::InfiniteFuture();  // SIGKILL stragglers after SIGTERM
+  int running = options.nprocs;
+  while (true) {
+    std::vector<pollfd> fds;
+    for (auto& c : children) {
+      if (c.out >= 0) fds.push_back({c.out, POLLIN, 0});
+      if (c.err >= 0) fds.push_back({c.err, POLLIN, 0});
+    }
+    if (running == 0) {
+      // Everyone exited: flush what is left, without waiting for
+      // descendants that may still hold the pipes open.
+      for (int rank = 0; rank < options.nprocs; ++rank) {
+        Child& c = children[rank];
+        const std::string prefix = options.prefix_output ? absl::StrCat("[rank ", rank, "] ") : "";
+        drain(&c.out, c.out_partial, prefix, STDOUT_FILENO);
+        drain(&c.err, c.err_partial, prefix, STDERR_FILENO);
+        emit(c.out_partial, prefix, STDOUT_FILENO, true);
+        emit(c.err_partial, prefix, STDERR_FILENO, true);
+        if (c.out >= 0) ::close(c.out);
+        if (c.err >= 0) ::close(c.err);
+      }
+      break;
+    }
+    if (!fds.empty()) {
+      ::poll(fds.data(), fds.size(), 50);
+    } else {
+      ::usleep(20000);
+    }
+    for (int rank = 0; rank < options.nprocs; ++rank) {
+      Child& c = children[rank];
+      const std::string prefix = options.prefix_output ? absl::StrCat("[rank ", rank, "] ") : "";
+      drain(&c.out, c.out_partial, prefix, STDOUT_FILENO);
+      drain(&c.err, c.err_partial, prefix, STDERR_FILENO);
+      if (!c.exited && ::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
+        c.exited = true;
+        --running;
+        int code = exit_code_of(c.status);
+        if (code != 0 && result.exit_code == 0) {
+          result.exit_code = code;
+          result.failed_rank = rank;
+          result.message = absl::StrCat("rank ", rank, " exited with code ", code,
+                                        running > 0 ? "; stopping the others" : "");
+          kill_all(children, SIGTERM);
+          kill_at = absl::Now() + absl::Seconds(3);
+        }
+      }
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline && !result.timed_out && running > 0) {
+      result.timed_out = true;
+      result.exit_code = 124;
+      result.message = absl::StrCat("timed out after ", absl::FormatDuration(options.timeout),
+                                    "; stopping all ranks");
+      kill_all(children, SIGTERM);
+      kill_at = now + absl::Seconds(3);
+    }
+    if (now >= kill_at) kill_all(children, SIGKILL);
+  }
+  if (!result.message.empty()) {
+    write_all(STDERR_FILENO, "launch: " + result.message + "\n");
+  }
+  return result;
+}
+
+}  // namespace ddprpc::rpc

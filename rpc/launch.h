@@ -1,0 +1,43 @@
+// Local launcher, like torch.multiprocessing.spawn / torchrun on one host:
+// runs `nprocs` copies of a program with RANK, WORLD_SIZE, LOCAL_RANK,
+// MASTER_ADDR and MASTER_PORT set, streams their output prefixed by rank,
+// and stops the rest as soon as one fails (or the timeout passes).
+// Children die with the launcher (PR_SET_PDEATHSIG).
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace ddprpc::rpc {
+
+struct LaunchOptions {
+  int nprocs = 1;
+  // Program path and arguments; argv[0] is executed.
+  std::vector<std::string> argv;
+  // Extra environment for every process; "" as value unsets the variable.
+  std::vector<std::pair<std::string, std::string>> env;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: pick a free port
+  absl::Duration timeout = absl::InfiniteDuration();
+  bool prefix_output = true;  // "[rank N] " before every line
+};
+
+struct LaunchResult {
+  // 0 when every process exited 0; otherwise the first failure's exit code
+  // (128 + signal for a signal), or 124 on timeout.
+  int exit_code = 0;
+  bool timed_out = false;
+  int failed_rank = -1;
+  std::string message;  // what went wrong, for humans
+};
+
+LaunchResult launch(const LaunchOptions& options);
+
+// A TCP port on 127.0.0.1 that was free a moment ago.
+int pick_free_port();
+
+}  // namespace ddprpc::rpc

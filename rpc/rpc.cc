@@ -1,0 +1,70 @@
+#include "rpc/rpc.h"
+
+#include <cstdlib>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/synchronization/mutex.h"
+
+namespace ddprpc::rpc {
+namespace {
+
+absl::Mutex g_mu;
+std::shared_ptr<RpcAgent> g_agent ABSL_GUARDED_BY(g_mu);
+
+int env_int(const char* name) {
+  const char* value = std::getenv(name);
+  int out = -1;
+  if (!value || !absl::SimpleAtoi(value, &out)) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   std::string("init_rpc: pass rank/world_size or set the ") + name +
+                       " environment variable");
+  }
+  return out;
+}
+
+}  // namespace
+
+void init_rpc(const std::string& name, int rank, int world_size, RpcBackendOptions options) {
+  if (rank < 0) rank = env_int("RANK");
+  if (world_size < 0) world_size = env_int("WORLD_SIZE");
+  {
+    absl::MutexLock lock(&g_mu);
+    if (g_agent) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     "init_rpc: RPC is already initialized as '" + g_agent->self().name + "'");
+    }
+  }
+  auto agent = std::make_shared<RpcAgent>(name, rank, world_size, std::move(options));
+  absl::MutexLock lock(&g_mu);
+  g_agent = std::move(agent);
+}
+
+void shutdown(bool graceful) {
+  std::shared_ptr<RpcAgent> agent;
+  {
+    absl::MutexLock lock(&g_mu);
+    agent = g_agent;
+  }
+  if (!agent) return;
+  agent->shutdown(graceful);
+  absl::MutexLock lock(&g_mu);
+  if (g_agent == agent) g_agent.reset();
+}
+
+std::shared_ptr<RpcAgent> current_agent() {
+  absl::MutexLock lock(&g_mu);
+  if (!g_agent || !g_agent->running()) {
+    throw RpcError(ErrorCode::kShutdown,
+                   "RPC is not running: call rpc::init_rpc first (or it was shut down)");
+  }
+  return g_agent;
+}
+
+WorkerInfo get_worker_info() { return current_agent()->self(); }
+
+WorkerInfo get_worker_info(const std::string& name) { return current_agent()->worker(name); }
+
+std::vector<WorkerInfo> get_worker_infos() { return current_agent()->workers(); }
+
+}  // namespace ddprpc::rpc

@@ -1,0 +1,136 @@
+// ddprpc's RPC API, mirroring torch.distributed.rpc:
+//
+//   rpc::init_rpc("worker0", rank, world_size);        // or from env vars
+//   auto y = rpc::rpc_sync<at::Tensor>("worker1", "add", x, x);
+//   rpc::Future<at::Tensor> f = rpc::rpc_async<at::Tensor>("worker1", "add", x, x);
+//   rpc::shutdown();
+//
+// Functions are registered by name (registry.h); arguments and results are
+// converted with rpc::ValueTraits (value.h). Every failure is an RpcError
+// naming the worker and the function. The process holds one current agent,
+// installed by init_rpc; RpcAgent can also be used directly.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rpc/agent.h"
+#include "rpc/errors.h"
+#include "rpc/future.h"
+#include "rpc/registry.h"
+#include "rpc/value.h"
+
+namespace ddprpc::rpc {
+
+// rank / world_size < 0: read RANK / WORLD_SIZE from the environment.
+void init_rpc(const std::string& name, int rank = -1, int world_size = -1,
+              RpcBackendOptions options = {});
+// See RpcAgent::shutdown.
+void shutdown(bool graceful = true);
+
+// The current agent; throws RpcError(kShutdown) when RPC is not initialized.
+std::shared_ptr<RpcAgent> current_agent();
+
+WorkerInfo get_worker_info();
+WorkerInfo get_worker_info(const std::string& name);
+std::vector<WorkerInfo> get_worker_infos();
+
+// Per-call options, passed as the first argument:
+//   rpc::rpc_sync<int64_t>(rpc::CallOptions{absl::Seconds(1)}, "w1", "f", 3);
+struct CallOptions {
+  absl::Duration timeout = kDefaultTimeout;  // zero: no deadline
+};
+
+namespace internal {
+
+template <typename R>
+Future<R> typed_future(Future<c10::IValue> raw) {
+  if constexpr (std::is_same_v<R, c10::IValue>) {
+    return raw;
+  } else {
+    return raw.then([](const Future<c10::IValue>& f) -> R {
+      const c10::IValue& v = f.value();
+      if constexpr (std::is_void_v<R>) {
+        return;
+      } else {
+        try {
+          return ValueTraits<R>::from_ivalue(v);
+        } catch (const TypeMismatch& e) {
+          throw RpcError(ErrorCode::kInvalidArgument,
+                         std::string("unexpected result type: ") + e.what());
+        }
+      }
+    });
+  }
+}
+
+template <typename... Args>
+std::vector<c10::IValue> pack_args(Args&&... args) {
+  std::vector<c10::IValue> out;
+  out.reserve(sizeof...(Args));
+  (out.push_back(to_ivalue(std::forward<Args>(args))), ...);
+  return out;
+}
+
+}  // namespace internal
+
+// Calls `function` on worker `to` without blocking.
+template <typename R = c10::IValue, typename... Args>
+Future<R> rpc_async(const CallOptions& options, const std::string& to,
+                    const std::string& function, Args&&... args) {
+  std::shared_ptr<RpcAgent> agent;
+  try {
+    agent = current_agent();
+  } catch (const RpcError& e) {
+    Future<R> f;
+    f.set_error(e);
+    return f;
+  }
+  Future<c10::IValue> raw;
+  try {
+    raw = agent->call(agent->worker(to).id, function,
+                      internal::pack_args(std::forward<Args>(args)...), options.timeout,
+                      "rpc_async");
+  } catch (const RpcError& e) {
+    raw.set_error(e);
+  }
+  return internal::typed_future<R>(std::move(raw));
+}
+
+template <typename R = c10::IValue, typename... Args>
+Future<R> rpc_async(const std::string& to, const std::string& function, Args&&... args) {
+  return rpc_async<R>(CallOptions{}, to, function, std::forward<Args>(args)...);
+}
+
+// Calls `function` on worker `to` and blocks for the result; throws RpcError.
+template <typename R = c10::IValue, typename... Args>
+R rpc_sync(const CallOptions& options, const std::string& to, const std::string& function,
+           Args&&... args) {
+  std::shared_ptr<RpcAgent> agent = current_agent();
+  Future<c10::IValue> raw = agent->call(agent->worker(to).id, function,
+                                        internal::pack_args(std::forward<Args>(args)...),
+                                        options.timeout, "rpc_sync");
+  const c10::IValue& value = raw.value();
+  if constexpr (std::is_void_v<R>) {
+    return;
+  } else if constexpr (std::is_same_v<R, c10::IValue>) {
+    return value;
+  } else {
+    try {
+      return ValueTraits<R>::from_ivalue(value);
+    } catch (const TypeMismatch& e) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     "rpc_sync('" + function + "') on worker '" + to +
+                         "': unexpected result type: " + e.what());
+    }
+  }
+}
+
+template <typename R = c10::IValue, typename... Args>
+R rpc_sync(const std::string& to, const std::string& function, Args&&... args) {
+  return rpc_sync<R>(CallOptions{}, to, function, std::forward<Args>(args)...);
+}
+
+}  // namespace ddprpc::rpc

@@ -1,0 +1,171 @@
+// Multi-process tests of the RPC runtime: every MULTIPROCESS_TEST runs as
+// real processes on loopback (tests/multiprocess.h).
+#include "rpc/rpc.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+
+#include <atomic>
+
+#include "absl/synchronization/mutex.h"
+#include "gtest/gtest.h"
+#include "tests/multiprocess.h"
+
+namespace rpc = ddprpc::rpc;
+namespace mp = ddprpc::testing;
+
+namespace {
+
+at::Tensor add(at::Tensor a, at::Tensor b) { return a + b; }
+DDPRPC_REGISTER_FUNCTION(add);
+
+int64_t add_ints(int64_t a, int64_t b) { return a + b; }
+DDPRPC_REGISTER_FUNCTION(add_ints);
+
+at::Tensor identity(at::Tensor t) { return t; }
+DDPRPC_REGISTER_FUNCTION(identity);
+
+std::string whoami(std::string prefix) {
+  return prefix + rpc::get_worker_info().name + " called by " +
+         rpc::get_worker_info().name.substr(0, 0) +
+         rpc::current_agent()->worker(rpc::current_call()->caller).name;
+}
+DDPRPC_REGISTER_FUNCTION(whoami);
+
+std::tuple<int64_t, std::vector<double>, bool> mixed(std::vector<int64_t> xs, std::string s) {
+  int64_t sum = 0;
+  for (auto x : xs) sum += x;
+  return {sum, {0.5, static_cast<double>(s.size())}, s.empty()};
+}
+DDPRPC_REGISTER_FUNCTION(mixed);
+
+// Nested RPC: the callee calls a third worker.
+at::Tensor relay(std::string to, at::Tensor t) { return rpc::rpc_sync<at::Tensor>(to, "add", t, t); }
+DDPRPC_REGISTER_FUNCTION(relay);
+
+// Batch-updating parameter server (the seed's update_and_fetch_model): each
+// caller adds its gradient and yields its thread; the last one completes the
+// shared future, which answers everyone.
+struct BatchServer {
+  absl::Mutex mu;
+  rpc::Future<at::Tensor> future ABSL_GUARDED_BY(mu);
+  at::Tensor sum ABSL_GUARDED_BY(mu);
+  int64_t arrived ABSL_GUARDED_BY(mu) = 0;
+};
+BatchServer& batch_server() {
+  static auto* s = new BatchServer();
+  return *s;
+}
+rpc::Future<at::Tensor> update_and_fetch(at::Tensor grad, int64_t batch_size) {
+  BatchServer& s = batch_server();
+  rpc::Future<at::Tensor> mine, done;
+  at::Tensor result;
+  {
+    absl::MutexLock lock(&s.mu);
+    mine = s.future;
+    s.sum = s.arrived == 0 ? grad.clone() : s.sum + grad;
+    if (++s.arrived == batch_size) {
+      s.arrived = 0;
+      result = s.sum;
+      done = s.future;
+      s.future = rpc::Future<at::Tensor>();
+    }
+  }
+  if (result.defined()) done.set_result(result);
+  return mine;
+}
+DDPRPC_REGISTER_FUNCTION(update_and_fetch);
+
+std::atomic<int> g_busy_seen{0};
+int64_t busy_threads() { return rpc::current_agent()->busy_worker_threads(); }
+DDPRPC_REGISTER_FUNCTION(busy_threads);
+
+void init(int world_size, rpc::RpcBackendOptions options = {}) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), world_size, std::move(options));
+}
+
+MULTIPROCESS_TEST(RpcTest, SyncAndAsyncAmongThreeWorkers, 3) {
+  init(3);
+  EXPECT_EQ(rpc::get_worker_info().name, mp::worker_name());
+  EXPECT_EQ(rpc::get_worker_info().id, mp::rank());
+  ASSERT_EQ(rpc::get_worker_infos().size(), 3u);
+  for (int peer = 0; peer < 3; ++peer) {
+    const std::string to = mp::worker_name(peer);
+    EXPECT_EQ(rpc::get_worker_info(to).id, peer);
+    at::Tensor x = at::full({4}, mp::rank() + 1.0);
+    EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>(to, "add", x, x), x * 2));
+    rpc::Future<int64_t> f = rpc::rpc_async<int64_t>(to, "add_ints", peer, 100);
+    EXPECT_EQ(f.value(), peer + 100);
+    EXPECT_EQ(rpc::rpc_sync<std::string>(to, "whoami", "I am "),
+              "I am " + to + " called by " + mp::worker_name());
+    auto [sum, doubles, empty] = rpc::rpc_sync<std::tuple<int64_t, std::vector<double>, bool>>(
+        to, "mixed", std::vector<int64_t>{1, 2, 3}, "abc");
+    EXPECT_EQ(sum, 6);
+    EXPECT_EQ(doubles, (std::vector<double>{0.5, 3.0}));
+    EXPECT_FALSE(empty);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RpcTest, NestedCallsAcrossThreeWorkers, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    // worker0 -> worker1 -> worker2 -> back.
+    at::Tensor x = at::randn({8});
+    EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>("worker1", "relay", "worker2", x), x + x));
+    // A chain through the caller itself.
+    EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>("worker2", "relay", "worker0", x), x + x));
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RpcTest, AsyncExecutionBatchesFourCallersOnOneThread, 5) {
+  rpc::RpcBackendOptions options;
+  // One worker thread on the server: a blocking implementation would
+  // deadlock; async execution frees the thread after each call.
+  if (mp::rank() == 0) options.num_worker_threads = 1;
+  init(5, options);
+  if (mp::rank() != 0) {
+    for (int round = 0; round < 3; ++round) {
+      at::Tensor grad = at::full({3}, static_cast<double>(mp::rank() + round));
+      at::Tensor updated = rpc::rpc_sync<at::Tensor>("worker0", "update_and_fetch", grad, 4);
+      // Sum over ranks 1..4 of (rank + round).
+      EXPECT_TRUE(at::equal(updated, at::full({3}, 10.0 + 4 * round)));
+    }
+    // Only this call runs on the server's thread now.
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker0", "busy_threads"), 1);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RpcTest, ThousandOutstandingCalls, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    std::vector<rpc::Future<int64_t>> futures;
+    for (int i = 0; i < 1000; ++i) {
+      futures.push_back(rpc::rpc_async<int64_t>("worker1", "add_ints", i, 1));
+    }
+    std::vector<int64_t> values = rpc::wait_all(futures);
+    for (int i = 0; i < 1000; ++i) ASSERT_EQ(values[i], i + 1);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RpcTest, SixtyFourMiBTensorRoundTripIsBitExact, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    at::Tensor big = at::randn({16 << 20});  // 64 MiB of float32
+    at::Tensor back = rpc::rpc_sync<at::Tensor>("worker1", "identity", big);
+    EXPECT_EQ(back.sizes(), big.sizes());
+    EXPECT_EQ(std::memcmp(back.data_ptr(), big.data_ptr(), big.nbytes()), 0);
+    at::Tensor ints = at::randint(1 << 30, {3, 5}, at::kLong).t();
+    EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>("worker1", "identity", ints), ints));
+  }
+  rpc::shutdown();
+}
+
+}  // namespace

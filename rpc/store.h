@@ -1,0 +1,70 @@
+// Rendezvous key/value store, like torch.distributed.TCPStore.
+//
+// One process hosts a StoreServer (rank 0 at init_method tcp://host:port);
+// every process talks to it through a Store client over gRPC. get() and
+// wait() block until the keys exist; every call fails with an RpcError
+// (kTimeout or kUnavailable) instead of hanging past its timeout.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace grpc {
+class Channel;
+class Server;
+}  // namespace grpc
+
+namespace ddprpc::rpc {
+
+class StoreServer {
+ public:
+  // Listens on host:port (port 0 picks a free one). Throws RpcError when
+  // the address cannot be bound.
+  static std::unique_ptr<StoreServer> start(const std::string& host, int port);
+  ~StoreServer();
+  int port() const { return port_; }
+
+  class Service;
+
+ private:
+  StoreServer() = default;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+class Store {
+ public:
+  // Calls wait up to `timeout` for the server to come up and for keys.
+  Store(const std::string& host, int port, absl::Duration timeout);
+  ~Store();
+
+  void set(const std::string& key, const std::string& value);
+  // Blocks until `key` is set.
+  std::string get(const std::string& key);
+  // Adds `amount` to the integer stored at `key` (0 if unset); returns the sum.
+  int64_t add(const std::string& key, int64_t amount);
+  // Blocks until every key is set, at most `timeout`.
+  void wait(const std::vector<std::string>& keys, absl::Duration timeout);
+  bool check(const std::vector<std::string>& keys);
+
+  // By default calls wait for the server to come up (rendezvous); with
+  // fail_fast they fail at once when it is unreachable (e.g. at shutdown).
+  void set_fail_fast(bool fail_fast) { fail_fast_ = fail_fast; }
+
+  absl::Duration timeout() const { return timeout_; }
+  std::string address() const { return address_; }
+
+ private:
+  const std::string address_;
+  const absl::Duration timeout_;
+  std::shared_ptr<grpc::Channel> channel_;
+  bool fail_fast_ = false;
+};
+
+}  // namespace ddprpc::rpc

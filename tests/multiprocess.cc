@@ -1,0 +1,52 @@
+#include "tests/multiprocess.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "rpc/launch.h"
+
+namespace ddprpc::testing {
+namespace {
+
+constexpr char kWorkerEnv[] = "DDPRPC_TEST_WORKER";
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : -1;
+}
+
+}  // namespace
+
+bool is_worker() { return std::getenv(kWorkerEnv) != nullptr; }
+int rank() { return env_int("RANK"); }
+int world_size() { return env_int("WORLD_SIZE"); }
+
+std::string worker_name(int r) { return "worker" + std::to_string(r < 0 ? rank() : r); }
+
+int run_workers(const std::string& test_name, int nprocs, absl::Duration timeout) {
+  rpc::LaunchOptions options;
+  options.nprocs = nprocs;
+  options.argv = {"/proc/self/exe", "--gtest_filter=" + test_name};
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) options.argv[0] = std::string(exe, n);
+  options.env = {
+      {kWorkerEnv, "1"},
+      // Ranks must not write the parent's test report or shard status.
+      {"XML_OUTPUT_FILE", ""},
+      {"GTEST_OUTPUT", ""},
+      {"TEST_PREMATURE_EXIT_FILE", ""},
+      {"TEST_SHARD_STATUS_FILE", ""},
+  };
+  options.timeout = timeout;
+  return rpc::launch(options).exit_code;
+}
+
+void die_abruptly() {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::_exit(0);
+}
+
+}  // namespace ddprpc::testing

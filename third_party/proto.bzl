@@ -1,0 +1,27 @@
+"""cc_grpc_library: compiles a .proto with the system protoc and grpc_cpp_plugin.
+
+Produces a cc_library named `name` with the message classes (.pb.h/.pb.cc)
+and, when grpc = True, the service stubs (.grpc.pb.h/.grpc.pb.cc).
+"""
+
+def cc_grpc_library(name, src, grpc = True, deps = [], visibility = None):
+    base = src[:-len(".proto")]
+    pkg = native.package_name()
+    outs = [base + ".pb.h", base + ".pb.cc"]
+    cmd = "protoc -I. --cpp_out=$(GENDIR) "
+    if grpc:
+        outs += [base + ".grpc.pb.h", base + ".grpc.pb.cc"]
+        cmd += "--grpc_out=$(GENDIR) --plugin=protoc-gen-grpc=$$(command -v grpc_cpp_plugin) "
+    native.genrule(
+        name = name + "_codegen",
+        srcs = [src],
+        outs = outs,
+        cmd = cmd + (pkg + "/" if pkg else "") + src,
+    )
+    native.cc_library(
+        name = name,
+        srcs = [o for o in outs if o.endswith(".cc")],
+        hdrs = [o for o in outs if o.endswith(".h")],
+        deps = deps + ["//third_party:protobuf"] + (["//third_party:grpc"] if grpc else []),
+        visibility = visibility,
+    )
