@@ -104,10 +104,19 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   store_ = std::make_unique<Store>(host, port,
                                    std::max(options_.rpc_timeout, absl::Seconds(60)));
   pool_ = std::make_unique<internal::ThreadPool>(options_.num_worker_threads);
+  {
+    absl::MutexLock lock(&workers_mu_);
+    free_workers_ = options_.num_worker_threads;
+  }
   server_ = internal::TransportServer::start(
       options_.listen_address,
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
-        on_request(std::move(responder), std::move(frame));
+        if (!try_acquire_worker()) return offload(std::move(responder), std::move(frame));
+        serve(responder, frame);
+        release_worker();
+      },
+      [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
+        offload(std::move(responder), std::move(frame));
       });
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<PeerSlot>());
   rendezvous(name, world_size);
@@ -162,8 +171,6 @@ bool RpcAgent::running() const {
   absl::MutexLock lock(&mu_);
   return running_;
 }
-
-int RpcAgent::busy_worker_threads() const { return pool_ ? pool_->busy() : 0; }
 
 std::string RpcAgent::describe(const PendingCall& call) const {
   return absl::StrCat(call.api, "('", call.function, "') on worker '", workers_[call.to].name,
@@ -326,10 +333,35 @@ void RpcAgent::timer_loop() {
 
 // ------------------------------------------------------------------- callee
 
-void RpcAgent::on_request(std::shared_ptr<internal::Responder> responder, Frame frame) {
+bool RpcAgent::try_acquire_worker() {
+  absl::MutexLock lock(&workers_mu_);
+  if (free_workers_ == 0) return false;
+  --free_workers_;
+  return true;
+}
+
+void RpcAgent::acquire_worker() {
+  absl::MutexLock lock(&workers_mu_);
+  auto available = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(workers_mu_) {
+    return free_workers_ > 0;
+  };
+  workers_mu_.Await(absl::Condition(&available));
+  --free_workers_;
+}
+
+void RpcAgent::release_worker() {
+  absl::MutexLock lock(&workers_mu_);
+  ++free_workers_;
+}
+
+void RpcAgent::offload(std::shared_ptr<internal::Responder> responder, Frame frame) {
   auto task = std::make_shared<std::pair<std::shared_ptr<internal::Responder>, Frame>>(
       std::move(responder), std::move(frame));
-  pool_->run([this, task] { serve(task->first, task->second); });
+  pool_->run([this, task] {
+    acquire_worker();
+    serve(task->first, task->second);
+    release_worker();
+  });
 }
 
 void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request) {
@@ -373,6 +405,11 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   CallContext context{header.src(), function};
   {
     CallScope scope(&context);
+    ++executing_;
+    struct Done {
+      std::atomic<int>& n;
+      ~Done() { --n; }
+    } done{executing_};
     try {
       result = (*handler)(args);
     } catch (...) {

@@ -10,6 +10,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <set>
@@ -40,7 +41,9 @@ class TransportServer;
 inline constexpr absl::Duration kDefaultTimeout = absl::Seconds(-1);
 
 struct RpcBackendOptions {
-  // Threads that run incoming requests.
+  // How many requests may run at once (functions returning a Future count
+  // until they return it). A request runs on the stream thread that read
+  // it when one of these slots is free, else on a pool of this many threads.
   int num_worker_threads = 16;
   // Default deadline of every call; zero or infinite means none.
   absl::Duration rpc_timeout = absl::Seconds(60);
@@ -101,8 +104,9 @@ class RpcAgent {
   void shutdown(bool graceful = true);
   bool running() const;
 
-  // Requests being served right now (worker threads not idle).
-  int busy_worker_threads() const;
+  // Requests whose function is running right now (on any thread); async
+  // functions waiting on their future do not count.
+  int busy_worker_threads() const { return executing_.load(); }
 
  private:
   struct PendingCall {
@@ -123,13 +127,18 @@ class RpcAgent {
   bool store_barrier(const std::string& prefix, bool wait, absl::Duration timeout);
   bool peer_alive(int id) const;
   std::shared_ptr<internal::PeerStream> peer(int to);
-  void on_request(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
+  // Serves a request on a pool thread (when the stream's threads are busy).
+  void offload(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
   void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame);
   void on_reply(internal::Frame frame);
   void on_peer_closed(int peer, const std::string& why);
   void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);
   std::string describe(const PendingCall& call) const;
   void timer_loop();
+  // Slots bounding concurrent requests to num_worker_threads.
+  bool try_acquire_worker();
+  void acquire_worker();
+  void release_worker();
   void stop(bool graceful);
 
   const int rank_;
@@ -143,6 +152,9 @@ class RpcAgent {
   std::unique_ptr<internal::ThreadPool> pool_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   std::thread timer_;
+  std::atomic<int> executing_{0};
+  absl::Mutex workers_mu_;
+  int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;
 
   mutable absl::Mutex mu_;
   // State below is protected by mu_.

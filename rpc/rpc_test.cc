@@ -169,3 +169,38 @@ MULTIPROCESS_TEST(RpcTest, SixtyFourMiBTensorRoundTripIsBitExact, 2) {
 }
 
 }  // namespace
+
+namespace {
+
+std::atomic<int> g_running{0}, g_max_running{0};
+int64_t track_concurrency(int64_t ms) {
+  int now = ++g_running;
+  int seen = g_max_running.load();
+  while (now > seen && !g_max_running.compare_exchange_weak(seen, now)) {
+  }
+  absl::SleepFor(absl::Milliseconds(ms));
+  --g_running;
+  return 0;
+}
+DDPRPC_REGISTER_FUNCTION(track_concurrency);
+int64_t max_concurrency() { return g_max_running.load(); }
+DDPRPC_REGISTER_FUNCTION(max_concurrency);
+
+MULTIPROCESS_TEST(RpcTest, NumWorkerThreadsBoundsConcurrentRequests, 3) {
+  rpc::RpcBackendOptions options;
+  if (mp::rank() == 0) options.num_worker_threads = 2;
+  init(3, options);
+  if (mp::rank() != 0) {
+    std::vector<rpc::Future<int64_t>> futures;
+    for (int i = 0; i < 4; ++i) {
+      futures.push_back(rpc::rpc_async<int64_t>("worker0", "track_concurrency", 100));
+    }
+    rpc::wait_all(futures);
+    const int64_t max = rpc::rpc_sync<int64_t>("worker0", "max_concurrency");
+    EXPECT_GE(max, 1);
+    EXPECT_LE(max, 2);  // 8 concurrent calls from two callers, 2 slots
+  }
+  rpc::shutdown();
+}
+
+}  // namespace

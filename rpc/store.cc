@@ -119,7 +119,8 @@ std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int por
 StoreServer::~StoreServer() {
   if (!server_) return;
   service_->stop();
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  // Blocked get()/wait() calls were woken by stop(); nothing else lingers.
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   server_->Wait();
 }
 

@@ -65,9 +65,13 @@ class Responder {
 class TransportServer {
  public:
   using OnRequest = std::function<void(std::shared_ptr<Responder>, Frame)>;
-  // Listens on host:0; frames that fail to parse end their stream with
-  // INVALID_ARGUMENT. Throws RpcError if it cannot listen.
-  static std::unique_ptr<TransportServer> start(const std::string& host, OnRequest on_request);
+  // Listens on host:0. Each request is passed either to `run_inline`, which
+  // serves it on the calling (stream) thread, or to `offload`, which must
+  // hand it to another thread (when both stream threads are busy). Frames
+  // that fail to parse end their stream with INVALID_ARGUMENT. Throws
+  // RpcError if it cannot listen.
+  static std::unique_ptr<TransportServer> start(const std::string& host, OnRequest run_inline,
+                                                OnRequest offload);
   ~TransportServer();
   int port() const { return port_; }
   // Ends all streams; waits at most `grace` for replies still in flight.

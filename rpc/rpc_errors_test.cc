@@ -1,0 +1,208 @@
+// Every failure of an RPC surfaces as an RpcError naming the worker and the
+// function, within bounded time: bad calls, remote exceptions, timeouts,
+// oversized messages, malformed bytes, dead peers, shutdown.
+#include <ATen/ops/ones.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include <atomic>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "rpc/rpc.h"
+#include "tests/multiprocess.h"
+
+namespace rpc = ddprpc::rpc;
+namespace mp = ddprpc::testing;
+
+namespace {
+
+at::Tensor add(at::Tensor a, at::Tensor b) { return a.add(b); }
+DDPRPC_REGISTER_FUNCTION(add);
+
+int64_t boom(int64_t) { throw std::runtime_error("kaboom"); }
+DDPRPC_REGISTER_FUNCTION(boom);
+
+std::atomic<bool> g_sleeping{false};
+int64_t sleep_ms(int64_t ms) {
+  g_sleeping = true;
+  absl::SleepFor(absl::Milliseconds(ms));
+  return ms;
+}
+DDPRPC_REGISTER_FUNCTION(sleep_ms);
+
+at::Tensor make_tensor(int64_t numel) { return at::ones({numel}); }
+DDPRPC_REGISTER_FUNCTION(make_tensor);
+
+// Runs `fn`, expecting an RpcError with `code` whose message has every one
+// of `needles`.
+template <typename F>
+void expect_rpc_error(F fn, rpc::ErrorCode code, std::vector<std::string> needles) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected " << rpc::error_code_name(code);
+  } catch (const rpc::RpcError& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const auto& n : needles) {
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "'" << n << "' missing from: " << e.what();
+    }
+  }
+}
+
+MULTIPROCESS_TEST(RpcErrorsTest, BadCallsGetClearErrors, 2) {
+  rpc::RpcBackendOptions options;
+  options.max_message_bytes = 1 << 20;
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
+  if (mp::rank() == 0) {
+    at::Tensor t = at::ones({2});
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "no_such_fn", t); },
+                     rpc::ErrorCode::kUnknownFunction, {"no_such_fn", "worker1"});
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "add", "text", t); },
+                     rpc::ErrorCode::kInvalidArgument,
+                     {"argument 1 of 'add'", "expected Tensor, got str", "worker1"});
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "add", t); },
+                     rpc::ErrorCode::kInvalidArgument, {"takes 2 arguments, got 1"});
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "boom", 1); },
+                     rpc::ErrorCode::kRemoteException, {"kaboom", "'boom'", "worker1"});
+    expect_rpc_error([&] { rpc::rpc_sync<std::string>("worker1", "add", t, t); },
+                     rpc::ErrorCode::kInvalidArgument, {"unexpected result type"});
+    expect_rpc_error([&] { rpc::rpc_sync("nobody", "add", t, t); },
+                     rpc::ErrorCode::kInvalidArgument, {"unknown worker 'nobody'"});
+    // Oversized request (caught before sending) and oversized reply.
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "add", at::ones({1 << 19}), t); },
+                     rpc::ErrorCode::kMessageTooLarge, {"max_message_bytes", "'add'"});
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "make_tensor", 1 << 19); },
+                     rpc::ErrorCode::kMessageTooLarge, {"make_tensor", "worker1"});
+    // Errors fail the future of rpc_async the same way.
+    auto f = rpc::rpc_async("worker1", "boom", 2);
+    EXPECT_TRUE(f.wait_for(absl::Seconds(10)));
+    EXPECT_TRUE(f.has_error());
+    // The connection survives all of this.
+    EXPECT_EQ(rpc::rpc_sync<at::Tensor>("worker1", "add", t, t)[0].item<float>(), 2.0f);
+  }
+  rpc::shutdown();
+  expect_rpc_error([&] { rpc::rpc_sync("worker0", "add", at::ones({1}), at::ones({1})); },
+                   rpc::ErrorCode::kShutdown, {"init_rpc"});
+  EXPECT_TRUE(rpc::rpc_async("worker0", "add", 1, 2).has_error());
+}
+
+MULTIPROCESS_TEST(RpcErrorsTest, TimeoutFailsTheCallNotTheConnection, 2) {
+  rpc::RpcBackendOptions options;
+  options.rpc_timeout = absl::Milliseconds(300);  // default for every call
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
+  if (mp::rank() == 0) {
+    absl::Time start = absl::Now();
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "sleep_ms", 3000); },
+                     rpc::ErrorCode::kTimeout, {"timed out", "sleep_ms", "worker1"});
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+    start = absl::Now();
+    expect_rpc_error(
+        [&] { rpc::rpc_sync(rpc::CallOptions{absl::Milliseconds(50)}, "worker1", "sleep_ms", 3000); },
+        rpc::ErrorCode::kTimeout, {"timed out"});
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));
+    // A per-call timeout can also extend the default.
+    EXPECT_EQ(rpc::rpc_sync<int64_t>(rpc::CallOptions{absl::Seconds(10)}, "worker1", "sleep_ms", 500), 500);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);  // default timeout: 60 s
+  if (mp::rank() == 1) {
+    while (!g_sleeping) absl::SleepFor(absl::Milliseconds(5));
+    absl::SleepFor(absl::Milliseconds(100));
+    mp::die_abruptly();  // in the middle of serving sleep_ms
+  }
+  if (mp::rank() == 0) {
+    absl::Time start = absl::Now();
+    auto pending = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 30000);
+    ASSERT_TRUE(pending.wait_for(absl::Seconds(20)));
+    try {
+      pending.value();
+      ADD_FAILURE() << "the call to a killed worker succeeded";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kUnavailable) << e.what();
+      EXPECT_NE(std::string(e.what()).find("worker1"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    // New calls to the dead worker fail too; the others still work.
+    auto again = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 1);
+    ASSERT_TRUE(again.wait_for(absl::Seconds(20)));
+    EXPECT_TRUE(again.has_error());
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker2", "sleep_ms", 1), 1);
+  }
+  absl::Time start = absl::Now();
+  rpc::shutdown();  // does not wait for the dead worker
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+}
+
+MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownWaitsForCallsInFlight, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  std::vector<rpc::Future<int64_t>> futures;
+  if (mp::rank() == 0) {
+    for (int i = 0; i < 20; ++i) futures.push_back(rpc::rpc_async<int64_t>("worker1", "sleep_ms", 100));
+  }
+  rpc::shutdown();  // worker1 keeps serving until worker0 is done
+  for (auto& f : futures) {
+    ASSERT_TRUE(f.completed());
+    EXPECT_EQ(f.value(), 100);
+  }
+}
+
+MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    auto f = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 2000);
+    while (!f.completed() && rpc::rpc_sync<int64_t>("worker1", "sleep_ms", 0) != 0) {
+    }
+    absl::Time start = absl::Now();
+    rpc::shutdown(/*graceful=*/false);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+    ASSERT_TRUE(f.completed());
+    EXPECT_TRUE(f.has_error());
+    EXPECT_NE(f.error_message().find("shut down"), std::string::npos) << f.error_message();
+  } else {
+    absl::SleepFor(absl::Milliseconds(500));
+    rpc::shutdown(/*graceful=*/false);
+  }
+}
+
+// A stream that sends garbage is cut off with a clear status; the worker
+// keeps serving everyone else.
+MULTIPROCESS_TEST(RpcErrorsTest, MalformedBytesEndOnlyTheirStream, 1) {
+  rpc::init_rpc("solo", 0, 1);
+  auto channel = grpc::CreateChannel(rpc::get_worker_info().address,
+                                     grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  static const grpc::internal::RpcMethod method("/ddprpc.Transport/Stream",
+                                                grpc::internal::RpcMethod::BIDI_STREAMING);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          channel.get(), method, &ctx));
+  std::string garbage = "\x10\x00\x00\x00not a frame at all";
+  grpc::Slice slice(garbage);
+  stream->Write(grpc::ByteBuffer(&slice, 1));
+  grpc::ByteBuffer reply;
+  EXPECT_FALSE(stream->Read(&reply));
+  grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("malformed frame"), std::string::npos)
+      << status.error_message();
+  EXPECT_EQ(rpc::rpc_sync<int64_t>("solo", "sleep_ms", 1), 1);
+  rpc::shutdown();
+}
+
+TEST(RpcErrorsTest, InitErrorsAreClear) {
+  if (mp::is_worker()) return;
+  expect_rpc_error([] { rpc::RpcAgent("x", 3, 2, {}); }, rpc::ErrorCode::kInvalidArgument,
+                   {"invalid rank 3"});
+  rpc::RpcBackendOptions bad;
+  bad.init_method = "udp://nowhere";
+  expect_rpc_error([&] { rpc::RpcAgent("x", 0, 1, bad); }, rpc::ErrorCode::kInvalidArgument,
+                   {"unsupported init_method"});
+}
+
+}  // namespace
