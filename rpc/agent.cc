@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
 #include "rpc/internal/codec.h"
+#include "rpc/internal/rref_context.h"
 #include "rpc/internal/thread_pool.h"
 #include "rpc/internal/transport.h"
 
@@ -87,7 +88,7 @@ ErrorCode error_code_of(std::exception_ptr error, std::string* message) {
 const CallContext* current_call() { return t_current_call; }
 
 RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackendOptions options,
-                   const FunctionRegistry* registry)
+                   const FunctionRegistry* registry, bool serve_now)
     : rank_(rank), options_(std::move(options)), registry_(registry) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw RpcError(ErrorCode::kInvalidArgument,
@@ -108,6 +109,8 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     absl::MutexLock lock(&workers_mu_);
     free_workers_ = options_.num_worker_threads;
   }
+  // Before the server starts: peers may call as soon as they know us.
+  rrefs_ = std::make_shared<internal::RRefContext>(this, rank_, registry_);
   server_ = internal::TransportServer::start(
       options_.listen_address,
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
@@ -119,17 +122,29 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
         offload(std::move(responder), std::move(frame));
       });
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<PeerSlot>());
-  rendezvous(name, world_size);
+  try {
+    rendezvous(name, world_size);
+  } catch (...) {
+    stop(/*graceful=*/false);  // releases requests waiting for start_serving
+    throw;
+  }
   store_->set_fail_fast(true);
   {
     absl::MutexLock lock(&mu_);
     running_ = true;
   }
   timer_ = std::thread([this] { timer_loop(); });
+  if (serve_now) start_serving();
+}
+
+void RpcAgent::start_serving() {
+  absl::MutexLock lock(&mu_);
+  serving_ = true;
 }
 
 RpcAgent::~RpcAgent() {
   stop(/*graceful=*/false);
+  if (rrefs_) rrefs_->detach();
   peers_.clear();  // before mu_ goes: a stream's close callback takes it
 }
 
@@ -204,7 +219,7 @@ Future<c10::IValue> RpcAgent::call(int to, const std::string& function,
   header.set_src(rank_);
   try {
     internal::encode_value(c10::IValue(c10::ivalue::Tuple::create(std::move(args))),
-                           header.mutable_payload(), &frame);
+                           header.mutable_payload(), &frame, {rrefs_.get(), to});
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kInvalidArgument,
                  absl::StrCat("cannot send the arguments: ", e.what()));
@@ -277,7 +292,7 @@ void RpcAgent::on_reply(Frame frame) {
     return;
   }
   try {
-    call.future.set_result(internal::decode_value(header.payload(), frame));
+    call.future.set_result(internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to}));
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kMalformedMessage,
                  absl::StrCat("malformed response: ", e.what()));
@@ -365,6 +380,13 @@ void RpcAgent::offload(std::shared_ptr<internal::Responder> responder, Frame fra
 }
 
 void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request) {
+  {
+    // Peers may call as soon as the rendezvous is done, before we are.
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return serving_ || stopped_; };
+    mu_.Await(absl::Condition(&ready));
+    if (!serving_) return;  // stopped before it started: the stream closes
+  }
   const wire::Header& header = request.header;
   const uint64_t id = header.id();
   const std::string function = header.function();
@@ -384,7 +406,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
     responder->send(internal::serialize_frame(out));
   };
 
-  const Handler* handler = registry_->find(function);
+  const Handler* handler = absl::StartsWith(function, "__rref.") ? rrefs_->functions().find(function)
+                                                                 : registry_->find(function);
   if (!handler) {
     return reply_error(ErrorCode::kUnknownFunction,
                        absl::StrCat("no function named '", function,
@@ -392,7 +415,7 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   }
   std::vector<c10::IValue> args;
   try {
-    c10::IValue value = internal::decode_value(header.payload(), request);
+    c10::IValue value = internal::decode_value(header.payload(), request, {rrefs_.get(), header.src()});
     if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
     args = value.toTupleRef().elements().vec();
   } catch (const std::exception& e) {
@@ -420,7 +443,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   }
   if (one_way) return;
   const int64_t limit = options_.max_message_bytes;
-  result.add_done_callback([this, responder, id, function, limit](const Future<c10::IValue>& f) {
+  const int caller = header.src();
+  result.add_done_callback([this, responder, id, function, limit, caller](const Future<c10::IValue>& f) {
     Frame out;
     out.header.set_id(id);
     out.header.set_src(rank_);
@@ -439,7 +463,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
     } else {
       out.header.set_kind(wire::RESPONSE);
       try {
-        internal::encode_value(f.value(), out.header.mutable_payload(), &out);
+        internal::encode_value(f.value(), out.header.mutable_payload(), &out,
+                               {rrefs_.get(), caller});
         const uint64_t size = out.size();
         if (size > static_cast<uint64_t>(limit)) {
           set_error(ErrorCode::kMessageTooLarge,
@@ -518,6 +543,14 @@ void RpcAgent::shutdown(bool graceful) {
       }
     } catch (const RpcError& e) {
       LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << e.what();
+    }
+  }
+  if (graceful && barrier_ok) {
+    // Every worker has finished its calls, RRef deletions included.
+    rrefs_alive_at_shutdown_ = static_cast<int64_t>(rrefs_->owned_count());
+    if (rrefs_alive_at_shutdown_ > 0) {
+      LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << rrefs_alive_at_shutdown_
+                   << " owned RRef(s) are still referenced";
     }
   }
   stop(graceful);

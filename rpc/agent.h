@@ -32,6 +32,7 @@ namespace ddprpc::rpc {
 namespace internal {
 struct Frame;
 class PeerStream;
+class RRefContext;
 class Responder;
 class ThreadPool;
 class TransportServer;
@@ -78,8 +79,12 @@ class RpcAgent {
  public:
   // Rendezvous with world_size workers; throws RpcError on failure (for
   // instance a duplicate name or a store that never comes up).
+  // Requests that arrive before start_serving() wait for it; with
+  // serve_now it is called at the end of construction. (init_rpc first
+  // installs the agent as current, so functions can use the global API.)
   RpcAgent(const std::string& name, int rank, int world_size, RpcBackendOptions options,
-           const FunctionRegistry* registry = &FunctionRegistry::global());
+           const FunctionRegistry* registry = &FunctionRegistry::global(), bool serve_now = true);
+  void start_serving();
   // Shuts down without waiting if shutdown() was not called.
   ~RpcAgent();
   RpcAgent(const RpcAgent&) = delete;
@@ -92,6 +97,8 @@ class RpcAgent {
   const WorkerInfo& worker(int id) const;
   const RpcBackendOptions& options() const { return options_; }
   Store& store() { return *store_; }
+  // Remote-reference bookkeeping of this worker (rref.h).
+  internal::RRefContext& rrefs() { return *rrefs_; }
 
   // Calls `function` on worker `to`. `api` names the call in errors
   // ("rpc_sync", "rpc_async", "remote"). Never throws: errors fail the future.
@@ -103,6 +110,10 @@ class RpcAgent {
   // peer died. Otherwise fails pending calls and stops at once.
   void shutdown(bool graceful = true);
   bool running() const;
+
+  // RRefs this worker still owned when a graceful shutdown had heard from
+  // every worker (0 unless some reference leaked); -1 before shutdown.
+  int64_t rrefs_alive_at_shutdown() const { return rrefs_alive_at_shutdown_.load(); }
 
   // Requests whose function is running right now (on any thread); async
   // functions waiting on their future do not count.
@@ -150,15 +161,18 @@ class RpcAgent {
   std::unique_ptr<Store> store_;
   std::unique_ptr<internal::TransportServer> server_;
   std::unique_ptr<internal::ThreadPool> pool_;
+  std::shared_ptr<internal::RRefContext> rrefs_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   std::thread timer_;
   std::atomic<int> executing_{0};
+  std::atomic<int64_t> rrefs_alive_at_shutdown_{-1};
   absl::Mutex workers_mu_;
   int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;
 
   mutable absl::Mutex mu_;
   // State below is protected by mu_.
   bool running_ ABSL_GUARDED_BY(mu_) = false;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, PendingCall> pending_ ABSL_GUARDED_BY(mu_);

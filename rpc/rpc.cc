@@ -35,9 +35,13 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcBackendOptio
                      "init_rpc: RPC is already initialized as '" + g_agent->self().name + "'");
     }
   }
-  auto agent = std::make_shared<RpcAgent>(name, rank, world_size, std::move(options));
-  absl::MutexLock lock(&g_mu);
-  g_agent = std::move(agent);
+  auto agent = std::make_shared<RpcAgent>(name, rank, world_size, std::move(options),
+                                         &FunctionRegistry::global(), /*serve_now=*/false);
+  {
+    absl::MutexLock lock(&g_mu);
+    g_agent = agent;
+  }
+  agent->start_serving();
 }
 
 void shutdown(bool graceful) {

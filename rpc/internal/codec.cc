@@ -37,9 +37,9 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
   frame->tensors.push_back(std::move(data));
 }
 
-void encode_list(const c10::List<c10::IValue>& items, wire::Value::List* out,
-                 Frame* frame) {
-  for (const c10::IValue& item : items) encode_value(item, out->add_items(), frame);
+void encode_list(const c10::List<c10::IValue>& items, wire::Value::List* out, Frame* frame,
+                 const CodecContext& ctx) {
+  for (const c10::IValue& item : items) encode_value(item, out->add_items(), frame, ctx);
 }
 
 }  // namespace
@@ -50,7 +50,7 @@ uint64_t Frame::size() const {
   return n;
 }
 
-void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame) {
+void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
   if (v.isNone()) {
     out->set_none(true);
   } else if (v.isBool()) {
@@ -66,7 +66,7 @@ void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame) {
   } else if (v.isTuple()) {
     auto* list = out->mutable_tuple();
     for (const c10::IValue& item : v.toTupleRef().elements()) {
-      encode_value(item, list->add_items(), frame);
+      encode_value(item, list->add_items(), frame, ctx);
     }
   } else if (v.isIntList()) {
     auto* list = out->mutable_int_list();
@@ -84,7 +84,9 @@ void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame) {
     const auto list = v.toList();
     bool all_strings = !list.empty();
     for (const c10::IValue& item : list) all_strings = all_strings && item.isString();
-    encode_list(list, all_strings ? out->mutable_string_list() : out->mutable_list(), frame);
+    encode_list(list, all_strings ? out->mutable_string_list() : out->mutable_list(), frame, ctx);
+  } else if (v.isCapsule() && ctx.ext) {
+    ctx.ext->encode(v, ctx.peer, out->mutable_ext());
   } else {
     throw TypeMismatch("values of type " + ivalue_type_name(v) +
                        " cannot be sent over RPC");
@@ -111,7 +113,7 @@ const at::Tensor& tensor_at(const Frame& frame, uint32_t index) {
 
 }  // namespace
 
-c10::IValue decode_value(const wire::Value& v, const Frame& frame) {
+c10::IValue decode_value(const wire::Value& v, const Frame& frame, const CodecContext& ctx) {
   switch (v.kind_case()) {
     case wire::Value::kNone:
       return c10::IValue();
@@ -128,7 +130,7 @@ c10::IValue decode_value(const wire::Value& v, const Frame& frame) {
     case wire::Value::kTuple: {
       std::vector<c10::IValue> elems;
       elems.reserve(v.tuple().items_size());
-      for (const auto& item : v.tuple().items()) elems.push_back(decode_value(item, frame));
+      for (const auto& item : v.tuple().items()) elems.push_back(decode_value(item, frame, ctx));
       return c10::IValue(c10::ivalue::Tuple::create(std::move(elems)));
     }
     case wire::Value::kIntList:
@@ -146,9 +148,12 @@ c10::IValue decode_value(const wire::Value& v, const Frame& frame) {
     case wire::Value::kList: {
       c10::impl::GenericList out(c10::AnyType::get());
       out.reserve(v.list().items_size());
-      for (const auto& item : v.list().items()) out.push_back(decode_value(item, frame));
+      for (const auto& item : v.list().items()) out.push_back(decode_value(item, frame, ctx));
       return c10::IValue(std::move(out));
     }
+    case wire::Value::kExt:
+      if (!ctx.ext) throw std::invalid_argument("extension value '" + v.ext().type() + "' unexpected here");
+      return ctx.ext->decode(v.ext(), ctx.peer);
     case wire::Value::KIND_NOT_SET:
       break;
   }

@@ -27,14 +27,30 @@ struct Frame {
   uint64_t size() const;
 };
 
+// Encodes and decodes values held in c10 capsules (e.g. RRefs), which need
+// to know the peer: encoding may register the value with its owner.
+class ExtensionCodec {
+ public:
+  virtual ~ExtensionCodec() = default;
+  virtual void encode(const c10::IValue& capsule, int dest, wire::Extension* out) = 0;
+  virtual c10::IValue decode(const wire::Extension& ext, int src) = 0;
+};
+
+struct CodecContext {
+  ExtensionCodec* ext = nullptr;
+  int peer = -1;  // destination when encoding, source when decoding
+};
+
 // Encodes `value` into `out`, adding its tensors to `frame`. Throws
 // rpc::TypeMismatch for values that cannot cross the wire (dicts, objects,
-// sparse tensors, ...).
-void encode_value(const c10::IValue& value, wire::Value* out, Frame* frame);
+// sparse tensors, capsules without an ExtensionCodec, ...).
+void encode_value(const c10::IValue& value, wire::Value* out, Frame* frame,
+                  const CodecContext& ctx = {});
 
 // Decodes `value` using `frame`'s tensors. Throws std::invalid_argument when
 // the value is malformed (bad tensor index, empty oneof).
-c10::IValue decode_value(const wire::Value& value, const Frame& frame);
+c10::IValue decode_value(const wire::Value& value, const Frame& frame,
+                         const CodecContext& ctx = {});
 
 grpc::ByteBuffer serialize_frame(const Frame& frame);
 

@@ -1,0 +1,427 @@
+#include "rpc/internal/rref_context.h"
+
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "rpc/agent.h"
+#include "rpc/class_registry.h"
+
+namespace ddprpc::rpc::internal {
+namespace {
+
+constexpr char kCreate[] = "__rref.create";
+constexpr char kFetch[] = "__rref.fetch";
+constexpr char kCall[] = "__rref.call";
+constexpr char kAddFork[] = "__rref.add_fork";
+constexpr char kDelFork[] = "__rref.del_fork";
+constexpr char kRRefExtension[] = "rref";
+
+RRefId make_id(int64_t worker, int64_t local) {
+  return RRefId{static_cast<int32_t>(worker), local};
+}
+
+std::vector<c10::IValue> tuple_elements(const c10::IValue& v) {
+  if (!v.isTuple()) throw RpcError(ErrorCode::kMalformedMessage, "rref: arguments are not a tuple");
+  return v.toTupleRef().elements().vec();
+}
+
+c10::IValue as_tuple(std::vector<c10::IValue> args) {
+  return c10::IValue(c10::ivalue::Tuple::create(std::move(args)));
+}
+
+const MethodHandler* find_method(const std::string& type, const std::string& method) {
+  const ClassInfo* info = type.empty() ? nullptr : ClassRegistry::global().find(type);
+  if (!info) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   "method '" + method + "' called on an RRef that holds a value, not an object");
+  }
+  auto it = info->methods.find(method);
+  if (it == info->methods.end()) {
+    throw RpcError(ErrorCode::kUnknownFunction,
+                   "class '" + type + "' has no method '" + method + "'");
+  }
+  return &it->second;
+}
+
+}  // namespace
+
+RRefState::~RRefState() {
+  if (auto ctx = context.lock()) ctx->release(*this);
+}
+
+RRefContext::RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* user_functions)
+    : self_id_(self_id), user_functions_(user_functions), agent_(agent) {
+  // The owner-side protocol, served by the agent like any function. Handlers
+  // hold a raw pointer: the agent stops serving before the context goes.
+  RRefContext* self = this;
+  functions_.add(kCreate, make_handler(kCreate, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
+                                                        int64_t fork_l, std::string kind,
+                                                        std::string name, int64_t target_w,
+                                                        int64_t target_l, c10::IValue args) {
+    return self->serve_create(make_id(id_w, id_l), make_id(fork_w, fork_l), kind, name,
+                              make_id(target_w, target_l), tuple_elements(args));
+  }));
+  functions_.add(kFetch, make_handler(kFetch, [self](int64_t id_w, int64_t id_l) {
+    std::shared_ptr<OwnerEntry> entry = self->entry_or_placeholder(make_id(id_w, id_l));
+    return entry->ready.then([entry](const Future<c10::IValue>& ready) {
+      if (!entry->type.empty()) {
+        throw RpcError(ErrorCode::kInvalidArgument,
+                       "to_here() of an RRef to a '" + entry->type +
+                           "' object: objects stay on their owner; call their methods instead");
+      }
+      return ready.value();
+    });
+  }));
+  functions_.add(kCall, make_handler(kCall, [self](int64_t id_w, int64_t id_l, std::string method,
+                                                    c10::IValue args) {
+    std::shared_ptr<OwnerEntry> entry = self->entry_or_placeholder(make_id(id_w, id_l));
+    auto arg_values = std::make_shared<std::vector<c10::IValue>>(tuple_elements(args));
+    // Runs once the object exists (creation is asynchronous).
+    return entry->ready.then([entry, method, arg_values](const Future<c10::IValue>& ready) {
+      ready.wait();
+      return (*find_method(entry->type, method))(entry->object.get(), *arg_values);
+    });
+  }));
+  functions_.add(kAddFork, make_handler(kAddFork, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
+                                                          int64_t fork_l) {
+    self->add_fork(make_id(id_w, id_l), make_id(fork_w, fork_l));
+  }));
+  functions_.add(kDelFork, make_handler(kDelFork, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
+                                                          int64_t fork_l) {
+    self->del_fork(make_id(id_w, id_l), make_id(fork_w, fork_l));
+  }));
+}
+
+RpcAgent* RRefContext::acquire_agent() {
+  absl::MutexLock lock(&mu_);
+  if (!agent_ || !agent_->running()) return nullptr;
+  ++agent_users_;
+  return agent_;
+}
+
+void RRefContext::release_agent() {
+  absl::MutexLock lock(&mu_);
+  --agent_users_;
+}
+
+void RRefContext::detach() {
+  absl::MutexLock lock(&mu_);
+  agent_ = nullptr;
+  auto unused = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return agent_users_ == 0; };
+  mu_.Await(absl::Condition(&unused));
+}
+
+RRefId RRefContext::next_id() { return RRefId{self_id_, next_local_++}; }
+
+std::shared_ptr<RRefState> RRefContext::make_state(RRefId id, RRefId fork, int owner,
+                                                   std::string type) {
+  auto state = std::make_shared<RRefState>();
+  state->id = id;
+  state->fork = fork;
+  state->owner = owner;
+  state->type = std::move(type);
+  state->context = weak_from_this();
+  return state;
+}
+
+// ---------------------------------------------------------------- caller side
+
+std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& type,
+                                                    const std::string& kind,
+                                                    const std::string& name, RRefId target,
+                                                    std::vector<c10::IValue> args) {
+  const RRefId id = next_id();
+  // The creator's own handle is a fork like any other.
+  auto state = make_state(id, id, to, type);
+  RpcAgent* agent = acquire_agent();
+  if (!agent) {
+    state->created.set_error(RpcError(ErrorCode::kShutdown, "rpc::remote: RPC is not running"));
+    return state;
+  }
+  Future<c10::IValue> reply = agent->call(
+      to, kCreate,
+      {c10::IValue(int64_t{id.worker}), c10::IValue(id.local), c10::IValue(int64_t{id.worker}),
+       c10::IValue(id.local), c10::IValue(kind), c10::IValue(name),
+       c10::IValue(int64_t{target.worker}), c10::IValue(target.local), as_tuple(std::move(args))},
+      kDefaultTimeout, "remote");
+  release_agent();
+  Future<void> created = state->created;
+  reply.add_done_callback([created](const Future<c10::IValue>& f) {
+    if (auto e = f.error()) {
+      created.set_error(e);
+    } else {
+      created.set_result();
+    }
+  });
+  return state;
+}
+
+std::shared_ptr<RRefState> RRefContext::create_object(int to, const std::string& cls,
+                                                      std::vector<c10::IValue> args) {
+  return send_create(to, cls, "object", cls, RRefId{}, std::move(args));
+}
+
+std::shared_ptr<RRefState> RRefContext::create_value(int to, const std::string& function,
+                                                     std::vector<c10::IValue> args) {
+  return send_create(to, "", "function", function, RRefId{}, std::move(args));
+}
+
+std::shared_ptr<RRefState> RRefContext::create_method_value(const RRefState& target,
+                                                            const std::string& method,
+                                                            std::vector<c10::IValue> args) {
+  return send_create(target.owner, "", "method", method, target.id, std::move(args));
+}
+
+std::shared_ptr<RRefState> RRefContext::create_local(c10::IValue value) {
+  const RRefId id = next_id();
+  {
+    absl::MutexLock lock(&mu_);
+    auto entry = std::make_shared<OwnerEntry>();
+    entry->initialized = true;
+    entry->ready.set_result(std::move(value));
+    entry->local_handles = 1;
+    owned_[id] = std::move(entry);
+  }
+  auto state = make_state(id, RRefId{}, self_id_, "");
+  state->created.set_result();
+  return state;
+}
+
+Future<c10::IValue> RRefContext::fetch(const RRefState& rref, absl::Duration timeout) {
+  RpcAgent* agent = acquire_agent();
+  if (!agent) {
+    Future<c10::IValue> f;
+    f.set_error(RpcError(ErrorCode::kShutdown, "RRef::to_here: RPC is not running"));
+    return f;
+  }
+  Future<c10::IValue> f =
+      agent->call(rref.owner, kFetch, {c10::IValue(int64_t{rref.id.worker}), c10::IValue(rref.id.local)},
+                  timeout, "to_here");
+  release_agent();
+  return f;
+}
+
+Future<c10::IValue> RRefContext::call_method(const RRefState& rref, const std::string& method,
+                                             std::vector<c10::IValue> args,
+                                             absl::Duration timeout) {
+  RpcAgent* agent = acquire_agent();
+  if (!agent) {
+    Future<c10::IValue> f;
+    f.set_error(RpcError(ErrorCode::kShutdown, "RRef method call: RPC is not running"));
+    return f;
+  }
+  Future<c10::IValue> f = agent->call(
+      rref.owner, kCall,
+      {c10::IValue(int64_t{rref.id.worker}), c10::IValue(rref.id.local), c10::IValue(method),
+       as_tuple(std::move(args))},
+      timeout, "rref method");
+  release_agent();
+  return f;
+}
+
+// ----------------------------------------------------------------- owner side
+
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::find(RRefId id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = owned_.find(id);
+  return it == owned_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::entry_or_placeholder(RRefId id) {
+  absl::MutexLock lock(&mu_);
+  auto& slot = owned_[id];
+  if (!slot) slot = std::make_shared<OwnerEntry>();
+  return slot;
+}
+
+Future<c10::IValue> RRefContext::serve_create(RRefId id, RRefId fork, const std::string& kind,
+                                              const std::string& name, RRefId target,
+                                              std::vector<c10::IValue> args) {
+  std::shared_ptr<OwnerEntry> entry;
+  {
+    absl::MutexLock lock(&mu_);
+    auto& slot = owned_[id];
+    if (!slot) slot = std::make_shared<OwnerEntry>();
+    entry = slot;
+    if (entry->initialized) return entry->ready;  // a repeated create
+    entry->initialized = true;
+    entry->type = kind == "object" ? name : "";
+    if (!entry->early_deletes.erase(fork)) entry->forks.insert(fork);
+  }
+  Future<c10::IValue> ready = entry->ready;
+  Future<c10::IValue> result;
+  try {
+    if (kind == "object") {
+      const ClassInfo* info = ClassRegistry::global().find(name);
+      if (!info || !info->constructor) {
+        throw RpcError(ErrorCode::kUnknownFunction,
+                       "no class '" + name + "' with a constructor is registered here");
+      }
+      entry->object = info->constructor(args);
+      result = make_ready_future(c10::IValue());
+    } else if (kind == "function") {
+      const Handler* handler = user_functions_->find(name);
+      if (!handler) {
+        throw RpcError(ErrorCode::kUnknownFunction, "no function named '" + name + "' is registered");
+      }
+      result = (*handler)(args);
+    } else if (kind == "method") {
+      std::shared_ptr<OwnerEntry> owner = entry_or_placeholder(target);
+      auto arg_values = std::make_shared<std::vector<c10::IValue>>(std::move(args));
+      result = owner->ready.then([owner, name, arg_values](const Future<c10::IValue>& f) {
+        f.wait();
+        return (*find_method(owner->type, name))(owner->object.get(), *arg_values);
+      });
+    } else {
+      throw RpcError(ErrorCode::kMalformedMessage, "rref: unknown creation kind '" + kind + "'");
+    }
+  } catch (...) {
+    ready.set_error(std::current_exception());
+  }
+  if (!ready.completed()) {
+    result.add_done_callback([ready](const Future<c10::IValue>& f) { f.forward_to(ready); });
+  }
+  {
+    // Every reference may already be gone (e.g. the creator dropped it).
+    absl::MutexLock lock(&mu_);
+    if (owned_.count(id)) entry = maybe_erase(id);
+  }
+  // The creator learns of success or failure; it only needs completion.
+  return ready.then([](const Future<c10::IValue>& f) {
+    f.wait();
+    return c10::IValue();
+  });
+}
+
+void RRefContext::add_fork(RRefId id, RRefId fork) {
+  std::shared_ptr<OwnerEntry> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto& slot = owned_[id];  // creation may still be on its way
+    if (!slot) slot = std::make_shared<OwnerEntry>();
+    if (!slot->early_deletes.erase(fork)) slot->forks.insert(fork);
+    doomed = maybe_erase(id);
+  }
+}
+
+void RRefContext::del_fork(RRefId id, RRefId fork) {
+  std::shared_ptr<OwnerEntry> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto& slot = owned_[id];  // creation may still be on its way
+    if (!slot) slot = std::make_shared<OwnerEntry>();
+    if (!slot->forks.erase(fork)) slot->early_deletes.insert(fork);
+    doomed = maybe_erase(id);
+  }
+}
+
+void RRefContext::release_local(RRefId id) {
+  std::shared_ptr<OwnerEntry> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = owned_.find(id);
+    if (it == owned_.end()) return;
+    --it->second->local_handles;
+    doomed = maybe_erase(id);
+  }
+}
+
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::maybe_erase(RRefId id) {
+  auto it = owned_.find(id);
+  const OwnerEntry& e = *it->second;
+  if (!e.initialized || !e.forks.empty() || e.local_handles > 0 || !e.early_deletes.empty()) {
+    return nullptr;
+  }
+  std::shared_ptr<OwnerEntry> doomed = std::move(it->second);
+  owned_.erase(it);
+  return doomed;
+}
+
+Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
+  std::shared_ptr<OwnerEntry> entry = find(rref.id);
+  if (!entry) {
+    Future<c10::IValue> f;
+    f.set_error(RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker"));
+    return f;
+  }
+  return entry->ready;
+}
+
+std::shared_ptr<void> RRefContext::local_object(const RRefState& rref) {
+  std::shared_ptr<OwnerEntry> entry = find(rref.id);
+  if (!entry) throw RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker");
+  entry->ready.wait();
+  return entry->object;
+}
+
+size_t RRefContext::owned_count() const {
+  absl::MutexLock lock(&mu_);
+  return owned_.size();
+}
+
+// ------------------------------------------------------------ wire and forks
+
+void RRefContext::encode(const c10::IValue& capsule, int dest, wire::Extension* out) {
+  auto* holder = dynamic_cast<RRefCapsule*>(capsule.toCapsule().get());
+  if (!holder || !holder->state) throw TypeMismatch("this capsule cannot be sent over RPC");
+  std::shared_ptr<RRefState> state = holder->state;
+  const RRefId fork = next_id();
+  if (state->owner == self_id_) {
+    add_fork(state->id, fork);
+  } else {
+    RpcAgent* agent = acquire_agent();
+    if (!agent) throw RpcError(ErrorCode::kShutdown, "RRef: RPC is not running");
+    // Keep this handle (and so its own fork) alive until the owner knows
+    // the new fork.
+    agent->call(state->owner, kAddFork,
+                {c10::IValue(int64_t{state->id.worker}), c10::IValue(state->id.local),
+                 c10::IValue(int64_t{fork.worker}), c10::IValue(fork.local)},
+                kDefaultTimeout, "rref fork")
+        .add_done_callback([state](const Future<c10::IValue>& f) {
+          if (f.has_error()) LOG(WARNING) << "rref: fork registration failed: " << f.error_message();
+        });
+    release_agent();
+  }
+  (void)dest;
+  out->set_type(kRRefExtension);
+  out->set_data(absl::StrCat(state->id.worker, " ", state->id.local, " ", fork.worker, " ",
+                             fork.local, " ", state->owner, " ", state->type));
+}
+
+c10::IValue RRefContext::decode(const wire::Extension& ext, int src) {
+  (void)src;
+  if (ext.type() != kRRefExtension) {
+    throw std::invalid_argument("unknown extension value '" + ext.type() + "'");
+  }
+  std::istringstream in(ext.data());
+  int64_t id_w, id_l, fork_w, fork_l, owner;
+  std::string type;
+  if (!(in >> id_w >> id_l >> fork_w >> fork_l >> owner)) {
+    throw std::invalid_argument("malformed RRef on the wire");
+  }
+  in >> type;
+  auto state = make_state(make_id(id_w, id_l), make_id(fork_w, fork_l), static_cast<int>(owner), type);
+  state->created.set_result();
+  return c10::IValue::make_capsule(c10::make_intrusive<RRefCapsule>(std::move(state)));
+}
+
+void RRefContext::release(const RRefState& state) {
+  if (!state.fork.valid()) {
+    release_local(state.id);
+    return;
+  }
+  if (state.owner == self_id_) {
+    del_fork(state.id, state.fork);
+    return;
+  }
+  RpcAgent* agent = acquire_agent();
+  if (!agent) return;  // shut down: the owner is gone or going
+  agent->call(state.owner, kDelFork,
+              {c10::IValue(int64_t{state.id.worker}), c10::IValue(state.id.local),
+               c10::IValue(int64_t{state.fork.worker}), c10::IValue(state.fork.local)},
+              kDefaultTimeout, "rref delete");
+  release_agent();
+}
+
+}  // namespace ddprpc::rpc::internal

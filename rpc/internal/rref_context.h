@@ -1,0 +1,154 @@
+// Bookkeeping of remote references on one worker, after PyTorch's RRef
+// protocol, simplified:
+//
+// - The owner keeps an entry per RRef: the value (or object), a ready
+//   future, the set of live forks (user handles elsewhere) and a count of
+//   its own local handles. The entry, and so the value, goes away exactly
+//   when no fork and no local handle is left.
+// - Sending an RRef creates a new fork. If the sender is not the owner it
+//   tells the owner (add_fork) and keeps its own handle until the owner has
+//   acknowledged, so the count cannot reach zero in between. A delete that
+//   overtakes its add is remembered and cancels the add.
+// - Receiving an RRef creates a handle for that fork; dropping the last copy
+//   of a handle deletes the fork at the owner.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "rpc/future.h"
+#include "rpc/internal/codec.h"
+#include "rpc/registry.h"
+
+namespace ddprpc::rpc {
+
+class RpcAgent;
+
+namespace internal {
+
+struct RRefId {
+  int32_t worker = -1;
+  int64_t local = 0;
+  bool valid() const { return worker >= 0; }
+  bool operator==(const RRefId& o) const { return worker == o.worker && local == o.local; }
+  template <typename H>
+  friend H AbslHashValue(H h, const RRefId& id) {
+    return H::combine(std::move(h), id.worker, id.local);
+  }
+};
+
+class RRefContext;
+
+// The identity of one RRef handle. Copies of an RRef<T> share one state;
+// destroying it releases the handle's fork at the owner.
+struct RRefState {
+  RRefId id;
+  RRefId fork;  // invalid for the owner's own (local) handles
+  int owner = -1;
+  std::string type;      // registered class name, or "" for a value
+  Future<void> created;  // completes when the owner confirmed creation
+  std::weak_ptr<RRefContext> context;
+  ~RRefState();
+};
+
+// How an RRef travels inside a c10::IValue (as a capsule).
+class RRefCapsule : public torch::CustomClassHolder {
+ public:
+  explicit RRefCapsule(std::shared_ptr<RRefState> state) : state(std::move(state)) {}
+  std::shared_ptr<RRefState> state;
+};
+
+class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<RRefContext> {
+ public:
+  RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* user_functions);
+  // The agent is going away: later releases do nothing.
+  void detach();
+
+  // The internal functions ("__rref.*") the agent serves.
+  const FunctionRegistry& functions() const { return functions_; }
+
+  // Caller side. Creation is asynchronous: state->created reports the outcome.
+  std::shared_ptr<RRefState> create_object(int to, const std::string& cls,
+                                           std::vector<c10::IValue> args);
+  std::shared_ptr<RRefState> create_value(int to, const std::string& function,
+                                          std::vector<c10::IValue> args);
+  std::shared_ptr<RRefState> create_method_value(const RRefState& target, const std::string& method,
+                                                 std::vector<c10::IValue> args);
+  // An owner RRef of a local value.
+  std::shared_ptr<RRefState> create_local(c10::IValue value);
+
+  Future<c10::IValue> fetch(const RRefState& rref, absl::Duration timeout);
+  Future<c10::IValue> call_method(const RRefState& rref, const std::string& method,
+                                  std::vector<c10::IValue> args, absl::Duration timeout);
+
+  // Owner side: the value / object once created (errors if creation failed,
+  // or if this worker is not the owner).
+  Future<c10::IValue> local_value(const RRefState& rref);
+  std::shared_ptr<void> local_object(const RRefState& rref);
+
+  // Live owner entries (values this worker owns that are still referenced).
+  size_t owned_count() const;
+
+  void encode(const c10::IValue& capsule, int dest, wire::Extension* out) override;
+  c10::IValue decode(const wire::Extension& ext, int src) override;
+
+  void release(const RRefState& state);
+
+ private:
+  struct OwnerEntry {
+    std::string type;
+    Future<c10::IValue> ready;     // the value; None for objects
+    std::shared_ptr<void> object;  // set before `ready` completes
+    absl::flat_hash_set<RRefId> forks;
+    absl::flat_hash_set<RRefId> early_deletes;
+    int local_handles = 0;
+    // False for a placeholder made by a message that overtook the creation.
+    bool initialized = false;
+  };
+
+  RRefId next_id();
+  std::shared_ptr<RRefState> make_state(RRefId id, RRefId fork, int owner, std::string type);
+  std::shared_ptr<OwnerEntry> find(RRefId id) const;
+  // The entry, or a placeholder that the creation message will fill.
+  std::shared_ptr<OwnerEntry> entry_or_placeholder(RRefId id);
+  void add_fork(RRefId id, RRefId fork);
+  void del_fork(RRefId id, RRefId fork);
+  void release_local(RRefId id);
+  // Erases the entry if nothing references it; returns it so that its value
+  // is destroyed outside the lock.
+  std::shared_ptr<OwnerEntry> maybe_erase(RRefId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Future<c10::IValue> serve_create(RRefId id, RRefId fork, const std::string& kind,
+                                   const std::string& name, RRefId target,
+                                   std::vector<c10::IValue> args);
+  std::shared_ptr<RRefState> send_create(int to, const std::string& type, const std::string& kind,
+                                         const std::string& name, RRefId target,
+                                         std::vector<c10::IValue> args);
+
+  // Pins the agent while it is used outside mu_; nullptr once detached.
+  RpcAgent* acquire_agent();
+  void release_agent();
+
+  const int self_id_;
+  const FunctionRegistry* const user_functions_;
+  FunctionRegistry functions_;
+  std::atomic<int64_t> next_local_{1};
+
+  mutable absl::Mutex mu_;
+  // State below is protected by mu_.
+  RpcAgent* agent_ ABSL_GUARDED_BY(mu_);
+  int agent_users_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<RRefId, std::shared_ptr<OwnerEntry>> owned_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal
+}  // namespace ddprpc::rpc

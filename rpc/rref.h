@@ -1,0 +1,194 @@
+// Remote references, mirroring torch.distributed.rpc.RRef:
+//
+//   auto table = rpc::remote<EmbeddingTable>("ps0", 1000, 16);   // T on ps0
+//   at::Tensor y = table.rpc_sync(&EmbeddingTable::forward, idx, offsets);
+//   auto sum = rpc::remote<at::Tensor>("ps0", "add", a, b);        // function result
+//   at::Tensor s = sum.to_here();
+//   rpc::RRef<at::Tensor> p(param);                                 // local owner RRef
+//
+// Creation is asynchronous: remote() returns at once, and a creation error
+// surfaces at the next use (to_here, a method call) with the owner's
+// message. RRefs can be passed to and returned from any RPC; the owner
+// destroys the value when the last reference anywhere is gone. Method calls
+// are type-checked at compile time against the member function; the class
+// and its methods must be registered (class_registry.h).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+
+#include "rpc/class_registry.h"
+#include "rpc/internal/rref_context.h"
+#include "rpc/rpc.h"
+
+namespace ddprpc::rpc {
+
+namespace internal {
+
+template <typename T, typename = void>
+struct IsValueType : std::false_type {};
+template <typename T>
+struct IsValueType<T, std::void_t<decltype(ValueTraits<T>::from_ivalue(
+                          std::declval<const c10::IValue&>()))>> : std::true_type {};
+
+template <typename T>
+struct UnwrapFuture {
+  using type = T;
+};
+template <typename T>
+struct UnwrapFuture<Future<T>> {
+  using type = T;
+};
+
+RRefContext& rref_context(const std::shared_ptr<RpcAgent>& agent);
+
+}  // namespace internal
+
+template <typename T>
+class RRef {
+ public:
+  static constexpr bool kIsValue = internal::IsValueType<T>::value;
+
+  RRef() = default;
+  explicit RRef(std::shared_ptr<internal::RRefState> state) : state_(std::move(state)) {}
+
+  // An RRef owned by this worker holding `value` (values only, not objects).
+  template <typename U = T, typename = std::enable_if_t<internal::IsValueType<U>::value>>
+  explicit RRef(U value) {
+    auto agent = current_agent();
+    state_ = internal::rref_context(agent).create_local(to_ivalue(std::move(value)));
+  }
+
+  bool defined() const { return state_ != nullptr; }
+  WorkerInfo owner() const { return current_agent()->worker(state().owner); }
+  std::string owner_name() const { return owner().name; }
+  bool is_owner() const { return current_agent()->self().id == state().owner; }
+  // True once the owner has acknowledged this reference (for the creator:
+  // the value or object exists, or its creation failed).
+  bool confirmed_by_owner() const { return state().created.completed(); }
+
+  // Copies the value here (values only; objects stay on their owner).
+  template <typename U = T, typename = std::enable_if_t<internal::IsValueType<U>::value>>
+  U to_here(absl::Duration timeout = kDefaultTimeout) const {
+    auto agent = current_agent();
+    if (is_owner()) return from_value(internal::rref_context(agent).local_value(state()).value());
+    return from_value(internal::rref_context(agent).fetch(state(), timeout).value());
+  }
+
+  // On the owner: the value itself (a tensor shares its storage), or a
+  // pointer to the object. Elsewhere: RpcError(kInvalidArgument).
+  auto local_value() const {
+    auto agent = current_agent();
+    if (!is_owner()) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     "RRef::local_value() called on worker '" + agent->self().name +
+                         "' but the owner is '" + agent->worker(state().owner).name + "'");
+    }
+    if constexpr (kIsValue) {
+      return from_value(internal::rref_context(agent).local_value(state()).value());
+    } else {
+      return std::static_pointer_cast<T>(internal::rref_context(agent).local_object(state()));
+    }
+  }
+
+  // Calls `method` on the object at its owner.
+  template <typename M, typename... A>
+  auto rpc_async(M method, A&&... args) const {
+    using R = typename internal::UnwrapFuture<typename internal::FunctionTraits<M>::result>::type;
+    static_assert(std::is_invocable_v<M, T&, A...>,
+                  "RRef<T>::rpc_*: the arguments do not match the method's parameters");
+    auto agent = current_agent();
+    Future<c10::IValue> raw;
+    try {
+      const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
+      raw = internal::rref_context(agent).call_method(
+          state(), name, internal::pack_args(std::forward<A>(args)...), kDefaultTimeout);
+    } catch (const RpcError& e) {
+      raw.set_error(e);
+    }
+    return internal::typed_future<R>(std::move(raw));
+  }
+
+  template <typename M, typename... A>
+  auto rpc_sync(M method, A&&... args) const {
+    return rpc_async(method, std::forward<A>(args)...).value();
+  }
+
+  // Runs `method` on the owner and keeps its result there.
+  template <typename M, typename... A>
+  auto remote(M method, A&&... args) const {
+    using R = typename internal::UnwrapFuture<typename internal::FunctionTraits<M>::result>::type;
+    static_assert(std::is_invocable_v<M, T&, A...>,
+                  "RRef<T>::remote: the arguments do not match the method's parameters");
+    auto agent = current_agent();
+    const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
+    return RRef<R>(internal::rref_context(agent).create_method_value(
+        state(), name, internal::pack_args(std::forward<A>(args)...)));
+  }
+
+  const internal::RRefState& state() const {
+    if (!state_) throw RpcError(ErrorCode::kInvalidArgument, "use of an empty RRef");
+    return *state_;
+  }
+  const std::shared_ptr<internal::RRefState>& shared_state() const { return state_; }
+
+ private:
+  static auto from_value(const c10::IValue& v) {
+    if constexpr (kIsValue) {
+      try {
+        return ValueTraits<T>::from_ivalue(v);
+      } catch (const TypeMismatch& e) {
+        throw RpcError(ErrorCode::kInvalidArgument, std::string("RRef value: ") + e.what());
+      }
+    }
+  }
+
+  std::shared_ptr<internal::RRefState> state_;
+};
+
+template <typename T>
+struct ValueTraits<RRef<T>> {
+  static c10::IValue to_ivalue(const RRef<T>& rref) {
+    return c10::IValue::make_capsule(c10::make_intrusive<internal::RRefCapsule>(rref.shared_state()));
+  }
+  static RRef<T> from_ivalue(const c10::IValue& v) {
+    auto* holder = v.isCapsule() ? dynamic_cast<internal::RRefCapsule*>(v.toCapsule().get()) : nullptr;
+    if (!holder) throw_type_mismatch("RRef", v);
+    if constexpr (!RRef<T>::kIsValue) {
+      if (holder->state->type != internal::class_name_of(typeid(T))) {
+        throw TypeMismatch("expected RRef of '" + internal::class_name_of(typeid(T)) + "', got RRef of " +
+                           (holder->state->type.empty() ? "a value" : "'" + holder->state->type + "'"));
+      }
+    } else if (!holder->state->type.empty()) {
+      throw TypeMismatch("expected RRef of a value, got RRef of '" + holder->state->type + "'");
+    }
+    return RRef<T>(holder->state);
+  }
+};
+
+// rpc::remote<T>(to, ctor_args...): creates a registered class T on `to`.
+template <typename T, typename... Args,
+          typename = std::enable_if_t<!internal::IsValueType<T>::value>>
+RRef<T> remote(const std::string& to, Args&&... args) {
+  static_assert(std::is_constructible_v<T, std::decay_t<Args>...>,
+                "rpc::remote<T>: T cannot be constructed from these arguments");
+  auto agent = current_agent();
+  return RRef<T>(internal::rref_context(agent).create_object(
+      agent->worker(to).id, internal::class_name_of(typeid(T)),
+      internal::pack_args(std::forward<Args>(args)...)));
+}
+
+// rpc::remote<R>(to, "function", args...): runs a registered function on
+// `to` and keeps its result (of type R) there.
+template <typename R, typename... Args,
+          typename = std::enable_if_t<internal::IsValueType<R>::value>>
+RRef<R> remote(const std::string& to, const std::string& function, Args&&... args) {
+  auto agent = current_agent();
+  return RRef<R>(internal::rref_context(agent).create_value(
+      agent->worker(to).id, function, internal::pack_args(std::forward<Args>(args)...)));
+}
+
+}  // namespace ddprpc::rpc

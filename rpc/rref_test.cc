@@ -1,0 +1,226 @@
+// Remote references across real processes: creation, method calls,
+// to_here, passing RRefs between workers, reference counting, failures.
+#include "rpc/rref.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+
+#include <atomic>
+
+#include "gtest/gtest.h"
+#include "tests/multiprocess.h"
+
+namespace rpc = ddprpc::rpc;
+namespace mp = ddprpc::testing;
+
+namespace {
+
+std::atomic<int> g_tables_created{0}, g_tables_destroyed{0};
+
+class Table {
+ public:
+  Table(int64_t rows, int64_t dim) {
+    if (rows <= 0) throw std::invalid_argument("Table needs rows > 0, got " + std::to_string(rows));
+    weight_ = at::arange(rows * dim, at::kFloat).reshape({rows, dim});
+    ++g_tables_created;
+  }
+  ~Table() { ++g_tables_destroyed; }
+  at::Tensor lookup(at::Tensor indices) { return weight_.index_select(0, indices); }
+  int64_t rows() { return weight_.size(0); }
+  std::string where() { return rpc::get_worker_info().name; }
+
+ private:
+  at::Tensor weight_;
+};
+static auto table_registration = rpc::register_class<Table>("Table")
+                                     .constructor<int64_t, int64_t>()
+                                     .method("lookup", &Table::lookup)
+                                     .method("rows", &Table::rows)
+                                     .method("where", &Table::where);
+
+at::Tensor add(at::Tensor a, at::Tensor b) { return a + b; }
+DDPRPC_REGISTER_FUNCTION(add);
+
+// Uses an RRef it was given and hands it back.
+rpc::RRef<Table> bounce(rpc::RRef<Table> table, int64_t expected_rows) {
+  if (table.rpc_sync(&Table::rows) != expected_rows) throw std::runtime_error("wrong rows");
+  if (table.is_owner() && table.local_value()->rows() != expected_rows) {
+    throw std::runtime_error("wrong local rows");
+  }
+  return table;
+}
+DDPRPC_REGISTER_FUNCTION(bounce);
+
+// Keeps RRefs alive until drop_kept().
+absl::Mutex g_kept_mu;
+std::vector<rpc::RRef<Table>> g_kept;
+int64_t keep(rpc::RRef<Table> table) {
+  absl::MutexLock lock(&g_kept_mu);
+  g_kept.push_back(table);
+  return static_cast<int64_t>(g_kept.size());
+}
+DDPRPC_REGISTER_FUNCTION(keep);
+int64_t drop_kept() {
+  absl::MutexLock lock(&g_kept_mu);
+  int64_t n = g_kept.size();
+  g_kept.clear();
+  return n;
+}
+DDPRPC_REGISTER_FUNCTION(drop_kept);
+
+std::vector<int64_t> table_counts() {
+  return {g_tables_created.load(), g_tables_destroyed.load(),
+          static_cast<int64_t>(rpc::current_agent()->rrefs().owned_count())};
+}
+DDPRPC_REGISTER_FUNCTION(table_counts);
+
+void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size); }
+
+MULTIPROCESS_TEST(RRefTest, CreateCallFetch, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    rpc::RRef<Table> table = rpc::remote<Table>("worker1", 4, 3);
+    EXPECT_EQ(table.owner_name(), "worker1");
+    EXPECT_FALSE(table.is_owner());
+    EXPECT_EQ(table.rpc_sync(&Table::rows), 4);
+    EXPECT_EQ(table.rpc_sync(&Table::where), "worker1");
+    EXPECT_TRUE(table.confirmed_by_owner());
+    at::Tensor rows = table.rpc_async(&Table::lookup, at::arange(2, at::kLong)).value();
+    EXPECT_TRUE(at::equal(rows, at::arange(6, at::kFloat).reshape({2, 3})));
+
+    // A method's result kept on the owner, then fetched.
+    rpc::RRef<at::Tensor> looked_up = table.remote(&Table::lookup, at::full({1}, 3, at::kLong));
+    EXPECT_EQ(looked_up.owner_name(), "worker1");
+    EXPECT_TRUE(at::equal(looked_up.to_here(), at::arange(9, 12, at::kFloat).reshape({1, 3})));
+
+    // A function's result kept on worker2.
+    rpc::RRef<at::Tensor> sum = rpc::remote<at::Tensor>("worker2", "add", at::ones({2}), at::ones({2}));
+    EXPECT_TRUE(at::equal(sum.to_here(), at::full({2}, 2.0)));
+    EXPECT_THROW(sum.local_value(), rpc::RpcError);
+
+    // A local owner RRef: the value itself, not a copy.
+    at::Tensor param = at::ones({3});
+    rpc::RRef<at::Tensor> local(param);
+    EXPECT_TRUE(local.is_owner());
+    EXPECT_EQ(local.local_value().data_ptr(), param.data_ptr());
+    EXPECT_TRUE(at::equal(local.to_here(), param));
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RRefTest, CreationErrorSurfacesAtUse, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    rpc::RRef<Table> bad = rpc::remote<Table>("worker1", -5, 2);  // returns at once
+    try {
+      bad.rpc_sync(&Table::rows);
+      ADD_FAILURE() << "using a failed RRef succeeded";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_NE(std::string(e.what()).find("Table needs rows > 0, got -5"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("worker1"), std::string::npos) << e.what();
+    }
+    rpc::RRef<at::Tensor> missing = rpc::remote<at::Tensor>("worker1", "no_such_function", 1);
+    EXPECT_THROW(missing.to_here(), rpc::RpcError);
+    rpc::RRef<at::Tensor> wrong_args = rpc::remote<at::Tensor>("worker1", "add", 1, 2);
+    EXPECT_THROW(wrong_args.to_here(), rpc::RpcError);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RRefTest, PassedAcrossWorkersAndBack, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    rpc::RRef<Table> table = rpc::remote<Table>("worker1", 7, 2);
+    // worker0 -> worker2 (a user) -> back to worker0.
+    rpc::RRef<Table> back = rpc::rpc_sync<rpc::RRef<Table>>("worker2", "bounce", table, 7);
+    EXPECT_EQ(back.rpc_sync(&Table::rows), 7);
+    // worker0 -> worker1 (the owner: local_value works there) -> back.
+    rpc::RRef<Table> back2 = rpc::rpc_sync<rpc::RRef<Table>>("worker1", "bounce", back, 7);
+    EXPECT_EQ(back2.owner_name(), "worker1");
+    EXPECT_EQ(back2.rpc_sync(&Table::rows), 7);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(RRefTest, ForkStormDestroysOnceWhenAllDropped, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    {
+      rpc::RRef<Table> table = rpc::remote<Table>("worker1", 2, 2);
+      std::vector<rpc::Future<int64_t>> futures;
+      for (int i = 0; i < 50; ++i) {
+        futures.push_back(rpc::rpc_async<int64_t>("worker2", "keep", table));
+        futures.push_back(rpc::rpc_async<int64_t>("worker1", "keep", table));
+      }
+      rpc::wait_all(futures);
+      EXPECT_EQ(rpc::rpc_sync<std::vector<int64_t>>("worker1", "table_counts")[1], 0);
+      EXPECT_EQ(rpc::rpc_sync<int64_t>("worker2", "drop_kept"), 50);
+      EXPECT_EQ(rpc::rpc_sync<std::vector<int64_t>>("worker1", "table_counts")[1], 0)
+          << "destroyed while worker0 and worker1 still hold references";
+      EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "drop_kept"), 50);
+    }  // worker0's own reference goes here
+    std::vector<int64_t> counts;
+    absl::Time deadline = absl::Now() + absl::Seconds(20);
+    do {
+      counts = rpc::rpc_sync<std::vector<int64_t>>("worker1", "table_counts");
+      if (counts[1] == 1 && counts[2] == 0) break;
+      absl::SleepFor(absl::Milliseconds(20));
+    } while (absl::Now() < deadline);
+    EXPECT_EQ(counts[0], 1);  // created once
+    EXPECT_EQ(counts[1], 1);  // destroyed exactly once
+    EXPECT_EQ(counts[2], 0);  // nothing left in the owner's table
+  }
+  auto agent = rpc::current_agent();
+  rpc::shutdown();
+  EXPECT_EQ(agent->rrefs_alive_at_shutdown(), 0);
+  EXPECT_EQ(g_tables_created.load(), g_tables_destroyed.load());
+}
+
+MULTIPROCESS_TEST(RRefTest, LiveReferenceIsReportedAtShutdown, 2) {
+  init(2);
+  rpc::RRef<Table> kept;
+  if (mp::rank() == 0) kept = rpc::remote<Table>("worker1", 1, 1);
+  if (mp::rank() == 0) EXPECT_EQ(kept.rpc_sync(&Table::rows), 1);
+  auto agent = rpc::current_agent();
+  rpc::shutdown();
+  // worker0 still holds a reference, so worker1 reports one live RRef.
+  EXPECT_EQ(agent->rrefs_alive_at_shutdown(), mp::rank() == 1 ? 1 : 0);
+}
+
+MULTIPROCESS_TEST(RRefTest, DeadOwnerFailsCalls, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    rpc::RRef<Table> table = rpc::remote<Table>("worker1", 3, 1);
+    EXPECT_EQ(table.rpc_sync(&Table::rows), 3);
+    rpc::rpc_async("worker1", "die");  // the owner goes away
+    absl::Time start = absl::Now();
+    bool failed = false;
+    while (!failed && absl::Now() - start < absl::Seconds(20)) {
+      try {
+        table.rpc_sync(&Table::rows);
+        absl::SleepFor(absl::Milliseconds(20));
+      } catch (const rpc::RpcError& e) {
+        failed = true;
+        EXPECT_EQ(e.code(), rpc::ErrorCode::kUnavailable) << e.what();
+      }
+    }
+    EXPECT_TRUE(failed);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  }
+  rpc::shutdown();
+}
+
+int64_t die() {
+  std::thread([] {
+    absl::SleepFor(absl::Milliseconds(50));
+    mp::die_abruptly();
+  }).detach();
+  return 0;
+}
+DDPRPC_REGISTER_FUNCTION(die);
+
+}  // namespace
