@@ -25,6 +25,7 @@
 #include "benchmarks/common.h"
 #include "rpc/launch.h"
 #include "rpc/rpc.h"
+#include "rpc/rref.h"
 
 DEFINE_int32(iters, 2000, "timed rpc_sync calls per small tensor size");
 DEFINE_int32(big_iters, 200, "timed rpc_sync calls for the 4 MiB tensor");
@@ -47,6 +48,13 @@ namespace {
 
 at::Tensor identity(at::Tensor t) { return t; }
 DDPRPC_REGISTER_FUNCTION(identity);
+
+// The same identity as a method of a remote object, called through an RRef.
+struct Echo {
+  at::Tensor identity(at::Tensor t) { return t; }
+};
+static auto echo_registration =
+    rpc::register_class<Echo>("Echo").constructor<>().method("identity", &Echo::identity);
 
 struct Sizes {
   const char* key;
@@ -77,6 +85,20 @@ int worker() {
       }
       results[absl::StrCat(size.key, ".p50_us")] = bench::percentile(lat, 0.5);
       results[absl::StrCat(size.key, ".p90_us")] = bench::percentile(lat, 0.9);
+    }
+    {
+      std::fprintf(stderr, "rpc_pingpong: RRef method call 16 B ...\n");
+      rpc::RRef<Echo> echo = rpc::remote<Echo>("w1");
+      at::Tensor t = at::ones({4});
+      for (int i = 0; i < FLAGS_warmup; ++i) echo.rpc_sync(&Echo::identity, t);
+      std::vector<double> lat;
+      for (int i = 0; i < FLAGS_iters; ++i) {
+        absl::Time start = absl::Now();
+        echo.rpc_sync(&Echo::identity, t);
+        lat.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+      }
+      results["rref_method_16B.p50_us"] = bench::percentile(lat, 0.5);
+      results["rref_method_16B.p90_us"] = bench::percentile(lat, 0.9);
     }
     std::fprintf(stderr, "rpc_pingpong: %d pipelined rpc_async ...\n", FLAGS_async_calls);
     at::Tensor t = at::ones({4});
@@ -166,6 +188,8 @@ int coordinator(int argc, char** argv) {
                fmt_us(theirs[k + ".p50_us"]), fmt_us(theirs[k + ".p90_us"]),
                ratio(ours[k + ".p50_us"], theirs[k + ".p50_us"])});
   }
+  table.add({"RRef method 16 B", fmt_us(ours["rref_method_16B.p50_us"]),
+             fmt_us(ours["rref_method_16B.p90_us"]), "-", "-", "-"});
   const double our_tput = ours["async_16B_calls_per_s"];
   const double their_tput = theirs["async_16B_calls_per_s"];
   table.add({"rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",

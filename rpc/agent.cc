@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
+#include "rpc/hooks.h"
 #include "rpc/internal/codec.h"
 #include "rpc/internal/rref_context.h"
 #include "rpc/internal/thread_pool.h"
@@ -218,8 +219,9 @@ Future<c10::IValue> RpcAgent::call(int to, const std::string& function,
   header.set_function(function);
   header.set_src(rank_);
   try {
-    internal::encode_value(c10::IValue(c10::ivalue::Tuple::create(std::move(args))),
-                           header.mutable_payload(), &frame, {rrefs_.get(), to});
+    c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
+    if (auto hook = rpc_hook()) hook->outgoing_request(to, packed, header.mutable_ext());
+    internal::encode_value(packed, header.mutable_payload(), &frame, {rrefs_.get(), to});
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kInvalidArgument,
                  absl::StrCat("cannot send the arguments: ", e.what()));
@@ -292,7 +294,9 @@ void RpcAgent::on_reply(Frame frame) {
     return;
   }
   try {
-    call.future.set_result(internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to}));
+    c10::IValue value = internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to});
+    if (auto hook = rpc_hook()) hook->incoming_response(call.to, value, header.ext());
+    call.future.set_result(std::move(value));
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kMalformedMessage,
                  absl::StrCat("malformed response: ", e.what()));
@@ -414,9 +418,12 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
                                     "' is registered on worker '", self().name, "'"));
   }
   std::vector<c10::IValue> args;
+  std::shared_ptr<RpcHook> hook = rpc_hook();
+  std::shared_ptr<void> hook_state;
   try {
     c10::IValue value = internal::decode_value(header.payload(), request, {rrefs_.get(), header.src()});
     if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
+    if (hook) hook_state = hook->incoming_request(header.src(), value, header.ext());
     args = value.toTupleRef().elements().vec();
   } catch (const std::exception& e) {
     return reply_error(ErrorCode::kMalformedMessage,
@@ -428,6 +435,7 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   CallContext context{header.src(), function};
   {
     CallScope scope(&context);
+    std::shared_ptr<void> hook_guard = hook ? hook->enter(hook_state) : nullptr;
     ++executing_;
     struct Done {
       std::atomic<int>& n;
@@ -444,7 +452,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   if (one_way) return;
   const int64_t limit = options_.max_message_bytes;
   const int caller = header.src();
-  result.add_done_callback([this, responder, id, function, limit, caller](const Future<c10::IValue>& f) {
+  result.add_done_callback([this, responder, id, function, limit, caller, hook,
+                            hook_state](const Future<c10::IValue>& f) {
     Frame out;
     out.header.set_id(id);
     out.header.set_src(rank_);
@@ -463,6 +472,7 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
     } else {
       out.header.set_kind(wire::RESPONSE);
       try {
+        if (hook) hook->outgoing_response(caller, hook_state, f.value(), out.header.mutable_ext());
         internal::encode_value(f.value(), out.header.mutable_payload(), &out,
                                {rrefs_.get(), caller});
         const uint64_t size = out.size();

@@ -1,0 +1,382 @@
+#include "autograd/dist_autograd.h"
+
+#include <ATen/ops/ones_like.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <atomic>
+#include <map>
+#include <set>
+#include <unordered_set>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "autograd/internal/functions.h"
+#include "glog/logging.h"
+#include "rpc/hooks.h"
+#include "rpc/rpc.h"
+
+namespace ddprpc::dist_autograd {
+namespace {
+
+using internal::RecvRpcBackward;
+using internal::SendRpcBackward;
+using torch::autograd::Edge;
+using torch::autograd::Node;
+
+constexpr char kContextKey[] = "dist_autograd.context";
+constexpr char kMessageKey[] = "dist_autograd.message";
+constexpr char kPropagate[] = "__dist_autograd.propagate";
+constexpr char kRelease[] = "__dist_autograd.release";
+
+thread_local ContextId t_current = -1;
+
+// One context on this worker.
+struct ContextState {
+  explicit ContextState(ContextId id) : id(id) {}
+  const ContextId id;
+  absl::Mutex mu;
+  // State below is protected by mu.
+  std::map<int64_t, std::shared_ptr<SendRpcBackward>> sends ABSL_GUARDED_BY(mu);
+  std::vector<std::shared_ptr<Node>> recvs ABSL_GUARDED_BY(mu);
+  std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> grads ABSL_GUARDED_BY(mu);
+  std::set<int> workers ABSL_GUARDED_BY(mu);
+};
+
+class Container {
+ public:
+  std::shared_ptr<ContextState> create(ContextId id) {
+    absl::MutexLock lock(&mu_);
+    auto& slot = contexts_[id];
+    if (!slot) slot = std::make_shared<ContextState>(id);
+    return slot;
+  }
+  std::shared_ptr<ContextState> find(ContextId id) {
+    absl::MutexLock lock(&mu_);
+    auto it = contexts_.find(id);
+    return it == contexts_.end() ? nullptr : it->second;
+  }
+  std::shared_ptr<ContextState> get(ContextId id) {
+    auto ctx = find(id);
+    if (!ctx) {
+      throw std::invalid_argument(absl::StrCat("dist_autograd: no context ", id,
+                                               " on this worker (released already?)"));
+    }
+    return ctx;
+  }
+  std::shared_ptr<ContextState> erase(ContextId id) {
+    absl::MutexLock lock(&mu_);
+    auto it = contexts_.find(id);
+    if (it == contexts_.end()) return nullptr;
+    auto ctx = std::move(it->second);
+    contexts_.erase(it);
+    return ctx;
+  }
+  size_t size() {
+    absl::MutexLock lock(&mu_);
+    return contexts_.size();
+  }
+  GradientHook gradient_hook() {
+    absl::MutexLock lock(&mu_);
+    return hook_;
+  }
+  void set_gradient_hook(GradientHook hook) {
+    absl::MutexLock lock(&mu_);
+    hook_ = std::move(hook);
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<ContextId, std::shared_ptr<ContextState>> contexts_ ABSL_GUARDED_BY(mu_);
+  GradientHook hook_ ABSL_GUARDED_BY(mu_);
+};
+
+Container& container() {
+  static auto* c = new Container();
+  return *c;
+}
+
+std::atomic<int64_t> g_next_context{1};
+std::atomic<int64_t> g_next_message{1};
+
+int self_id() { return rpc::get_worker_info().id; }
+
+int64_t global_id(std::atomic<int64_t>& counter) {
+  return (static_cast<int64_t>(self_id()) << 48) | counter.fetch_add(1);
+}
+
+void collect_tensors(const c10::IValue& v, std::vector<at::Tensor>* out) {
+  if (v.isTensor()) {
+    out->push_back(v.toTensor());
+  } else if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) collect_tensors(e, out);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) collect_tensors(e, out);
+  }
+}
+
+std::vector<at::Tensor> requiring_grad(const c10::IValue& v) {
+  std::vector<at::Tensor> all, out;
+  collect_tensors(v, &all);
+  for (auto& t : all) {
+    if (t.defined() && t.requires_grad()) out.push_back(t);
+  }
+  return out;
+}
+
+// Sender: record a send function for the tensors that require grad.
+void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::IValue& value,
+                 rpc::MessageExt* ext) {
+  (*ext)[kContextKey] = absl::StrCat(ctx->id);
+  std::vector<at::Tensor> tensors = requiring_grad(value);
+  absl::MutexLock lock(&ctx->mu);
+  ctx->workers.insert(dest);
+  if (tensors.empty()) return;
+  auto send = std::make_shared<SendRpcBackward>();
+  send->set_next_edges(torch::autograd::collect_next_edges(tensors));
+  for (const auto& t : tensors) send->add_input_metadata(t);
+  const int64_t message = global_id(g_next_message);
+  ctx->sends[message] = std::move(send);
+  (*ext)[kMessageKey] = absl::StrCat(message);
+}
+
+// Receiver: the received tensors get a recv function as grad_fn.
+std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
+                                          const rpc::MessageExt& ext) {
+  auto it = ext.find(kContextKey);
+  ContextId id;
+  if (it == ext.end() || !absl::SimpleAtoi(it->second, &id)) return nullptr;
+  std::shared_ptr<ContextState> ctx = container().create(id);
+  absl::MutexLock lock(&ctx->mu);
+  ctx->workers.insert(src);
+  auto msg = ext.find(kMessageKey);
+  int64_t message;
+  if (msg == ext.end() || !absl::SimpleAtoi(msg->second, &message)) return ctx;
+  std::vector<at::Tensor> tensors = requiring_grad(value);
+  auto recv = std::make_shared<RecvRpcBackward>(src, message);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor& t = tensors[i];
+    t.requires_grad_(false);  // a fresh leaf; its history is the recv function
+    recv->add_input_metadata(t);
+    torch::autograd::impl::set_gradient_edge(t, Edge(recv, static_cast<uint32_t>(i)));
+  }
+  ctx->recvs.push_back(std::move(recv));
+  return ctx;
+}
+
+class DistAutogradHook : public rpc::RpcHook {
+ public:
+  void outgoing_request(int dest, const c10::IValue& args, rpc::MessageExt* ext) override {
+    if (t_current < 0) return;
+    if (auto ctx = container().find(t_current)) attach_send(ctx, dest, args, ext);
+  }
+  std::shared_ptr<void> incoming_request(int src, const c10::IValue& args,
+                                         const rpc::MessageExt& ext) override {
+    return attach_recv(src, args, ext);
+  }
+  std::shared_ptr<void> enter(const std::shared_ptr<void>& state) override {
+    if (!state) return nullptr;
+    struct Guard {
+      ContextId saved;
+      ~Guard() { t_current = saved; }
+    };
+    auto guard = std::make_shared<Guard>(Guard{t_current});
+    t_current = static_cast<ContextState*>(state.get())->id;
+    return guard;
+  }
+  void outgoing_response(int dest, const std::shared_ptr<void>& state, const c10::IValue& result,
+                         rpc::MessageExt* ext) override {
+    if (state) attach_send(std::static_pointer_cast<ContextState>(state), dest, result, ext);
+  }
+  void incoming_response(int src, const c10::IValue& result, const rpc::MessageExt& ext) override {
+    attach_recv(src, result, ext);
+  }
+};
+
+// Runs the local engine from `roots` and, for every recv function reached,
+// sends its gradients back to the sender. Returns those sends' futures.
+std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextState>& ctx,
+                                               const torch::autograd::edge_list& roots,
+                                               const std::vector<at::Tensor>& grads,
+                                               bool retain_graph) {
+  torch::autograd::edge_list outputs, recv_outputs;  // leaves first, then recv inputs
+  std::vector<at::Tensor> leaves;
+  std::vector<RecvRpcBackward*> recvs;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const auto& e : roots) {
+    if (e.function && seen.insert(e.function.get()).second) stack.push_back(e.function.get());
+  }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      outputs.emplace_back(acc->shared_from_this(), 0);
+      leaves.push_back(acc->variable);
+      continue;
+    }
+    if (auto* recv = dynamic_cast<RecvRpcBackward*>(node)) {
+      recvs.push_back(recv);
+      for (uint32_t i = 0; i < recv->num_inputs(); ++i) {
+        recv_outputs.emplace_back(recv->shared_from_this(), i);
+      }
+      continue;
+    }
+    for (const auto& next : node->next_edges()) {
+      if (next.function && seen.insert(next.function.get()).second) {
+        stack.push_back(next.function.get());
+      }
+    }
+  }
+  outputs.insert(outputs.end(), recv_outputs.begin(), recv_outputs.end());
+  if (outputs.empty()) return {};
+  torch::autograd::variable_list results = torch::autograd::Engine::get_default_engine().execute(
+      roots, grads, retain_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
+
+  std::vector<at::Tensor> params(leaves.begin(), leaves.end());
+  std::vector<at::Tensor> param_grads(results.begin(), results.begin() + leaves.size());
+  if (GradientHook hook = container().gradient_hook()) hook(ctx->id, params, param_grads);
+  {
+    absl::MutexLock lock(&ctx->mu);
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!param_grads[i].defined()) continue;
+      auto& slot = ctx->grads[params[i].unsafeGetTensorImpl()];
+      if (!slot.first.defined()) {
+        slot = {params[i], param_grads[i].clone()};
+      } else {
+        slot.second.add_(param_grads[i]);
+      }
+    }
+  }
+  std::vector<rpc::Future<c10::IValue>> sends;
+  size_t next = leaves.size();
+  for (RecvRpcBackward* recv : recvs) {
+    std::vector<at::Tensor> recv_grads(results.begin() + next,
+                                       results.begin() + next + recv->num_inputs());
+    next += recv->num_inputs();
+    sends.push_back(rpc::current_agent()->call(
+        recv->src, kPropagate,
+        {c10::IValue(ctx->id), c10::IValue(recv->message_id),
+         c10::IValue(c10::List<at::Tensor>(recv_grads)), c10::IValue(retain_graph)},
+        rpc::kDefaultTimeout, "dist_autograd.backward"));
+  }
+  return sends;
+}
+
+rpc::Future<c10::IValue> all_done(std::vector<rpc::Future<c10::IValue>> futures) {
+  return rpc::collect_all(std::move(futures))
+      .then([](const rpc::Future<std::vector<rpc::Future<c10::IValue>>>& all) {
+        for (const auto& f : all.value()) f.wait();  // rethrows the first error
+        return c10::IValue();
+      });
+}
+
+// Worker-side continuation of backward from the send function `message`.
+rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vector<at::Tensor> grads,
+                                   bool retain_graph) {
+  std::shared_ptr<ContextState> ctx = container().get(context_id);
+  std::shared_ptr<SendRpcBackward> send;
+  {
+    absl::MutexLock lock(&ctx->mu);
+    auto it = ctx->sends.find(message);
+    if (it == ctx->sends.end()) {
+      throw std::invalid_argument(absl::StrCat("dist_autograd: context ", context_id,
+                                               " has no send function ", message));
+    }
+    send = it->second;
+  }
+  torch::autograd::edge_list roots;
+  for (uint32_t i = 0; i < send->num_inputs(); ++i) {
+    roots.emplace_back(send, i);
+    if (i < grads.size() && !grads[i].defined()) {
+      grads[i] = send->input_metadata(i).zeros_like();
+    }
+  }
+  if (grads.size() != send->num_inputs()) {
+    throw std::invalid_argument("dist_autograd: gradient count does not match the send function");
+  }
+  return all_done(run_pass(ctx, roots, grads, retain_graph));
+}
+DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_propagate, kPropagate, propagate);
+
+// Releases a context here and on the workers this one talked to within it.
+void release_context(ContextId id, int from) {
+  std::shared_ptr<ContextState> ctx = container().erase(id);
+  if (!ctx) return;
+  std::set<int> workers;
+  {
+    absl::MutexLock lock(&ctx->mu);
+    workers = ctx->workers;
+  }
+  std::shared_ptr<rpc::RpcAgent> agent;
+  try {
+    agent = rpc::current_agent();
+  } catch (const rpc::RpcError&) {
+    return;  // shut down: nothing to tell
+  }
+  for (int w : workers) {
+    if (w == from || w == agent->self().id) continue;
+    agent->call(w, kRelease, {c10::IValue(id)}, rpc::kDefaultTimeout, "dist_autograd.release");
+  }
+}
+
+int64_t release_remote(int64_t id) {
+  release_context(id, rpc::current_call() ? rpc::current_call()->caller : -1);
+  return 0;
+}
+DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_release, kRelease, release_remote);
+
+const bool kHookInstalled = [] {
+  rpc::set_rpc_hook(std::make_shared<DistAutogradHook>());
+  return true;
+}();
+
+}  // namespace
+
+Context::Context() : id_(global_id(g_next_context)), previous_(t_current) {
+  (void)kHookInstalled;
+  container().create(id_);
+  t_current = id_;
+}
+
+Context::~Context() {
+  t_current = previous_;
+  release_context(id_, -1);
+}
+
+ContextId current_context_id() { return t_current; }
+
+void backward(ContextId context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
+  std::shared_ptr<ContextState> ctx = container().get(context_id);
+  torch::autograd::edge_list edges;
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& root : roots) {
+    if (!root.requires_grad()) {
+      throw std::invalid_argument("dist_autograd::backward: a root does not require grad");
+    }
+    if (root.numel() != 1) {
+      throw std::invalid_argument("dist_autograd::backward: roots must be scalars");
+    }
+    edges.push_back(torch::autograd::impl::gradient_edge(root));
+    grads.push_back(at::ones_like(root));
+  }
+  all_done(run_pass(ctx, edges, grads, retain_graph)).value();
+}
+
+c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id) {
+  std::shared_ptr<ContextState> ctx = container().get(context_id);
+  c10::Dict<at::Tensor, at::Tensor> out;
+  absl::MutexLock lock(&ctx->mu);
+  for (const auto& [impl, entry] : ctx->grads) out.insert(entry.first, entry.second);
+  return out;
+}
+
+size_t num_contexts() { return container().size(); }
+
+void set_gradient_hook(GradientHook hook) { container().set_gradient_hook(std::move(hook)); }
+
+}  // namespace ddprpc::dist_autograd

@@ -1,0 +1,70 @@
+// Distributed autograd, mirroring torch.distributed.autograd:
+//
+//   {
+//     dist_autograd::Context context;            // `with dist_autograd.context()`
+//     at::Tensor loss = model(...);               // may cross RPCs
+//     dist_autograd::backward(context.id(), {loss});
+//     auto grads = dist_autograd::get_gradients(context.id());
+//   }                                             // released on every worker
+//
+// Inside a context, every RPC that carries tensors requiring grad (arguments
+// or results, nested calls and RRef method calls included) records a send
+// function on the sender and a recv function on the receiver. backward() runs
+// FAST mode: the local engine from the roots, then each recv function's
+// gradients go back to the worker that sent the tensors, which continues from
+// the matching send function; it returns when every worker involved is done
+// and throws the first remote error. Gradients accumulate in the context, per
+// worker, never in .grad.
+#pragma once
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace ddprpc::dist_autograd {
+
+using ContextId = int64_t;
+
+// RAII distributed autograd context; requires RPC to be initialized. The id
+// is unique across the job: worker id in the top 16 bits, a counter below.
+// It is the current context of the constructing thread until destroyed; it
+// may be used from other threads through its id.
+class Context {
+ public:
+  Context();
+  ~Context();
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+  ContextId id() const { return id_; }
+
+ private:
+  ContextId id_;
+  ContextId previous_;
+};
+
+// The current thread's context id, or -1.
+ContextId current_context_id();
+
+// Runs the distributed backward pass from scalar `roots`.
+void backward(ContextId context_id, const std::vector<at::Tensor>& roots,
+              bool retain_graph = false);
+
+// Parameter -> accumulated gradient of `context_id` on this worker.
+c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id);
+
+// Contexts alive on this worker (for leak checks).
+size_t num_contexts();
+
+// Called after each local backward pass on this worker with the gradients
+// that pass produced, before they are added to the context; the hook may
+// replace them (DDP averages its parameters' gradients across replicas
+// here). One hook per process; nullptr removes it.
+using GradientHook =
+    std::function<void(ContextId context_id, std::vector<at::Tensor>& params,
+                       std::vector<at::Tensor>& grads)>;
+void set_gradient_hook(GradientHook hook);
+
+}  // namespace ddprpc::dist_autograd

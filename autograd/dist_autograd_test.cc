@@ -1,0 +1,214 @@
+// Distributed autograd and the distributed optimizer across real processes.
+#include "autograd/dist_autograd.h"
+
+#include <ATen/Context.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/embedding_bag.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/sin.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/optim/sgd.h>
+
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "optim/distributed_optimizer.h"
+#include "tests/multiprocess.h"
+
+namespace rpc = ddprpc::rpc;
+namespace mp = ddprpc::testing;
+namespace dist_autograd = ddprpc::dist_autograd;
+namespace optim = ddprpc::optim;
+
+namespace {
+
+// Deterministic parameters, identical in every process.
+at::Tensor init_param(std::vector<int64_t> shape, double phase) {
+  int64_t n = 1;
+  for (auto s : shape) n *= s;
+  return at::sin(at::arange(n, at::kFloat) * 0.37 + phase).reshape(shape).mul(0.5).requires_grad_(true);
+}
+
+at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& indices,
+                             const at::Tensor& offsets) {
+  return std::get<0>(at::embedding_bag(weight, indices, offsets, false, /*mode=sum*/ 0));
+}
+
+class RemoteEmbedding {
+ public:
+  RemoteEmbedding(int64_t rows, int64_t dim) : weight_(init_param({rows, dim}, 0.1)) {}
+  at::Tensor forward(at::Tensor indices, at::Tensor offsets) {
+    return embedding_forward(weight_, indices, offsets);
+  }
+  std::vector<rpc::RRef<at::Tensor>> parameters() { return {rpc::RRef<at::Tensor>(weight_)}; }
+
+ private:
+  at::Tensor weight_;
+};
+
+class RemoteLinear {
+ public:
+  RemoteLinear(int64_t in, int64_t out)
+      : weight_(init_param({out, in}, 0.7)), bias_(init_param({out}, 1.3)) {}
+  at::Tensor forward(at::Tensor x) { return at::linear(x, weight_, bias_); }
+  std::vector<rpc::RRef<at::Tensor>> parameters() {
+    return {rpc::RRef<at::Tensor>(weight_), rpc::RRef<at::Tensor>(bias_)};
+  }
+
+ private:
+  at::Tensor weight_, bias_;
+};
+
+static auto embedding_registration = rpc::register_class<RemoteEmbedding>("RemoteEmbedding")
+                                         .constructor<int64_t, int64_t>()
+                                         .method("forward", &RemoteEmbedding::forward)
+                                         .method("parameters", &RemoteEmbedding::parameters);
+static auto linear_registration = rpc::register_class<RemoteLinear>("RemoteLinear")
+                                      .constructor<int64_t, int64_t>()
+                                      .method("forward", &RemoteLinear::forward)
+                                      .method("parameters", &RemoteLinear::parameters);
+
+struct Batch {
+  at::Tensor indices, offsets, target;
+};
+
+std::vector<Batch> make_batches(int n) {
+  at::manual_seed(1234);
+  std::vector<Batch> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back({at::randint(0, 10, {12}, at::kLong), at::arange(0, 12, 3, at::kLong),
+                   at::randn({4, 3})});
+  }
+  return out;
+}
+
+at::Tensor loss_of(const at::Tensor& out, const at::Tensor& target) {
+  return (out - target).pow(2).mean();
+}
+
+MULTIPROCESS_TEST(DistAutogradTest, SplitModelMatchesLocalTraining, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  if (mp::rank() == 0) {
+    auto emb = rpc::remote<RemoteEmbedding>("worker1", 10, 5);
+    auto lin = rpc::remote<RemoteLinear>("worker2", 5, 3);
+    std::vector<rpc::RRef<at::Tensor>> params = emb.rpc_sync(&RemoteEmbedding::parameters);
+    for (auto& p : lin.rpc_sync(&RemoteLinear::parameters)) params.push_back(p);
+    optim::DistributedOptimizer opt("sgd", {{"lr", 0.05}}, params);
+
+    // The same model, in one process.
+    at::Tensor w_emb = init_param({10, 5}, 0.1), w_lin = init_param({3, 5}, 0.7),
+               b_lin = init_param({3}, 1.3);
+    torch::optim::SGD local_opt({w_emb, w_lin, b_lin}, torch::optim::SGDOptions(0.05));
+
+    for (const Batch& b : make_batches(20)) {
+      dist_autograd::Context context;
+      at::Tensor hidden = emb.rpc_sync(&RemoteEmbedding::forward, b.indices, b.offsets);
+      EXPECT_TRUE(hidden.requires_grad());
+      at::Tensor out = lin.rpc_sync(&RemoteLinear::forward, hidden);
+      dist_autograd::backward(context.id(), {loss_of(out, b.target)});
+      opt.step(context.id());
+
+      local_opt.zero_grad();
+      loss_of(at::linear(embedding_forward(w_emb, b.indices, b.offsets), w_lin, b_lin), b.target)
+          .backward();
+      local_opt.step();
+    }
+    EXPECT_TRUE(at::allclose(params[0].to_here(), w_emb.detach(), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(params[1].to_here(), w_lin.detach(), 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(params[2].to_here(), b_lin.detach(), 1e-5, 1e-5));
+    EXPECT_FALSE(params[1].to_here().equal(init_param({3, 5}, 0.7).detach()));  // it trained
+  }
+  rpc::shutdown();
+}
+
+at::Tensor scale(at::Tensor x, double k) { return x * k; }
+DDPRPC_REGISTER_FUNCTION(scale);
+
+// Nested: worker0 -> worker1 -> worker2, gradients flow back through both.
+at::Tensor scale_via(std::string next, at::Tensor x) {
+  return rpc::rpc_sync<at::Tensor>(next, "scale", x * 2.0, 3.0);
+}
+DDPRPC_REGISTER_FUNCTION(scale_via);
+
+MULTIPROCESS_TEST(DistAutogradTest, GradientsInContextThroughNestedCalls, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({4}).requires_grad_(true);
+    dist_autograd::Context context;
+    EXPECT_EQ(context.id() >> 48, 0);  // worker id in the top bits
+    EXPECT_EQ(dist_autograd::current_context_id(), context.id());
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "scale_via", "worker2", x);
+    dist_autograd::backward(context.id(), {y.sum()});
+    auto grads = dist_autograd::get_gradients(context.id());
+    ASSERT_EQ(grads.size(), 1u);
+    EXPECT_TRUE(at::allclose(grads.at(x), at::ones({4}) * 6.0));
+    EXPECT_FALSE(x.grad().defined());  // never .grad
+    {
+      dist_autograd::Context inner;
+      EXPECT_NE(inner.id(), context.id());
+      EXPECT_EQ(dist_autograd::current_context_id(), inner.id());
+    }
+    EXPECT_EQ(dist_autograd::current_context_id(), context.id());
+  }
+  rpc::shutdown();
+}
+
+struct ExplodingBackward : public torch::autograd::Function<ExplodingBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x * 1.0; }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list) {
+    throw std::runtime_error("backward exploded on purpose");
+  }
+};
+at::Tensor fragile(at::Tensor x) { return ExplodingBackward::apply(x); }
+DDPRPC_REGISTER_FUNCTION(fragile);
+
+MULTIPROCESS_TEST(DistAutogradTest, RemoteBackwardErrorReachesTheCaller, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({2}).requires_grad_(true);
+    dist_autograd::Context context;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "fragile", x);
+    try {
+      dist_autograd::backward(context.id(), {y.sum()});
+      ADD_FAILURE() << "backward did not fail";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("backward exploded on purpose"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW(optim::DistributedOptimizer("nonsense", {}, {rpc::RRef<at::Tensor>(x)}).step(context.id()),
+                 std::exception);
+  }
+  rpc::shutdown();
+}
+
+int64_t num_contexts() { return static_cast<int64_t>(dist_autograd::num_contexts()); }
+DDPRPC_REGISTER_FUNCTION(num_contexts);
+
+MULTIPROCESS_TEST_WITH_TIMEOUT(DistAutogradTest, ContextsDoNotGrowOverTenThousandIterations, 2,
+                               absl::Seconds(150)) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({2}).requires_grad_(true);
+    for (int i = 0; i < 10000; ++i) {
+      dist_autograd::Context context;
+      at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "scale", x, 2.0);
+      if (i % 1000 == 0) dist_autograd::backward(context.id(), {y.sum()});
+    }
+    EXPECT_EQ(dist_autograd::num_contexts(), 0u);
+    int64_t remote = -1;
+    absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < deadline && (remote = rpc::rpc_sync<int64_t>("worker1", "num_contexts")) != 0) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(remote, 0);
+  }
+  rpc::shutdown();
+}
+
+}  // namespace

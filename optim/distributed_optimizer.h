@@ -1,0 +1,56 @@
+// optim::DistributedOptimizer, mirroring torch.distributed.optim:
+//
+//   optim::DistributedOptimizer opt("sgd", {{"lr", 0.05}}, param_rrefs);
+//   opt.step(context_id);   // inside dist_autograd::Context
+//
+// Parameters are RRef<at::Tensor>s that may live on any worker. One local
+// torch::optim optimizer is created per owner (by rpc::remote); step() runs
+// all of them in parallel with that context's gradients and throws the first
+// owner's error. Steps of different optimizers on one worker are serialized,
+// since they may share parameters (e.g. an embedding table updated by
+// several trainers).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "autograd/dist_autograd.h"
+#include "rpc/rref.h"
+
+namespace ddprpc::optim {
+
+class LocalOptimizer;
+
+class DistributedOptimizer {
+ public:
+  // kind: "sgd" (lr, momentum, dampening, weight_decay, nesterov),
+  // "adam" (lr, beta1, beta2, eps, weight_decay, amsgrad) or
+  // "adagrad" (lr, lr_decay, weight_decay, initial_accumulator_value, eps).
+  // Unknown kinds or options fail on the owners with a clear error.
+  DistributedOptimizer(const std::string& kind, const std::map<std::string, double>& options,
+                       const std::vector<rpc::RRef<at::Tensor>>& params);
+
+  void step(dist_autograd::ContextId context_id);
+
+ private:
+  std::vector<rpc::RRef<LocalOptimizer>> optimizers_;
+};
+
+// The per-owner part (created remotely by DistributedOptimizer).
+class LocalOptimizer {
+ public:
+  LocalOptimizer(std::string kind, std::vector<std::string> option_names,
+                 std::vector<double> option_values, std::vector<rpc::RRef<at::Tensor>> params);
+  ~LocalOptimizer();
+  // Applies the gradients of `context_id` on this worker.
+  int64_t step(int64_t context_id);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ddprpc::optim
