@@ -237,6 +237,20 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
   torch::autograd::variable_list results = torch::autograd::Engine::get_default_engine().execute(
       roots, grads, retain_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
 
+  // First send the gradients of the received tensors back to their senders,
+  // so the other workers' passes overlap with the rest of this one.
+  std::vector<rpc::Future<c10::IValue>> sends;
+  size_t next = leaves.size();
+  for (RecvRpcBackward* recv : recvs) {
+    std::vector<at::Tensor> recv_grads(results.begin() + next,
+                                       results.begin() + next + recv->num_inputs());
+    next += recv->num_inputs();
+    sends.push_back(rpc::current_agent()->call(
+        recv->src, kPropagate,
+        {c10::IValue(ctx->id), c10::IValue(recv->message_id),
+         c10::IValue(c10::List<at::Tensor>(recv_grads)), c10::IValue(retain_graph)},
+        rpc::kDefaultTimeout, "dist_autograd.backward"));
+  }
   std::vector<at::Tensor> params(leaves.begin(), leaves.end());
   std::vector<at::Tensor> param_grads(results.begin(), results.begin() + leaves.size());
   if (GradientHook hook = container().gradient_hook()) hook(ctx->id, params, param_grads);
@@ -251,18 +265,6 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
         slot.second.add_(param_grads[i]);
       }
     }
-  }
-  std::vector<rpc::Future<c10::IValue>> sends;
-  size_t next = leaves.size();
-  for (RecvRpcBackward* recv : recvs) {
-    std::vector<at::Tensor> recv_grads(results.begin() + next,
-                                       results.begin() + next + recv->num_inputs());
-    next += recv->num_inputs();
-    sends.push_back(rpc::current_agent()->call(
-        recv->src, kPropagate,
-        {c10::IValue(ctx->id), c10::IValue(recv->message_id),
-         c10::IValue(c10::List<at::Tensor>(recv_grads)), c10::IValue(retain_graph)},
-        rpc::kDefaultTimeout, "dist_autograd.backward"));
   }
   return sends;
 }
@@ -320,7 +322,7 @@ void release_context(ContextId id, int from) {
   }
   for (int w : workers) {
     if (w == from || w == agent->self().id) continue;
-    agent->call(w, kRelease, {c10::IValue(id)}, rpc::kDefaultTimeout, "dist_autograd.release");
+    agent->notify(w, kRelease, {c10::IValue(id)});
   }
 }
 

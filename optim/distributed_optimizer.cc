@@ -115,7 +115,15 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind,
 
 void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
   std::vector<rpc::Future<int64_t>> steps;
-  for (const auto& opt : optimizers_) steps.push_back(opt.rpc_async(&LocalOptimizer::step, context_id));
+  const LocalOptimizer* local = nullptr;
+  for (const auto& opt : optimizers_) {
+    if (opt.is_owner()) {
+      local = opt.local_value().get();  // this worker's parameters: no RPC
+    } else {
+      steps.push_back(opt.rpc_async(&LocalOptimizer::step, context_id));
+    }
+  }
+  if (local) const_cast<LocalOptimizer*>(local)->step(context_id);
   rpc::wait_all(steps);
 }
 

@@ -100,10 +100,14 @@ class RpcAgent {
   // Remote-reference bookkeeping of this worker (rref.h).
   internal::RRefContext& rrefs() { return *rrefs_; }
 
-  // Calls `function` on worker `to`. `api` names the call in errors
-  // ("rpc_sync", "rpc_async", "remote"). Never throws: errors fail the future.
+  // Calls `function` on worker `to`. Errors name the call as
+  // api('display') ("rpc_sync('add')"); display defaults to the function.
+  // Never throws: errors fail the future.
   Future<c10::IValue> call(int to, const std::string& function, std::vector<c10::IValue> args,
-                           absl::Duration timeout = kDefaultTimeout, const char* api = "rpc");
+                           absl::Duration timeout = kDefaultTimeout, const char* api = "rpc",
+                           const std::string& display = "");
+  // One-way message: no reply, no completion; failures are only logged.
+  void notify(int to, const std::string& function, std::vector<c10::IValue> args);
 
   // graceful: waits for this worker's outstanding calls and for every other
   // worker to reach shutdown, then stops; bounded by rpc_timeout even if a
@@ -123,7 +127,7 @@ class RpcAgent {
   struct PendingCall {
     Future<c10::IValue> future;
     int to;
-    std::string function;
+    std::string function;  // as shown in errors
     const char* api;
     absl::Time deadline;
   };
@@ -132,6 +136,9 @@ class RpcAgent {
     std::shared_ptr<internal::PeerStream> stream ABSL_GUARDED_BY(mu);
   };
 
+  Future<c10::IValue> send_request(int to, const std::string& function,
+                                   std::vector<c10::IValue> args, absl::Duration timeout,
+                                   const char* api, const std::string& display, bool one_way);
   void rendezvous(const std::string& name, int world_size);
   // Publishes "<prefix>/<rank>" and, if `wait`, waits until every other
   // worker published it or is found dead. False if it gave up at `timeout`.

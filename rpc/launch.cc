@@ -171,6 +171,7 @@ LaunchResult launch(const LaunchOptions& options) {
   const absl::Time deadline = options.timeout == absl::InfiniteDuration()
                                   ? absl::InfiniteFuture()
                                   : absl::Now() + options.timeout;
+  absl::Time term_at = absl::InfiniteFuture();  // SIGTERM the rest (after a failure)
   absl::Time kill_at = absl::InfiniteFuture();  // SIGKILL stragglers after SIGTERM
   int running = options.nprocs;
   while (true) {
@@ -213,8 +214,7 @@ LaunchResult launch(const LaunchOptions& options) {
           result.failed_rank = rank;
           result.message = absl::StrCat("rank ", rank, " exited with code ", code,
                                         running > 0 ? "; stopping the others" : "");
-          kill_all(children, SIGTERM);
-          kill_at = absl::Now() + absl::Seconds(3);
+          term_at = absl::Now() + options.grace_period;
         }
       }
     }
@@ -225,6 +225,11 @@ LaunchResult launch(const LaunchOptions& options) {
       result.message = absl::StrCat("timed out after ", absl::FormatDuration(options.timeout),
                                     "; stopping all ranks");
       kill_all(children, SIGTERM);
+      kill_at = now + absl::Seconds(3);
+    }
+    if (now >= term_at) {
+      kill_all(children, SIGTERM);
+      term_at = absl::InfiniteFuture();
       kill_at = now + absl::Seconds(3);
     }
     if (now >= kill_at) kill_all(children, SIGKILL);

@@ -24,6 +24,9 @@ struct LaunchOptions {
   int master_port = 0;  // 0: pick a free port
   absl::Duration timeout = absl::InfiniteDuration();
   bool prefix_output = true;  // "[rank N] " before every line
+  // After the first failure, how long the other ranks may take to notice
+  // and report it themselves before they are stopped.
+  absl::Duration grace_period = absl::ZeroDuration();
 };
 
 struct LaunchResult {

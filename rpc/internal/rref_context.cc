@@ -144,7 +144,7 @@ std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& t
       {c10::IValue(int64_t{id.worker}), c10::IValue(id.local), c10::IValue(int64_t{id.worker}),
        c10::IValue(id.local), c10::IValue(kind), c10::IValue(name),
        c10::IValue(int64_t{target.worker}), c10::IValue(target.local), as_tuple(std::move(args))},
-      kDefaultTimeout, "remote");
+      kDefaultTimeout, "remote", name);
   release_agent();
   Future<void> created = state->created;
   reply.add_done_callback([created](const Future<c10::IValue>& f) {
@@ -197,7 +197,7 @@ Future<c10::IValue> RRefContext::fetch(const RRefState& rref, absl::Duration tim
   }
   Future<c10::IValue> f =
       agent->call(rref.owner, kFetch, {c10::IValue(int64_t{rref.id.worker}), c10::IValue(rref.id.local)},
-                  timeout, "to_here");
+                  timeout, "rref.to_here", "RRef");
   release_agent();
   return f;
 }
@@ -215,7 +215,7 @@ Future<c10::IValue> RRefContext::call_method(const RRefState& rref, const std::s
       rref.owner, kCall,
       {c10::IValue(int64_t{rref.id.worker}), c10::IValue(rref.id.local), c10::IValue(method),
        as_tuple(std::move(args))},
-      timeout, "rref method");
+      timeout, "rref.rpc", rref.type + "." + method);
   release_agent();
   return f;
 }

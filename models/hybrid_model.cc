@@ -1,0 +1,58 @@
+#include "models/hybrid_model.h"
+
+#include <ATen/ops/cat.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+
+namespace ddprpc::models {
+
+EmbeddingTable::EmbeddingTable(int64_t num_embeddings, int64_t embedding_dim)
+    : table_(torch::nn::EmbeddingBagOptions(num_embeddings, embedding_dim).mode(torch::kSum)) {}
+
+at::Tensor EmbeddingTable::forward(at::Tensor indices, at::Tensor offsets) {
+  return table_->forward(indices, offsets);
+}
+
+std::vector<rpc::RRef<at::Tensor>> EmbeddingTable::parameter_rrefs() {
+  std::vector<rpc::RRef<at::Tensor>> out;
+  for (const auto& p : table_->parameters()) out.emplace_back(p);
+  return out;
+}
+
+static auto embedding_table_registration =
+    rpc::register_class<EmbeddingTable>("ddprpc.models.EmbeddingTable")
+        .constructor<int64_t, int64_t>()
+        .method("forward", &EmbeddingTable::forward)
+        .method("parameter_rrefs", &EmbeddingTable::parameter_rrefs);
+
+torch::nn::Sequential make_dense(int64_t fc_in) {
+  return torch::nn::Sequential(torch::nn::Linear(fc_in, 256), torch::nn::Linear(256, 128),
+                               torch::nn::ReLU(), torch::nn::Linear(128, 64),
+                               torch::nn::Linear(64, 32), torch::nn::Linear(32, 8));
+}
+
+HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t embedding_dim)
+    : tables_(std::move(tables)),
+      dense_(make_dense(static_cast<int64_t>(tables_.size()) * embedding_dim)) {}
+
+at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& offsets) {
+  std::vector<rpc::Future<at::Tensor>> lookups;
+  lookups.reserve(tables_.size());
+  for (const auto& table : tables_) {
+    lookups.push_back(table.rpc_async(&EmbeddingTable::forward, indices, offsets));
+  }
+  return dense_->forward(at::cat(rpc::wait_all(lookups), /*dim=*/1));
+}
+
+std::vector<rpc::RRef<at::Tensor>> HybridModel::parameter_rrefs() {
+  std::vector<rpc::Future<std::vector<rpc::RRef<at::Tensor>>>> remote;
+  for (const auto& table : tables_) {
+    remote.push_back(table.rpc_async(&EmbeddingTable::parameter_rrefs));
+  }
+  std::vector<rpc::RRef<at::Tensor>> out;
+  for (auto& params : rpc::wait_all(remote)) out.insert(out.end(), params.begin(), params.end());
+  for (const auto& p : dense_->parameters()) out.emplace_back(p);
+  return out;
+}
+
+}  // namespace ddprpc::models
