@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "models/split_model.h"
 #include "optim/distributed_optimizer.h"
 #include "tests/multiprocess.h"
 
@@ -27,51 +28,14 @@ namespace optim = ddprpc::optim;
 
 namespace {
 
-// Deterministic parameters, identical in every process.
+using ddprpc::models::RemoteEmbedding;
+using ddprpc::models::RemoteLinear;
 at::Tensor init_param(std::vector<int64_t> shape, double phase) {
-  int64_t n = 1;
-  for (auto s : shape) n *= s;
-  return at::sin(at::arange(n, at::kFloat) * 0.37 + phase).reshape(shape).mul(0.5).requires_grad_(true);
+  return ddprpc::models::deterministic_param(std::move(shape), phase);
 }
-
-at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& indices,
-                             const at::Tensor& offsets) {
-  return std::get<0>(at::embedding_bag(weight, indices, offsets, false, /*mode=sum*/ 0));
+at::Tensor embedding_forward(const at::Tensor& w, const at::Tensor& i, const at::Tensor& o) {
+  return ddprpc::models::embedding_bag_sum(w, i, o);
 }
-
-class RemoteEmbedding {
- public:
-  RemoteEmbedding(int64_t rows, int64_t dim) : weight_(init_param({rows, dim}, 0.1)) {}
-  at::Tensor forward(at::Tensor indices, at::Tensor offsets) {
-    return embedding_forward(weight_, indices, offsets);
-  }
-  std::vector<rpc::RRef<at::Tensor>> parameters() { return {rpc::RRef<at::Tensor>(weight_)}; }
-
- private:
-  at::Tensor weight_;
-};
-
-class RemoteLinear {
- public:
-  RemoteLinear(int64_t in, int64_t out)
-      : weight_(init_param({out, in}, 0.7)), bias_(init_param({out}, 1.3)) {}
-  at::Tensor forward(at::Tensor x) { return at::linear(x, weight_, bias_); }
-  std::vector<rpc::RRef<at::Tensor>> parameters() {
-    return {rpc::RRef<at::Tensor>(weight_), rpc::RRef<at::Tensor>(bias_)};
-  }
-
- private:
-  at::Tensor weight_, bias_;
-};
-
-static auto embedding_registration = rpc::register_class<RemoteEmbedding>("RemoteEmbedding")
-                                         .constructor<int64_t, int64_t>()
-                                         .method("forward", &RemoteEmbedding::forward)
-                                         .method("parameters", &RemoteEmbedding::parameters);
-static auto linear_registration = rpc::register_class<RemoteLinear>("RemoteLinear")
-                                      .constructor<int64_t, int64_t>()
-                                      .method("forward", &RemoteLinear::forward)
-                                      .method("parameters", &RemoteLinear::parameters);
 
 struct Batch {
   at::Tensor indices, offsets, target;
@@ -207,6 +171,47 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(DistAutogradTest, ContextsDoNotGrowOverTenThousan
       absl::SleepFor(absl::Milliseconds(20));
     }
     EXPECT_EQ(remote, 0);
+  }
+  rpc::shutdown();
+}
+
+}  // namespace
+
+namespace {
+
+MULTIPROCESS_TEST(DistAutogradTest, TensorUsedTwiceAccumulatesBothGradients, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({3}).requires_grad_(true);
+    dist_autograd::Context context;
+    at::Tensor a = rpc::rpc_sync<at::Tensor>("worker1", "scale", x, 2.0);
+    at::Tensor b = rpc::rpc_sync<at::Tensor>("worker1", "scale", x, 5.0);
+    dist_autograd::backward(context.id(), {(a + b + x).sum()});
+    EXPECT_TRUE(at::allclose(dist_autograd::get_gradients(context.id()).at(x), at::ones({3}) * 8.0));
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(DistAutogradTest, ConcurrentContextsOnFourThreadsDoNotMix, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({4}).requires_grad_(true);  // shared by all threads
+    std::vector<std::thread> threads;
+    std::vector<double> got(4, 0.0);
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&, t] {
+        for (int i = 0; i < 20; ++i) {
+          dist_autograd::Context context;
+          at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "scale", x, double(t + 1));
+          dist_autograd::backward(context.id(), {y.sum()});
+          got[t] = dist_autograd::get_gradients(context.id()).at(x)[0].item<double>();
+          if (got[t] != t + 1) return;
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int t = 0; t < 4; ++t) EXPECT_EQ(got[t], t + 1) << "thread " << t;
+    EXPECT_FALSE(x.grad().defined());
   }
   rpc::shutdown();
 }

@@ -1,0 +1,96 @@
+// dist_autograd_step: per-iteration cost of distributed autograd on the
+// 3-worker split model of //tests:dist_autograd_test (embedding on worker1,
+// linear on worker2, loss on worker0): forward, dist backward and
+// DistributedOptimizer(SGD) step, p50/p90 in microseconds.
+//
+//   ./bazelw run //benchmarks:dist_autograd_step
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/randn.h>
+#include <gflags/gflags.h>
+
+#include <cstdio>
+
+#include "absl/strings/str_format.h"
+#include "autograd/dist_autograd.h"
+#include "benchmarks/common.h"
+#include "models/split_model.h"
+#include "optim/distributed_optimizer.h"
+#include "rpc/launch.h"
+
+DEFINE_int32(iters, 500, "measured iterations");
+DEFINE_int32(warmup, 50, "iterations before measuring");
+DEFINE_string(json, "dist_autograd_step.json", "where to write the figures");
+
+namespace rpc = ddprpc::rpc;
+namespace bench = ddprpc::benchmarks;
+namespace dist_autograd = ddprpc::dist_autograd;
+using ddprpc::models::RemoteEmbedding;
+using ddprpc::models::RemoteLinear;
+
+namespace {
+
+int worker() {
+  const int rank = bench::env_rank();
+  rpc::init_rpc("worker" + std::to_string(rank), rank, 3);
+  if (rank == 0) {
+    auto emb = rpc::remote<RemoteEmbedding>("worker1", 10, 5);
+    auto lin = rpc::remote<RemoteLinear>("worker2", 5, 3);
+    std::vector<rpc::RRef<at::Tensor>> params = emb.rpc_sync(&RemoteEmbedding::parameters);
+    for (auto& p : lin.rpc_sync(&RemoteLinear::parameters)) params.push_back(p);
+    ddprpc::optim::DistributedOptimizer opt("sgd", {{"lr", 0.05}}, params);
+    at::Tensor indices = at::randint(0, 10, {12}, at::kLong), offsets = at::arange(0, 12, 3, at::kLong);
+    at::Tensor target = at::randn({4, 3});
+    std::vector<double> phase[4];  // forward, backward, step, total
+    for (int i = 0; i < FLAGS_warmup + FLAGS_iters; ++i) {
+      absl::Time t0 = absl::Now(), t1, t2, t3;
+      {
+        dist_autograd::Context context;
+        at::Tensor out = lin.rpc_sync(&RemoteLinear::forward,
+                                      emb.rpc_sync(&RemoteEmbedding::forward, indices, offsets));
+        at::Tensor loss = (out - target).pow(2).mean();
+        t1 = absl::Now();
+        dist_autograd::backward(context.id(), {loss});
+        t2 = absl::Now();
+        opt.step(context.id());
+        t3 = absl::Now();
+      }
+      if (i < FLAGS_warmup) continue;
+      phase[0].push_back(absl::ToDoubleMicroseconds(t1 - t0));
+      phase[1].push_back(absl::ToDoubleMicroseconds(t2 - t1));
+      phase[2].push_back(absl::ToDoubleMicroseconds(t3 - t2));
+      phase[3].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
+    }
+    const char* names[] = {"forward (2 RPCs)", "dist backward", "optimizer step", "iteration"};
+    bench::Table table({"3-worker split model", "p50", "p90"});
+    bench::Json json;
+    json.begin_object();
+    for (int i = 0; i < 4; ++i) {
+      double p50 = bench::percentile(phase[i], 0.5), p90 = bench::percentile(phase[i], 0.9);
+      table.add({names[i], absl::StrFormat("%.0f us", p50), absl::StrFormat("%.0f us", p90)});
+      json.key(names[i]).begin_object().key("p50_us").value(p50).key("p90_us").value(p90).end_object();
+    }
+    json.end_object();
+    std::printf("%s", table.str().c_str());
+    const std::string path = bench::output_path(FLAGS_json);
+    if (json.write(path)) std::printf("wrote %s\n", path.c_str());
+  }
+  rpc::shutdown();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("per-iteration cost of dist autograd + DistributedOptimizer (3 workers)");
+  bench::parse_flags(&argc, &argv, "benchmarks/dist_autograd_step");
+  if (bench::env_rank() >= 0) return worker();
+  rpc::LaunchOptions launch;
+  launch.nprocs = 3;
+  launch.argv = {bench::self_exe()};
+  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  launch.prefix_output = false;
+  launch.timeout = absl::Minutes(5);
+  return rpc::launch(launch).exit_code;
+}
