@@ -203,13 +203,21 @@ int master(const Role& role) {
                                           int64_t{FLAGS_num_embeddings},
                                           int64_t{FLAGS_embedding_dim}));
   }
+  rpc::collect_all(runs).wait();
   std::vector<Result> results;
-  try {
-    results = rpc::wait_all(runs);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "ddp_rpc: training failed: %s\n", e.what());
-    return 1;
+  bool failed = false;
+  for (int r = 0; r < role.trainers; ++r) {
+    if (runs[r].has_error()) {
+      // Every failure: the first one in rank order may only be a symptom
+      // (e.g. an allreduce broken because another trainer stopped).
+      std::fprintf(stderr, "ddp_rpc: training failed on trainer%d: %s\n", r,
+                   runs[r].error_message().c_str());
+      failed = true;
+    } else {
+      results.push_back(runs[r].value());
+    }
   }
+  if (failed) return 1;
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
 
   std::ostringstream out;

@@ -32,9 +32,19 @@ std::string read_file(const std::string& path) {
 }
 
 struct Child {
-  pid_t pid;
+  pid_t pid = -1;
   std::string out_path, err_path;
+  // A failed assertion must not leave the benchmark running: its ranks die
+  // with the coordinator (PR_SET_PDEATHSIG).
+  ~Child() {
+    if (pid > 0 && waitpid(pid, nullptr, WNOHANG) == 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
 };
+
+std::string tail(const std::string& s) { return s.size() > 3000 ? s.substr(s.size() - 3000) : s; }
 
 Child start(const std::vector<std::string>& args, const std::string& tag) {
   Child c;
@@ -42,6 +52,8 @@ Child start(const std::vector<std::string>& args, const std::string& tag) {
   c.err_path = absl::StrCat(std::getenv("TEST_TMPDIR"), "/", tag, ".err");
   c.pid = fork();
   if (c.pid == 0) {
+    // Marks this run's processes (the ranks inherit it).
+    setenv("DDPRPC_TEST_RUN", absl::StrCat(getppid(), "-", tag).c_str(), 1);
     int out = open(c.out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     int err = open(c.err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(out, 1);
@@ -59,45 +71,44 @@ Child start(const std::vector<std::string>& args, const std::string& tag) {
 }
 
 // Waits up to `timeout`; returns the exit code, or -1 (and kills it) on timeout.
-int wait_for(pid_t pid, absl::Duration timeout) {
+int wait_for(Child& c, absl::Duration timeout) {
   absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
     int status;
-    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+      c.pid = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    }
     absl::SleepFor(absl::Milliseconds(50));
   }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-  return -1;
+  return -1;  // still running; ~Child kills it
 }
 
-// Processes running the benchmark binary.
-std::vector<pid_t> benchmark_processes() {
+std::vector<std::string> environment(pid_t pid) {
+  std::vector<std::string> vars;
+  std::istringstream in(read_file(absl::StrCat("/proc/", pid, "/environ")));
+  for (std::string var; std::getline(in, var, '\0');) vars.push_back(var);
+  return vars;
+}
+
+// Live processes of the run started with `tag` by this test.
+std::vector<pid_t> run_processes(const std::string& tag) {
+  const std::string marker = absl::StrCat("DDPRPC_TEST_RUN=", getpid(), "-", tag);
   std::vector<pid_t> out;
-  const std::string bin = binary();
-  char resolved[4096];
-  const std::string target = realpath(bin.c_str(), resolved) ? resolved : bin;
   for (int pid = 2; pid < 4194304; ++pid) {
-    char link[64], exe[4096];
-    snprintf(link, sizeof(link), "/proc/%d/exe", pid);
-    ssize_t n = readlink(link, exe, sizeof(exe) - 1);
-    if (n <= 0) continue;
-    if (std::string(exe, n) == target) out.push_back(pid);
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d", pid);
+    if (access(path, F_OK) != 0) continue;
+    for (const auto& var : environment(pid)) {
+      if (var == marker) out.push_back(pid);
+    }
   }
   return out;
 }
 
-pid_t find_rank(pid_t parent, int rank) {
-  for (pid_t pid : benchmark_processes()) {
-    std::string stat = read_file(absl::StrCat("/proc/", pid, "/stat"));
-    std::istringstream in(stat.substr(stat.rfind(')') + 2));
-    char state;
-    pid_t ppid;
-    in >> state >> ppid;
-    if (ppid != parent) continue;
-    std::string env = read_file(absl::StrCat("/proc/", pid, "/environ"));
-    std::istringstream vars(env);
-    for (std::string var; std::getline(vars, var, '\0');) {
+pid_t find_rank(const std::string& tag, int rank) {
+  for (pid_t pid : run_processes(tag)) {
+    for (const auto& var : environment(pid)) {
       if (var == absl::StrCat("RANK=", rank)) return pid;
     }
   }
@@ -109,7 +120,7 @@ TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
   Child c = start({"--trainers=2", "--ps=2", "--iters=3", "--warmup=1", "--pytorch=false",
                    "--json=" + json},
                   "small");
-  ASSERT_EQ(wait_for(c.pid, absl::Minutes(3)), 0) << read_file(c.err_path);
+  ASSERT_EQ(wait_for(c, absl::Minutes(3)), 0) << read_file(c.err_path);
   const std::string out = read_file(c.out_path);
   std::regex row(R"((Trainer0|Trainer1|All):\s+p50: ([0-9.]+)s\s+([0-9]+)/s\s+p75: ([0-9.]+)s\s+([0-9]+)/s\s+p90: ([0-9.]+)s\s+([0-9]+)/s\s+p95: ([0-9.]+)s\s+([0-9]+)/s)");
   int rows = 0;
@@ -132,20 +143,20 @@ TEST(DdpRpcBenchmarkTest, KilledParameterServerFailsTheRunCleanly) {
   while (read_file(c.err_path).find("iteration 2/") == std::string::npos && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(50));
   }
-  pid_t ps0 = find_rank(c.pid, 2);
-  ASSERT_GT(ps0, 0) << "ps0 not found";
+  pid_t ps0 = find_rank("killed", 2);
+  ASSERT_GT(ps0, 0) << "ps0 not found; benchmark stderr:\n" << tail(read_file(c.err_path));
   absl::Time killed = absl::Now();
   kill(ps0, SIGKILL);
-  int code = wait_for(c.pid, absl::Seconds(90));
+  int code = wait_for(c, absl::Seconds(90));
   EXPECT_NE(code, 0);
   EXPECT_NE(code, -1) << "the benchmark hung after a parameter server died";
   EXPECT_LT(absl::Now() - killed, absl::Seconds(60));
   const std::string err = read_file(c.err_path);
   // e.g. "rref.rpc('ddprpc.models.EmbeddingTable.forward') on worker 'ps0' failed"
   EXPECT_TRUE(std::regex_search(err, std::regex(R"(\('[A-Za-z_.]+'\) on worker 'ps0' failed)")))
-      << err.substr(err.size() > 3000 ? err.size() - 3000 : 0);
+      << tail(err);
   absl::SleepFor(absl::Milliseconds(500));
-  EXPECT_TRUE(benchmark_processes().empty()) << "orphaned benchmark processes";
+  EXPECT_TRUE(run_processes("killed").empty()) << "orphaned benchmark processes";
 }
 
 }  // namespace

@@ -96,7 +96,12 @@ class DistAutogradDdp {
     if ((world_size_ & (world_size_ - 1)) == 0) {
       opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
     }
-    gloo::allreduce(opts);
+    try {
+      gloo::allreduce(opts);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(absl::StrCat("ddp: allreduce of gradients across ", world_size_,
+                                            " trainers failed (did a trainer stop?): ", e.what()));
+    }
     bucket.div_(world_size_);
     int64_t offset = 0;
     for (size_t j = 0; j < params_.size(); ++j) {
