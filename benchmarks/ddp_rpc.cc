@@ -32,7 +32,8 @@
 #include "absl/strings/str_format.h"
 #include "autograd/dist_autograd.h"
 #include "benchmarks/common.h"
-#include "ddp/ddp_rpc_glue.h"
+#include "ddp/distributed_data_parallel.h"
+#include "rpc/store.h"
 #include "models/hybrid_model.h"
 #include "optim/distributed_optimizer.h"
 #include "rpc/launch.h"
@@ -105,10 +106,21 @@ std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>> run_t
   std::mt19937 rng(static_cast<uint32_t>(rank));
   at::manual_seed(rank);
   models::HybridModel model(std::move(tables), embedding_dim);
-  // DDP: same initial dense parameters everywhere, gradients averaged
-  // across trainers inside every dist_autograd backward pass.
-  auto ddp = ddprpc::ddp::attach_to_dist_autograd(*model.dense(), static_cast<int>(rank),
-                                                   FLAGS_trainers, FLAGS_backend);
+  // DDP among the trainers (rendezvous through the RPC store): the same
+  // initial dense parameters everywhere, gradients averaged inside every
+  // dist_autograd backward pass.
+  if (FLAGS_backend != "gloo") {
+    throw std::invalid_argument("--backend=" + FLAGS_backend +
+                                ": only gloo is available for CPU tensors in this build");
+  }
+  const std::string address = rpc::current_agent()->store().address();
+  const size_t colon = address.rfind(':');
+  auto store = std::make_shared<rpc::Store>(address.substr(0, colon),
+                                            std::stoi(address.substr(colon + 1)),
+                                            absl::Seconds(FLAGS_timeout_s));
+  auto group = ddprpc::ddp::make_gloo_group(store, "ddp/trainers/", static_cast<int>(rank),
+                                            FLAGS_trainers);
+  ddprpc::ddp::DistributedDataParallel ddp(model.dense().ptr(), group);
   ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", 0.05}}, model.parameter_rrefs());
   std::vector<double> seconds;
   std::vector<int64_t> examples;

@@ -1,0 +1,174 @@
+// ProcessGroupGloo and DistributedDataParallel across real processes.
+#include "ddp/distributed_data_parallel.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/mse_loss.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/randn.h>
+#include <ATen/Context.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+
+#include "gtest/gtest.h"
+#include "tests/multiprocess.h"
+
+namespace ddp = ddprpc::ddp;
+namespace mp = ddprpc::testing;
+
+namespace {
+
+std::shared_ptr<ddp::ProcessGroup> group() { return ddp::init_process_group("gloo"); }
+
+MULTIPROCESS_TEST(ProcessGroupTest, CollectivesGiveTheExpectedValues, 3) {
+  auto pg = group();
+  const double r = mp::rank();
+  at::Tensor a = at::full({4}, r + 1), b = at::full({2, 2}, r * 10);
+  pg->allreduce({a, b}, ddp::ReduceOp::kSum)->wait();
+  EXPECT_TRUE(at::allclose(a, at::full({4}, 6.0)));
+  EXPECT_TRUE(at::allclose(b, at::full({2, 2}, 30.0)));
+  at::Tensor m = at::full({3}, r);
+  pg->allreduce({m}, ddp::ReduceOp::kMax)->wait();
+  EXPECT_TRUE(at::allclose(m, at::full({3}, 2.0)));
+  at::Tensor avg = at::full({3}, r);
+  pg->allreduce({avg}, ddp::ReduceOp::kAvg)->wait();
+  EXPECT_TRUE(at::allclose(avg, at::full({3}, 1.0)));
+  at::Tensor x = at::full({2}, r + 5);
+  pg->broadcast({x}, 1)->wait();
+  EXPECT_TRUE(at::allclose(x, at::full({2}, 6.0)));
+  std::vector<at::Tensor> outs = {at::empty({2}), at::empty({2}), at::empty({2})};
+  pg->allgather(outs, at::full({2}, r))->wait();
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::allclose(outs[i], at::full({2}, double(i))));
+  pg->barrier()->wait();
+}
+
+MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
+  ddp::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(5);
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
+  pg->barrier()->wait();
+  if (mp::rank() == 2) mp::die_abruptly();
+  absl::Time start = absl::Now();
+  at::Tensor t = at::ones({1000});
+  try {
+    pg->allreduce({t})->wait(absl::Seconds(30));
+    ADD_FAILURE() << "allreduce with a dead rank succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("allreduce"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("of 3"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+torch::nn::Sequential make_model() {
+  return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(), torch::nn::Linear(16, 3));
+}
+
+// The full batch every rank can build; rank r trains on rows [2r, 2r+2).
+std::pair<at::Tensor, at::Tensor> full_batch(int step) {
+  at::manual_seed(100 + step);
+  return {at::randn({8, 6}), at::randn({8, 3})};
+}
+
+MULTIPROCESS_TEST(DdpTest, FourReplicasMatchSingleProcessTraining, 4) {
+  auto pg = group();
+  at::manual_seed(mp::rank());  // different init: DDP must broadcast rank 0's
+  auto model = make_model();
+  ddp::DistributedDataParallel ddp_model(model.ptr(), pg);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+
+  at::manual_seed(0);
+  auto reference = make_model();  // rank 0's initial parameters
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+
+  for (int step = 0; step < 20; ++step) {
+    auto [x, y] = full_batch(step);
+    opt.zero_grad();
+    const int r = mp::rank();
+    at::mse_loss(model->forward(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)).backward();
+    opt.step();
+
+    ref_opt.zero_grad();
+    at::mse_loss(reference->forward(x), y).backward();
+    ref_opt.step();
+
+    // Identical on every rank after every step.
+    for (const auto& p : model->parameters()) {
+      at::Tensor lo = p.detach().clone(), hi = p.detach().clone();
+      pg->allreduce({lo}, ddp::ReduceOp::kMin)->wait();
+      pg->allreduce({hi}, ddp::ReduceOp::kMax)->wait();
+      ASSERT_TRUE(at::equal(lo, hi)) << "replicas diverged at step " << step;
+    }
+  }
+  auto params = model->parameters(), ref = reference->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(params[i], ref[i], 1e-5, 1e-5)) << "parameter " << i;
+  }
+}
+
+MULTIPROCESS_TEST(DdpTest, EarlyBucketLaunchesBeforeBackwardEnds, 2) {
+  auto pg = group();
+  // 4 x 256x256 floats = 1 MiB... each layer 256 KiB: with a 0.3 MB cap
+  // every layer is its own bucket.
+  auto model = torch::nn::Sequential(torch::nn::Linear(256, 256), torch::nn::Linear(256, 256),
+                                     torch::nn::Linear(256, 256), torch::nn::Linear(256, 256));
+  ddp::DdpOptions options;
+  options.bucket_cap_mb = 0.3;
+  options.first_bucket_mb = 0.3;
+  ddp::DistributedDataParallel ddp_model(model.ptr(), pg, options);
+  EXPECT_GE(ddp_model.bucket_indices().size(), 4u);
+  std::vector<std::string> events;
+  ddp_model.set_event_observer([&](const std::string& e) { events.push_back(e); });
+  at::mse_loss(model->forward(at::randn({4, 256})), at::randn({4, 256})).backward();
+  // Parameter 0 (first layer's weight) gets its gradient last; bucket 0
+  // (the last layer) must have been launched before that.
+  auto launch0 = std::find(events.begin(), events.end(), "launch 0");
+  auto grad0 = std::find(events.begin(), events.end(), "grad 0");
+  ASSERT_NE(launch0, events.end());
+  ASSERT_NE(grad0, events.end());
+  EXPECT_LT(launch0 - events.begin(), grad0 - events.begin());
+  EXPECT_EQ(events.back(), "done");
+}
+
+MULTIPROCESS_TEST(DdpTest, NoSyncUnusedParametersAndFp16Hook, 2) {
+  auto pg = group();
+  auto model = make_model();
+  ddp::DdpOptions options;
+  options.find_unused_parameters = true;
+  ddp::DistributedDataParallel ddp_model(model.ptr(), pg, options);
+  std::vector<std::string> events;
+  ddp_model.set_event_observer([&](const std::string& e) { events.push_back(e); });
+  const double r = mp::rank();
+  at::Tensor x = at::full({1, 6}, r + 1);
+  {
+    auto guard = ddp_model.no_sync();  // local accumulation only
+    model->forward(x).sum().backward();
+  }
+  EXPECT_TRUE(events.empty());
+  at::Tensor local = model->parameters()[3].grad().clone();  // last bias: ones
+  model->forward(x).sum().backward();
+  // Average of the two ranks' accumulated gradients: bias grads are 2 each.
+  EXPECT_TRUE(at::allclose(model->parameters()[3].grad(), local * 2.0));
+
+  // A parameter that gets no gradient (only the last layer is used).
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  auto last = model[2]->as<torch::nn::Linear>();
+  last->forward(at::full({1, 16}, r + 1)).sum().backward();
+  EXPECT_TRUE(at::allclose(last->weight.grad(), at::full({3, 16}, 1.5)));
+
+  ddp_model.register_comm_hook(ddp::fp16_compress_hook());
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  model->forward(x).sum().backward();
+  at::Tensor fp16 = model->parameters()[0].grad().clone();
+  ddp_model.register_comm_hook(ddp::allreduce_hook());
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  model->forward(x).sum().backward();
+  EXPECT_TRUE(at::allclose(fp16, model->parameters()[0].grad(), 1e-2, 1e-2));
+}
+
+}  // namespace

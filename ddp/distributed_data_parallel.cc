@@ -1,0 +1,297 @@
+#include "ddp/distributed_data_parallel.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "autograd/dist_autograd.h"
+
+namespace ddprpc::ddp {
+
+CommHook allreduce_hook() {
+  return [](ProcessGroup& group, at::Tensor& bucket) {
+    return group.allreduce({bucket}, ReduceOp::kAvg);
+  };
+}
+
+namespace {
+
+// Work that runs `then` once the inner work is waited for.
+class ThenWork : public Work {
+ public:
+  ThenWork(std::shared_ptr<Work> inner, std::function<void()> then)
+      : inner_(std::move(inner)), then_(std::move(then)) {}
+  void wait(absl::Duration timeout) override {
+    inner_->wait(timeout);
+    absl::MutexLock lock(&mu_);
+    if (then_) {
+      then_();
+      then_ = nullptr;
+    }
+  }
+  bool completed() const override { return inner_->completed(); }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  absl::Mutex mu_;
+  std::function<void()> then_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+CommHook fp16_compress_hook() {
+  return [](ProcessGroup& group, at::Tensor& bucket) -> std::shared_ptr<Work> {
+    at::Tensor half = bucket.to(at::kHalf);
+    auto work = group.allreduce({half}, ReduceOp::kSum);
+    const int size = group.size();
+    at::Tensor target = bucket;
+    return std::make_shared<ThenWork>(work, [half, target, size]() mutable {
+      target.copy_(half.to(target.scalar_type()).div_(size));
+    });
+  };
+}
+
+class DistributedDataParallel::Reducer {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, DdpOptions options)
+      : params_(std::move(params)), group_(std::move(group)), options_(options),
+        hook_(allreduce_hook()) {
+    // Buckets in reverse parameter order (roughly the order of backward).
+    const double mb = 1024.0 * 1024.0;
+    double cap = options_.first_bucket_mb * mb, filled = 0;
+    for (size_t k = params_.size(); k-- > 0;) {
+      const at::Tensor& p = params_[k];
+      const double bytes = static_cast<double>(p.numel() * p.element_size());
+      if (buckets_.empty() || (filled > 0 && filled + bytes > cap) ||
+          p.scalar_type() != params_[buckets_.back().params.front()].scalar_type()) {
+        if (!buckets_.empty()) cap = options_.bucket_cap_mb * mb;
+        buckets_.emplace_back();
+        filled = 0;
+      }
+      Bucket& b = buckets_.back();
+      slot_.push_back({buckets_.size() - 1, b.numel});
+      b.params.push_back(k);
+      b.numel += p.numel();
+      filled += bytes;
+    }
+    std::reverse(slot_.begin(), slot_.end());  // slot_[k] for parameter k
+    for (Bucket& b : buckets_) {
+      b.flat = at::empty({b.numel}, params_[b.params.front()].options().requires_grad(false));
+    }
+    for (size_t k = 0; k < params_.size(); ++k) {
+      hook_ids_.push_back(params_[k].register_hook([this, k](const at::Tensor& grad) {
+        on_grad(k, grad);
+        return grad;
+      }));
+    }
+  }
+
+  ~Reducer() {
+    for (size_t k = 0; k < hook_ids_.size(); ++k) params_[k].remove_hook(hook_ids_[k]);
+  }
+
+  std::vector<std::vector<size_t>> bucket_indices() const {
+    std::vector<std::vector<size_t>> out;
+    for (const Bucket& b : buckets_) out.push_back(b.params);
+    return out;
+  }
+
+  void set_sync(bool sync) {
+    absl::MutexLock lock(&mu_);
+    sync_ = sync;
+  }
+  void set_hook(CommHook hook) {
+    absl::MutexLock lock(&mu_);
+    hook_ = std::move(hook);
+  }
+  void set_observer(std::function<void(const std::string&)> observer) {
+    absl::MutexLock lock(&mu_);
+    observer_ = std::move(observer);
+  }
+
+  // Dist autograd: averages the gradients of this module's parameters among
+  // `params` in place (called once per distributed backward pass).
+  void reduce_in_pass(std::vector<at::Tensor>& params, std::vector<at::Tensor>& grads) {
+    std::vector<int64_t> where(params_.size(), -1);
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (size_t k = 0; k < params_.size(); ++k) {
+        if (params[i].is_same(params_[k])) where[k] = static_cast<int64_t>(i);
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    if (!sync_) return;
+    for (size_t k = 0; k < params_.size(); ++k) {
+      at::Tensor view = bucket_view(k);
+      if (where[k] >= 0 && grads[where[k]].defined()) {
+        view.copy_(grads[where[k]].reshape(-1));
+      } else {
+        view.zero_();
+      }
+    }
+    std::vector<std::shared_ptr<Work>> works;
+    for (size_t b = 0; b < buckets_.size(); ++b) works.push_back(hook_(*group_, buckets_[b].flat));
+    for (auto& w : works) w->wait(options_.timeout);
+    for (size_t k = 0; k < params_.size(); ++k) {
+      if (where[k] >= 0) grads[where[k]] = bucket_view(k).view(params_[k].sizes()).clone();
+    }
+  }
+
+ private:
+  struct Bucket {
+    std::vector<size_t> params;  // indices into params_
+    int64_t numel = 0;
+    at::Tensor flat;
+    size_t pending = 0;
+    std::shared_ptr<Work> work;
+  };
+  struct Slot {
+    size_t bucket;
+    int64_t offset;
+  };
+
+  at::Tensor bucket_view(size_t k) {
+    return buckets_[slot_[k].bucket].flat.narrow(0, slot_[k].offset, params_[k].numel());
+  }
+
+  void notify(const std::string& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (observer_) observer_(event);
+  }
+
+  void on_grad(size_t k, const at::Tensor& grad) {
+    if (dist_autograd::current_context_id() >= 0) return;  // reduce_in_pass does it
+    absl::MutexLock lock(&mu_);
+    if (!sync_) return;
+    if (!in_pass_) {
+      in_pass_ = true;
+      for (Bucket& b : buckets_) {
+        b.pending = b.params.size();
+        b.work = nullptr;
+      }
+      next_launch_ = 0;
+      ready_.assign(params_.size(), false);
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    }
+    notify(absl::StrCat("grad ", k));
+    // What .grad will hold after accumulation: the earlier (no_sync) value plus this one.
+    at::Tensor view = bucket_view(k);
+    const at::Tensor& existing = params_[k].grad();
+    if (existing.defined()) {
+      at::add_out(view, existing.reshape(-1), grad.reshape(-1));
+    } else {
+      view.copy_(grad.reshape(-1));
+    }
+    if (ready_[k]) return;
+    ready_[k] = true;
+    --buckets_[slot_[k].bucket].pending;
+    // Collectives must be issued in the same order on every rank: launch
+    // buckets strictly in index order, each as soon as it and all before it
+    // are full.
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+      launch(next_launch_++);
+    }
+  }
+
+  void launch(size_t b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    notify(absl::StrCat("launch ", b));
+    buckets_[b].work = hook_(*group_, buckets_[b].flat);
+  }
+
+  // End of backward: reduce what is left, wait, write the averages back.
+  void finalize() {
+    absl::MutexLock lock(&mu_);
+    in_pass_ = false;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (buckets_[b].work) continue;
+      if (!options_.find_unused_parameters) {
+        throw std::runtime_error(
+            "DistributedDataParallel: some parameters received no gradient in this backward "
+            "pass; pass find_unused_parameters=true if the model does not use all of them");
+      }
+      for (size_t k : buckets_[b].params) {
+        if (ready_[k]) continue;
+        const at::Tensor& existing = params_[k].grad();
+        if (existing.defined()) {
+          bucket_view(k).copy_(existing.reshape(-1));
+        } else {
+          bucket_view(k).zero_();
+        }
+      }
+      launch(b);
+    }
+    for (Bucket& b : buckets_) b.work->wait(options_.timeout);
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < params_.size(); ++k) {
+      at::Tensor avg = bucket_view(k).view(params_[k].sizes());
+      if (params_[k].grad().defined()) {
+        params_[k].mutable_grad().copy_(avg);
+      } else {
+        params_[k].mutable_grad() = avg.clone();
+      }
+    }
+    notify("done");
+  }
+
+  const std::vector<at::Tensor> params_;
+  const std::shared_ptr<ProcessGroup> group_;
+  const DdpOptions options_;
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slot_;
+  std::vector<unsigned> hook_ids_;
+
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  CommHook hook_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> observer_ ABSL_GUARDED_BY(mu_);
+  bool sync_ ABSL_GUARDED_BY(mu_) = true;
+  bool in_pass_ ABSL_GUARDED_BY(mu_) = false;
+  size_t next_launch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<bool> ready_ ABSL_GUARDED_BY(mu_);
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 std::shared_ptr<ProcessGroup> group,
+                                                 DdpOptions options)
+    : module_(std::move(module)), group_(std::move(group)) {
+  // Every replica starts from rank 0's parameters and buffers.
+  std::vector<at::Tensor> state;
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& p : module_->parameters()) state.push_back(p.detach());
+    if (options.broadcast_buffers) {
+      for (const auto& b : module_->buffers()) state.push_back(b);
+    }
+  }
+  if (!state.empty()) group_->broadcast(state, 0)->wait(options.timeout);
+  reducer_ = std::make_unique<Reducer>(module_->parameters(), group_, options);
+  Reducer* reducer = reducer_.get();
+  dist_autograd::set_gradient_hook(
+      [reducer](dist_autograd::ContextId, std::vector<at::Tensor>& params,
+                std::vector<at::Tensor>& grads) { reducer->reduce_in_pass(params, grads); });
+}
+
+DistributedDataParallel::~DistributedDataParallel() { dist_autograd::set_gradient_hook(nullptr); }
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel* ddp) : ddp_(ddp) {
+  ddp_->reducer_->set_sync(false);
+}
+
+DistributedDataParallel::NoSync::~NoSync() {
+  if (ddp_) ddp_->reducer_->set_sync(true);
+}
+
+void DistributedDataParallel::register_comm_hook(CommHook hook) {
+  reducer_->set_hook(std::move(hook));
+}
+
+std::vector<std::vector<size_t>> DistributedDataParallel::bucket_indices() const {
+  return reducer_->bucket_indices();
+}
+
+void DistributedDataParallel::set_event_observer(std::function<void(const std::string&)> observer) {
+  reducer_->set_observer(std::move(observer));
+}
+
+}  // namespace ddprpc::ddp

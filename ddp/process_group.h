@@ -1,0 +1,73 @@
+// Collectives among a fixed group of processes, mirroring
+// torch.distributed's ProcessGroup: every operation is asynchronous and
+// returns a Work; Work::wait(timeout) rethrows the operation's error or
+// fails when the timeout passes. Operations run in the order they are
+// issued, the same order on every rank.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace ddprpc::rpc {
+class Store;
+}
+
+namespace ddprpc::ddp {
+
+enum class ReduceOp { kSum, kAvg, kMin, kMax };
+
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until done; throws std::runtime_error naming the operation on
+  // failure or when `timeout` passes first.
+  virtual void wait(absl::Duration timeout = absl::InfiniteDuration()) = 0;
+  virtual bool completed() const = 0;
+};
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;
+
+  // In place, on every tensor (dense, contiguous, float/double/int/long).
+  virtual std::shared_ptr<Work> allreduce(std::vector<at::Tensor> tensors,
+                                          ReduceOp op = ReduceOp::kSum) = 0;
+  // Every tensor takes root's value.
+  virtual std::shared_ptr<Work> broadcast(std::vector<at::Tensor> tensors, int root = 0) = 0;
+  // outputs[r] receives rank r's input; outputs must hold size() tensors
+  // shaped like input.
+  virtual std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input) = 0;
+  virtual std::shared_ptr<Work> barrier() = 0;
+};
+
+struct ProcessGroupOptions {
+  // Deadline of each collective (and of the rendezvous).
+  absl::Duration timeout = absl::Seconds(300);
+  // Address this process listens on for its peers.
+  std::string listen_address = "127.0.0.1";
+};
+
+// Gloo over TCP. Rendezvous through `store` under `prefix`, so several
+// groups (and the RPC agent) can share one store.
+std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<rpc::Store> store,
+                                              const std::string& prefix, int rank, int size,
+                                              ProcessGroupOptions options = {});
+
+// Gloo with its own store: init_method "tcp://host:port" (rank 0 hosts the
+// store there) or "env://" (MASTER_ADDR, MASTER_PORT; rank/size < 0 read
+// RANK and WORLD_SIZE).
+std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
+                                                 const std::string& init_method = "env://",
+                                                 int rank = -1, int size = -1,
+                                                 ProcessGroupOptions options = {});
+
+}  // namespace ddprpc::ddp

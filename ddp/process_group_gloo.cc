@@ -1,0 +1,339 @@
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/math.h>
+#include <gloo/types.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "ddp/process_group.h"
+#include "rpc/store.h"
+
+namespace ddprpc::ddp {
+namespace {
+
+// gloo's rendezvous over the project's store, under a key prefix.
+class GlooStore : public gloo::rendezvous::Store {
+ public:
+  GlooStore(std::shared_ptr<rpc::Store> store, std::string prefix)
+      : store_(std::move(store)), prefix_(std::move(prefix)) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(prefix_ + key, std::string(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    std::string v = store_->get(prefix_ + key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override {
+    wait(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(store_->timeout())));
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    for (const auto& k : keys) full.push_back(prefix_ + k);
+    store_->wait(full, absl::Milliseconds(timeout.count()));
+  }
+
+ private:
+  std::shared_ptr<rpc::Store> store_;
+  const std::string prefix_;
+};
+
+class GlooWork : public Work {
+ public:
+  explicit GlooWork(std::string what) : what_(std::move(what)) {}
+  void wait(absl::Duration timeout) override {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
+      throw std::runtime_error(what_ + " did not complete within " + absl::FormatDuration(timeout));
+    }
+    if (!error_.empty()) throw std::runtime_error(what_ + " failed: " + error_);
+  }
+  bool completed() const override {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+  void finish(std::string error) {
+    absl::MutexLock lock(&mu_);
+    error_ = std::move(error);
+    done_ = true;
+  }
+
+ private:
+  const std::string what_;
+  mutable absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::string error_ ABSL_GUARDED_BY(mu_);
+};
+
+template <typename T>
+void reduce_fn(ReduceOp op, gloo::AllreduceOptions& opts) {
+  void (*fn)(void*, const void*, const void*, size_t) = &gloo::sum<T>;
+  if (op == ReduceOp::kMin) fn = &gloo::min<T>;
+  if (op == ReduceOp::kMax) fn = &gloo::max<T>;
+  opts.setReduceFunction(fn);
+}
+
+template <typename F>
+void dispatch_dtype(const at::Tensor& t, F f) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return f(float{});
+    case at::kDouble: return f(double{});
+    case at::kLong: return f(int64_t{});
+    case at::kInt: return f(int32_t{});
+    case at::kHalf: return f(gloo::float16{});
+    default:
+      throw std::invalid_argument(std::string("ProcessGroupGloo: unsupported dtype ") +
+                                  c10::toString(t.scalar_type()));
+  }
+}
+
+void check_tensor(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_cpu() || t.layout() != c10::kStrided) {
+    throw std::invalid_argument("ProcessGroupGloo: tensors must be dense CPU tensors");
+  }
+}
+
+class ProcessGroupGloo : public ProcessGroup {
+ public:
+  ProcessGroupGloo(std::shared_ptr<rpc::Store> store, const std::string& prefix, int rank,
+                   int size, ProcessGroupOptions options)
+      : rank_(rank), size_(size), options_(options) {
+    GlooStore gloo_store(std::move(store), prefix);
+    gloo::transport::tcp::attr attr(options.listen_address.c_str());
+    auto device = gloo::transport::tcp::CreateDevice(attr);
+    context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context_->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(options.timeout)));
+    try {
+      context_->connectFullMesh(gloo_store, device);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(absl::StrCat("ProcessGroupGloo: rank ", rank, " of ", size,
+                                            " could not connect to its peers: ", e.what()));
+    }
+    worker_ = std::thread([this] { loop(); });
+  }
+
+  ~ProcessGroupGloo() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    worker_.join();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+
+  std::shared_ptr<Work> allreduce(std::vector<at::Tensor> tensors, ReduceOp op) override {
+    for (const auto& t : tensors) check_tensor(t);
+    return enqueue("allreduce", [this, tensors, op]() mutable {
+      if (tensors.empty()) return;
+      std::vector<at::Tensor> flat;
+      for (auto& t : tensors) flat.push_back(t.reshape(-1));
+      at::Tensor buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
+      dispatch_dtype(buffer, [&](auto zero) {
+        using T = decltype(zero);
+        gloo::AllreduceOptions opts(context_);
+        opts.setOutput(static_cast<T*>(buffer.data_ptr()), buffer.numel());
+        reduce_fn<T>(op, opts);
+        if ((size_ & (size_ - 1)) == 0) {  // log2(n) steps instead of the ring's 2(n-1)
+          opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::BCUBE);
+        }
+        gloo::allreduce(opts);
+      });
+      if (op == ReduceOp::kAvg) buffer.div_(size_);
+      if (buffer.data_ptr() != tensors[0].data_ptr() || flat.size() > 1) {
+        int64_t offset = 0;
+        for (auto& t : tensors) {
+          t.copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
+          offset += t.numel();
+        }
+      }
+    });
+  }
+
+  std::shared_ptr<Work> broadcast(std::vector<at::Tensor> tensors, int root) override {
+    for (const auto& t : tensors) check_tensor(t);
+    return enqueue("broadcast", [this, tensors, root]() mutable {
+      for (auto& t : tensors) {
+        at::Tensor c = t.contiguous();
+        dispatch_dtype(c, [&](auto zero) {
+          using T = decltype(zero);
+          gloo::BroadcastOptions opts(context_);
+          opts.setRoot(root);
+          opts.setOutput(static_cast<T*>(c.data_ptr()), c.numel());
+          gloo::broadcast(opts);
+        });
+        if (!c.is_same(t)) t.copy_(c);
+      }
+    });
+  }
+
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input) override {
+    check_tensor(input);
+    if (static_cast<int>(outputs.size()) != size_) {
+      throw std::invalid_argument("ProcessGroupGloo::allgather needs one output per rank");
+    }
+    return enqueue("allgather", [this, outputs, input]() mutable {
+      at::Tensor in = input.contiguous();
+      at::Tensor out = at::empty({size_ * in.numel()}, in.options());
+      dispatch_dtype(in, [&](auto zero) {
+        using T = decltype(zero);
+        gloo::AllgatherOptions opts(context_);
+        opts.setInput(static_cast<T*>(in.data_ptr()), in.numel());
+        opts.setOutput(static_cast<T*>(out.data_ptr()), out.numel());
+        gloo::allgather(opts);
+      });
+      for (int r = 0; r < size_; ++r) {
+        outputs[r].copy_(out.narrow(0, r * in.numel(), in.numel()).view(outputs[r].sizes()));
+      }
+    });
+  }
+
+  std::shared_ptr<Work> barrier() override {
+    return enqueue("barrier", [this] {
+      gloo::BarrierOptions opts(context_);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  std::shared_ptr<Work> enqueue(const char* name, std::function<void()> op) {
+    auto work = std::make_shared<GlooWork>(
+        absl::StrCat("ProcessGroupGloo ", name, " (rank ", rank_, " of ", size_, ")"));
+    absl::MutexLock lock(&mu_);
+    queue_.emplace_back(std::move(op), work);
+    return work;
+  }
+
+  void loop() {
+    while (true) {
+      std::pair<std::function<void()>, std::shared_ptr<GlooWork>> item;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !queue_.empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::string error;
+      try {
+        item.first();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      item.second->finish(std::move(error));
+    }
+  }
+
+  const int rank_, size_;
+  const ProcessGroupOptions options_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::thread worker_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<GlooWork>>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  int out;
+  if (!v || !absl::SimpleAtoi(v, &out)) {
+    throw std::invalid_argument(std::string("init_process_group: set ") + name +
+                                " or pass rank/size");
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<rpc::Store> store,
+                                              const std::string& prefix, int rank, int size,
+                                              ProcessGroupOptions options) {
+  return std::make_shared<ProcessGroupGloo>(std::move(store), prefix, rank, size, options);
+}
+
+namespace {
+
+// Keeps rank 0's store server alive as long as its group.
+class OwningGroup : public ProcessGroup {
+ public:
+  OwningGroup(std::unique_ptr<rpc::StoreServer> server, std::shared_ptr<ProcessGroup> group)
+      : group_(std::move(group)), server_(std::move(server)) {}
+  ~OwningGroup() override {
+    group_.reset();  // before the store goes
+  }
+  int rank() const override { return group_->rank(); }
+  int size() const override { return group_->size(); }
+  std::string backend() const override { return group_->backend(); }
+  std::shared_ptr<Work> allreduce(std::vector<at::Tensor> t, ReduceOp op) override {
+    return group_->allreduce(std::move(t), op);
+  }
+  std::shared_ptr<Work> broadcast(std::vector<at::Tensor> t, int root) override {
+    return group_->broadcast(std::move(t), root);
+  }
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> o, at::Tensor i) override {
+    return group_->allgather(std::move(o), std::move(i));
+  }
+  std::shared_ptr<Work> barrier() override { return group_->barrier(); }
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  std::unique_ptr<rpc::StoreServer> server_;
+};
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
+                                                 const std::string& init_method, int rank,
+                                                 int size, ProcessGroupOptions options) {
+  if (backend != "gloo") {
+    throw std::invalid_argument("init_process_group: backend '" + backend +
+                                "' is not available for CPU tensors in this build (use gloo)");
+  }
+  if (rank < 0) rank = env_int("RANK");
+  if (size < 0) size = env_int("WORLD_SIZE");
+  std::string host;
+  int port = 0;
+  if (init_method == "env://") {
+    const char* a = std::getenv("MASTER_ADDR");
+    const char* p = std::getenv("MASTER_PORT");
+    if (!a || !p || !absl::SimpleAtoi(p, &port)) {
+      throw std::invalid_argument("init_process_group: env:// needs MASTER_ADDR and MASTER_PORT");
+    }
+    host = a;
+  } else if (init_method.rfind("tcp://", 0) == 0) {
+    std::string rest = init_method.substr(6);
+    size_t colon = rest.rfind(':');
+    if (colon == std::string::npos || !absl::SimpleAtoi(rest.substr(colon + 1), &port)) {
+      throw std::invalid_argument("init_process_group: bad init_method '" + init_method + "'");
+    }
+    host = rest.substr(0, colon);
+  } else {
+    throw std::invalid_argument("init_process_group: unsupported init_method '" + init_method + "'");
+  }
+  std::unique_ptr<rpc::StoreServer> server;
+  if (rank == 0) server = rpc::StoreServer::start(host, port);
+  auto store = std::make_shared<rpc::Store>(host, port, options.timeout);
+  auto group = make_gloo_group(store, "pg/", rank, size, options);
+  return std::make_shared<OwningGroup>(std::move(server), std::move(group));
+}
+
+}  // namespace ddprpc::ddp
