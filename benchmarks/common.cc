@@ -62,6 +62,19 @@ std::string shared_path(const std::string& relative) {
   return "";
 }
 
+std::string source_path(const std::string& relative) {
+  std::vector<std::string> roots;
+  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY")) roots.push_back(ws);
+  if (const char* src = std::getenv("TEST_SRCDIR")) roots.push_back(absl::StrCat(src, "/ddprpc"));
+  char cwd[4096];
+  if (::getcwd(cwd, sizeof(cwd))) roots.push_back(cwd);
+  for (const auto& root : roots) {
+    std::string candidate = absl::StrCat(root, "/", relative);
+    if (::access(candidate.c_str(), R_OK) == 0) return candidate;
+  }
+  return "";
+}
+
 std::string output_path(const std::string& path) {
   if (path.empty() || path[0] == '/') return path;
   if (const char* wd = std::getenv("BUILD_WORKING_DIRECTORY")) return absl::StrCat(wd, "/", path);

@@ -23,6 +23,8 @@ std::string self_exe();
 std::string temp_path(const std::string& stem);
 // `relative` under ../shared beside the workspace, or "" if it is not there.
 std::string shared_path(const std::string& relative);
+// A file of this repository (e.g. a reference script), or "" if not found.
+std::string source_path(const std::string& relative);
 // Resolves a relative output path against the directory `bazel run` was
 // started from.
 std::string output_path(const std::string& path);
