@@ -45,7 +45,9 @@ DEFINE_int32(num_embeddings, 300, "rows of each embedding table");
 DEFINE_int32(embedding_dim, 64, "columns of each embedding table (fc_in = ps * embedding_dim)");
 DEFINE_int32(iters, 20, "measured iterations per trainer (each = 10 batches)");
 DEFINE_int32(warmup, 2, "iterations per trainer before measuring");
-DEFINE_string(backend, "gloo", "DDP collective backend: gloo (CPU) or nccl (CUDA)");
+DEFINE_string(backend, "gloo",
+              "DDP collective backend among trainers: gloo (CPU) or nccl (GPU; needs a CUDA build "
+              "and a visible GPU)");
 DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
 DEFINE_string(json, "ddp_rpc.json",
               "where to write every figure and the configuration (relative to the directory "
@@ -109,17 +111,16 @@ std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>> run_t
   // DDP among the trainers (rendezvous through the RPC store): the same
   // initial dense parameters everywhere, gradients averaged inside every
   // dist_autograd backward pass.
-  if (FLAGS_backend != "gloo") {
-    throw std::invalid_argument("--backend=" + FLAGS_backend +
-                                ": only gloo is available for CPU tensors in this build");
-  }
   const std::string address = rpc::current_agent()->store().address();
   const size_t colon = address.rfind(':');
   auto store = std::make_shared<rpc::Store>(address.substr(0, colon),
                                             std::stoi(address.substr(colon + 1)),
                                             absl::Seconds(FLAGS_timeout_s));
-  auto group = ddprpc::ddp::make_gloo_group(store, "ddp/trainers/", static_cast<int>(rank),
-                                            FLAGS_trainers);
+  auto group = FLAGS_backend == "nccl"
+                   ? ddprpc::ddp::make_nccl_group(store, "ddp/trainers/", static_cast<int>(rank),
+                                                  FLAGS_trainers)
+                   : ddprpc::ddp::make_gloo_group(store, "ddp/trainers/", static_cast<int>(rank),
+                                                  FLAGS_trainers);
   ddprpc::ddp::DistributedDataParallel ddp(model.dense().ptr(), group);
   ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", 0.05}}, model.parameter_rrefs());
   std::vector<double> seconds;
@@ -398,6 +399,14 @@ int main(int argc, char** argv) {
       "DDP + RPC hybrid benchmark (master + trainers + parameter servers), with PyTorch's own "
       "stack measured in the same run\n  usage: ddp_rpc [--trainers=8 --ps=8 ...]");
   bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
+  if (FLAGS_backend != "gloo" && FLAGS_backend != "nccl") {
+    std::fprintf(stderr, "ddp_rpc: --backend must be gloo or nccl\n");
+    return 2;
+  }
+  if (FLAGS_backend == "nccl" && !ddprpc::ddp::nccl_available()) {
+    std::fprintf(stderr, "ddp_rpc: --backend=nccl needs a CUDA build and a visible GPU\n");
+    return 2;
+  }
   if (FLAGS_trainers < 1 || FLAGS_ps < 1 || FLAGS_iters < 1) {
     std::fprintf(stderr, "ddp_rpc: --trainers, --ps and --iters must be at least 1\n");
     return 2;

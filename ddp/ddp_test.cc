@@ -172,3 +172,24 @@ MULTIPROCESS_TEST(DdpTest, NoSyncUnusedParametersAndFp16Hook, 2) {
 }
 
 }  // namespace
+
+namespace {
+
+// Runs where a GPU is visible (the lent GPU machine); skipped elsewhere.
+TEST(ProcessGroupNcclTest, WorldSizeOne) {
+  if (mp::is_worker()) return;
+  if (!ddp::nccl_available()) GTEST_SKIP() << "no NCCL build or no visible GPU";
+  auto pg = ddp::init_process_group("nccl", "tcp://127.0.0.1:" + std::to_string(29000 + getpid() % 1000), 0, 1);
+  at::Tensor t = at::full({1000}, 3.0);
+  pg->allreduce({t}, ddp::ReduceOp::kSum)->wait();
+  EXPECT_TRUE(at::allclose(t, at::full({1000}, 3.0)));
+  pg->allreduce({t}, ddp::ReduceOp::kAvg)->wait();
+  EXPECT_TRUE(at::allclose(t, at::full({1000}, 3.0)));
+  pg->broadcast({t}, 0)->wait();
+  std::vector<at::Tensor> out = {at::empty({1000})};
+  pg->allgather(out, t)->wait();
+  EXPECT_TRUE(at::allclose(out[0], t));
+  pg->barrier()->wait();
+}
+
+}  // namespace

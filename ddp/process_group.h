@@ -62,7 +62,15 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<rpc::Store> store,
                                               const std::string& prefix, int rank, int size,
                                               ProcessGroupOptions options = {});
 
-// Gloo with its own store: init_method "tcp://host:port" (rank 0 hosts the
+// NCCL (GPU collectives), built when the CUDA toolkit is present; throws
+// when it is not built in or no GPU is visible. Same rendezvous as Gloo.
+std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<rpc::Store> store,
+                                              const std::string& prefix, int rank, int size,
+                                              ProcessGroupOptions options = {});
+// True when the NCCL backend is built in and a GPU is visible.
+bool nccl_available();
+
+// "gloo" or "nccl" with its own store: init_method "tcp://host:port" (rank 0 hosts the
 // store there) or "env://" (MASTER_ADDR, MASTER_PORT; rank/size < 0 read
 // RANK and WORLD_SIZE).
 std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,

@@ -19,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "ddp/internal/op_queue.h"
 #include "ddp/process_group.h"
 #include "rpc/store.h"
 
@@ -49,33 +50,6 @@ class GlooStore : public gloo::rendezvous::Store {
  private:
   std::shared_ptr<rpc::Store> store_;
   const std::string prefix_;
-};
-
-class GlooWork : public Work {
- public:
-  explicit GlooWork(std::string what) : what_(std::move(what)) {}
-  void wait(absl::Duration timeout) override {
-    absl::MutexLock lock(&mu_);
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
-      throw std::runtime_error(what_ + " did not complete within " + absl::FormatDuration(timeout));
-    }
-    if (!error_.empty()) throw std::runtime_error(what_ + " failed: " + error_);
-  }
-  bool completed() const override {
-    absl::MutexLock lock(&mu_);
-    return done_;
-  }
-  void finish(std::string error) {
-    absl::MutexLock lock(&mu_);
-    error_ = std::move(error);
-    done_ = true;
-  }
-
- private:
-  const std::string what_;
-  mutable absl::Mutex mu_;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  std::string error_ ABSL_GUARDED_BY(mu_);
 };
 
 template <typename T>
@@ -122,15 +96,6 @@ class ProcessGroupGloo : public ProcessGroup {
       throw std::runtime_error(absl::StrCat("ProcessGroupGloo: rank ", rank, " of ", size,
                                             " could not connect to its peers: ", e.what()));
     }
-    worker_ = std::thread([this] { loop(); });
-  }
-
-  ~ProcessGroupGloo() override {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    worker_.join();
   }
 
   int rank() const override { return rank_; }
@@ -212,44 +177,14 @@ class ProcessGroupGloo : public ProcessGroup {
 
  private:
   std::shared_ptr<Work> enqueue(const char* name, std::function<void()> op) {
-    auto work = std::make_shared<GlooWork>(
-        absl::StrCat("ProcessGroupGloo ", name, " (rank ", rank_, " of ", size_, ")"));
-    absl::MutexLock lock(&mu_);
-    queue_.emplace_back(std::move(op), work);
-    return work;
-  }
-
-  void loop() {
-    while (true) {
-      std::pair<std::function<void()>, std::shared_ptr<GlooWork>> item;
-      {
-        absl::MutexLock lock(&mu_);
-        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || !queue_.empty();
-        };
-        mu_.Await(absl::Condition(&ready));
-        if (queue_.empty()) return;
-        item = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      std::string error;
-      try {
-        item.first();
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-      item.second->finish(std::move(error));
-    }
+    return ops_.enqueue(absl::StrCat("ProcessGroupGloo ", name, " (rank ", rank_, " of ", size_, ")"),
+                        std::move(op));
   }
 
   const int rank_, size_;
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
-  std::thread worker_;
-  absl::Mutex mu_;
-  // State below is protected by mu_.
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<GlooWork>>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  internal::OpQueue ops_;  // last: its thread stops before the context goes
 };
 
 int env_int(const char* name) {
@@ -304,9 +239,9 @@ class OwningGroup : public ProcessGroup {
 std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
                                                  const std::string& init_method, int rank,
                                                  int size, ProcessGroupOptions options) {
-  if (backend != "gloo") {
-    throw std::invalid_argument("init_process_group: backend '" + backend +
-                                "' is not available for CPU tensors in this build (use gloo)");
+  if (backend != "gloo" && backend != "nccl") {
+    throw std::invalid_argument("init_process_group: unknown backend '" + backend +
+                                "' (use gloo or nccl)");
   }
   if (rank < 0) rank = env_int("RANK");
   if (size < 0) size = env_int("WORLD_SIZE");
@@ -332,7 +267,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   std::unique_ptr<rpc::StoreServer> server;
   if (rank == 0) server = rpc::StoreServer::start(host, port);
   auto store = std::make_shared<rpc::Store>(host, port, options.timeout);
-  auto group = make_gloo_group(store, "pg/", rank, size, options);
+  auto group = backend == "nccl" ? make_nccl_group(store, "pg/", rank, size, options)
+                                 : make_gloo_group(store, "pg/", rank, size, options);
   return std::make_shared<OwningGroup>(std::move(server), std::move(group));
 }
 

@@ -1,0 +1,97 @@
+// Runs a process group's operations one at a time, in the order issued, on
+// a thread of its own, and gives each a Work that reports its outcome.
+#pragma once
+
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "ddp/process_group.h"
+
+namespace ddprpc::ddp::internal {
+
+class QueuedWork : public Work {
+ public:
+  explicit QueuedWork(std::string what) : what_(std::move(what)) {}
+  void wait(absl::Duration timeout) override {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
+      throw std::runtime_error(what_ + " did not complete within " + absl::FormatDuration(timeout));
+    }
+    if (!error_.empty()) throw std::runtime_error(what_ + " failed: " + error_);
+  }
+  bool completed() const override {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+  void finish(std::string error) {
+    absl::MutexLock lock(&mu_);
+    error_ = std::move(error);
+    done_ = true;
+  }
+
+ private:
+  const std::string what_;
+  mutable absl::Mutex mu_;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::string error_ ABSL_GUARDED_BY(mu_);
+};
+
+class OpQueue {
+ public:
+  OpQueue() : thread_([this] { loop(); }) {}
+  // Finishes the queued operations, then stops.
+  ~OpQueue() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    thread_.join();
+  }
+
+  // `what` names the operation in errors ("ProcessGroupGloo allreduce (rank 0 of 2)").
+  std::shared_ptr<Work> enqueue(std::string what, std::function<void()> op) {
+    auto work = std::make_shared<QueuedWork>(std::move(what));
+    absl::MutexLock lock(&mu_);
+    queue_.emplace_back(std::move(op), work);
+    return work;
+  }
+
+ private:
+  void loop() {
+    while (true) {
+      std::pair<std::function<void()>, std::shared_ptr<QueuedWork>> item;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !queue_.empty();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (queue_.empty()) return;
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::string error;
+      try {
+        item.first();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      item.second->finish(std::move(error));
+    }
+  }
+
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<QueuedWork>>> queue_
+      ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: starts after the state above exists
+};
+
+}  // namespace ddprpc::ddp::internal

@@ -1,0 +1,185 @@
+// NCCL backend of ProcessGroup, compiled when the CUDA toolkit was found at
+// build time (DDPRPC_WITH_NCCL). This libtorch build has no CUDA tensors,
+// so operations stage the (CPU) tensors through device buffers; with a CUDA
+// libtorch the staging would be skipped for CUDA tensors.
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "ddp/internal/op_queue.h"
+#include "ddp/process_group.h"
+#include "rpc/store.h"
+
+#ifdef DDPRPC_WITH_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace ddprpc::ddp {
+
+bool nccl_available() {
+#ifdef DDPRPC_WITH_NCCL
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+#else
+  return false;
+#endif
+}
+
+#ifdef DDPRPC_WITH_NCCL
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+void check(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) throw std::runtime_error(absl::StrCat(what, ": ", ncclGetErrorString(r)));
+}
+
+ncclDataType_t nccl_type(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kLong: return ncclInt64;
+    case at::kInt: return ncclInt32;
+    case at::kHalf: return ncclFloat16;
+    default:
+      throw std::invalid_argument(std::string("ProcessGroupNccl: unsupported dtype ") +
+                                  c10::toString(t.scalar_type()));
+  }
+}
+
+class ProcessGroupNccl : public ProcessGroup {
+ public:
+  ProcessGroupNccl(const std::shared_ptr<rpc::Store>& store, const std::string& prefix, int rank,
+                   int size)
+      : rank_(rank), size_(size) {
+    int devices = 0;
+    check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+    device_ = rank % devices;
+    check(cudaSetDevice(device_), "cudaSetDevice");
+    ncclUniqueId id;
+    if (rank == 0) {
+      check(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      store->set(prefix + "nccl_id", std::string(id.internal, sizeof(id.internal)));
+    } else {
+      std::string v = store->get(prefix + "nccl_id");
+      std::memcpy(id.internal, v.data(), std::min(v.size(), sizeof(id.internal)));
+    }
+    check(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
+    check(cudaStreamCreate(&stream_), "cudaStreamCreate");
+  }
+
+  ~ProcessGroupNccl() override {
+    ops_.reset();  // finish queued operations first
+    if (buffer_) cudaFree(buffer_);
+    ncclCommDestroy(comm_);
+    cudaStreamDestroy(stream_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+
+  std::shared_ptr<Work> allreduce(std::vector<at::Tensor> tensors, ReduceOp op) override {
+    return enqueue("allreduce", [this, tensors, op]() mutable {
+      for (auto& t : tensors) {
+        ncclRedOp_t nop = op == ReduceOp::kMin ? ncclMin : op == ReduceOp::kMax ? ncclMax : ncclSum;
+        staged(t, [&](void* dev) {
+          check(ncclAllReduce(dev, dev, t.numel(), nccl_type(t), nop, comm_, stream_), "ncclAllReduce");
+        });
+        if (op == ReduceOp::kAvg) t.div_(size_);
+      }
+    });
+  }
+
+  std::shared_ptr<Work> broadcast(std::vector<at::Tensor> tensors, int root) override {
+    return enqueue("broadcast", [this, tensors, root]() mutable {
+      for (auto& t : tensors) {
+        staged(t, [&](void* dev) {
+          check(ncclBroadcast(dev, dev, t.numel(), nccl_type(t), root, comm_, stream_), "ncclBroadcast");
+        });
+      }
+    });
+  }
+
+  std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input) override {
+    if (static_cast<int>(outputs.size()) != size_) {
+      throw std::invalid_argument("ProcessGroupNccl::allgather needs one output per rank");
+    }
+    return enqueue("allgather", [this, outputs, input]() mutable {
+      at::Tensor gathered = at::empty({size_ * input.numel()}, input.options());
+      gathered.narrow(0, rank_ * input.numel(), input.numel()).copy_(input.reshape(-1));
+      staged(gathered, [&](void* dev) {
+        char* base = static_cast<char*>(dev);
+        const size_t bytes = input.numel() * input.element_size();
+        check(ncclAllGather(base + rank_ * bytes, base, input.numel(), nccl_type(input), comm_,
+                            stream_),
+              "ncclAllGather");
+      });
+      for (int r = 0; r < size_; ++r) {
+        outputs[r].copy_(gathered.narrow(0, r * input.numel(), input.numel()).view(outputs[r].sizes()));
+      }
+    });
+  }
+
+  std::shared_ptr<Work> barrier() override {
+    at::Tensor one = at::empty({1}, at::kFloat).fill_(1);
+    return allreduce({one}, ReduceOp::kSum);
+  }
+
+ private:
+  std::shared_ptr<Work> enqueue(const char* name, std::function<void()> op) {
+    return ops_->enqueue(absl::StrCat("ProcessGroupNccl ", name, " (rank ", rank_, " of ", size_, ")"),
+                         std::move(op));
+  }
+
+  // Copies `t` to the device, runs `op` on the device copy, copies back.
+  template <typename F>
+  void staged(at::Tensor& t, F op) {
+    check(cudaSetDevice(device_), "cudaSetDevice");
+    at::Tensor host = t.contiguous();
+    const size_t bytes = host.numel() * host.element_size();
+    if (bytes > capacity_) {
+      if (buffer_) cudaFree(buffer_);
+      buffer_ = nullptr;
+      check(cudaMalloc(&buffer_, bytes), "cudaMalloc");
+      capacity_ = bytes;
+    }
+    check(cudaMemcpyAsync(buffer_, host.data_ptr(), bytes, cudaMemcpyHostToDevice, stream_),
+          "cudaMemcpy to device");
+    op(buffer_);
+    check(cudaMemcpyAsync(host.data_ptr(), buffer_, bytes, cudaMemcpyDeviceToHost, stream_),
+          "cudaMemcpy to host");
+    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    if (!host.is_same(t)) t.copy_(host);
+  }
+
+  const int rank_, size_;
+  int device_ = 0;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  void* buffer_ = nullptr;  // used only on the op thread
+  size_t capacity_ = 0;
+  std::unique_ptr<internal::OpQueue> ops_ = std::make_unique<internal::OpQueue>();
+};
+
+}  // namespace
+#endif  // DDPRPC_WITH_NCCL
+
+std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<rpc::Store> store,
+                                              const std::string& prefix, int rank, int size,
+                                              ProcessGroupOptions options) {
+  (void)options;
+#ifdef DDPRPC_WITH_NCCL
+  if (!nccl_available()) throw std::runtime_error("NCCL backend: no CUDA device is visible");
+  return std::make_shared<ProcessGroupNccl>(store, prefix, rank, size);
+#else
+  (void)store, (void)prefix, (void)rank, (void)size;
+  throw std::runtime_error("NCCL backend: built without CUDA (no /usr/local/cuda at build time)");
+#endif
+}
+
+}  // namespace ddprpc::ddp
