@@ -111,6 +111,8 @@ int main(int argc, char** argv) {
   json.begin_object().key("cells").begin_array();
   // best[model/batch] at 1 thread: (speedup, backend)
   std::map<std::string, std::pair<double, std::string>> best;
+  // The default choice (default_backend at kDefaultPolicyThreads): worst speedup seen.
+  double default_worst = 1e18;
   for (absl::string_view model_name : absl::StrSplit(FLAGS_models, ',')) {
     models::PpoPolicy policy =
         model_name == "cnn" ? models::make_cnn_policy() : models::make_mlp_policy();
@@ -150,6 +152,10 @@ int main(int argc, char** argv) {
           json.key("compiled_calls_per_s").value(rate).key("speedup_pct").value(speedup);
           json.key("pytorch_eager_calls_per_s").value(py).end_object();
           if (threads == 1 && (!best.count(key) || speedup > best[key].first)) best[key] = {speedup, c.name()};
+          auto def = models::default_backend(policy->kind);
+          if (threads == models::kDefaultPolicyThreads && c.name() == def.first + "/" + def.second) {
+            default_worst = std::min(default_worst, speedup);
+          }
         }
       }
     }
@@ -157,8 +163,11 @@ int main(int argc, char** argv) {
   json.end_array();
   models::set_policy_threads(models::kDefaultPolicyThreads);
   std::printf("%s", table.str().c_str());
-  std::printf("\nDefault choice (models::default_backend, %d thread): never slower than eager here.\n",
-              models::kDefaultPolicyThreads);
+  if (default_worst < 1e17) {
+    std::printf("\nDefault choice (models::default_backend, %d thread): worst speedup %+.0f%%%s\n",
+                models::kDefaultPolicyThreads, default_worst,
+                default_worst >= 0 ? " (never slower than eager)" : " (SLOWER than eager somewhere)");
+  }
   std::printf("Best backend per model and batch size (1 thread):\n");
   json.key("best_1_thread").begin_object();
   for (const auto& [key, b] : best) {
