@@ -91,10 +91,7 @@ int coordinator(int argc, char** argv) {
   for (const std::string& nstr : std::vector<std::string>(absl::StrSplit(FLAGS_nprocs, ','))) {
     const int n = std::stoi(nstr);
     const std::string tmp = bench::temp_path(absl::StrCat("allreduce", n));
-    ddprpc::rpc::LaunchOptions launch;
-    launch.nprocs = n;
-    launch.argv = {bench::self_exe()};
-    for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+    auto launch = bench::relaunch_self(n, argc, argv);
     launch.argv.push_back("--result_file=" + tmp);
     launch.timeout = absl::Minutes(10);
     std::fprintf(stderr, "allreduce: ddprpc ProcessGroupGloo, %d processes\n", n);

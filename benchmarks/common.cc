@@ -45,6 +45,14 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
+rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv) {
+  rpc::LaunchOptions launch;
+  launch.nprocs = nprocs;
+  launch.argv = {self_exe()};
+  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  return launch;
+}
+
 std::string temp_path(const std::string& stem) {
   const char* dir = std::getenv("TMPDIR");
   return absl::StrCat(dir && *dir ? dir : "/tmp", "/", stem, ".", ::getpid());

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "rpc/launch.h"
+
 namespace ddprpc::benchmarks {
 
 // Parses gflags; --help lists only the flags defined in files whose path
@@ -20,6 +22,9 @@ int cpu_count();
 double percentile(std::vector<double> samples, double p);
 
 std::string self_exe();
+// Options that run this binary again, with its arguments, as `nprocs`
+// workers (RANK etc. set by rpc::launch).
+rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv);
 std::string temp_path(const std::string& stem);
 // `relative` under ../shared beside the workspace, or "" if it is not there.
 std::string shared_path(const std::string& relative);

@@ -321,10 +321,7 @@ int coordinator(int argc, char** argv) {
   std::fflush(stdout);
 
   const std::string tmp = bench::temp_path("ddp_rpc");
-  rpc::LaunchOptions launch;
-  launch.nprocs = world;
-  launch.argv = {bench::self_exe()};
-  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  auto launch = bench::relaunch_self(world, argc, argv);
   launch.argv.push_back("--result_file=" + tmp);
   launch.timeout = absl::Seconds(FLAGS_timeout_s);
   launch.grace_period = absl::Seconds(20);  // let the master report which call failed

@@ -86,10 +86,7 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage("per-iteration cost of dist autograd + DistributedOptimizer (3 workers)");
   bench::parse_flags(&argc, &argv, "benchmarks/dist_autograd_step");
   if (bench::env_rank() >= 0) return worker();
-  rpc::LaunchOptions launch;
-  launch.nprocs = 3;
-  launch.argv = {bench::self_exe()};
-  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  auto launch = bench::relaunch_self(3, argc, argv);
   launch.prefix_output = false;
   launch.timeout = absl::Minutes(5);
   return rpc::launch(launch).exit_code;

@@ -145,10 +145,7 @@ std::map<std::string, double> parse_anchor_json(const std::string& text) {
 
 int coordinator(int argc, char** argv) {
   const std::string tmp = bench::temp_path("rpc_pingpong");
-  rpc::LaunchOptions launch;
-  launch.nprocs = 2;
-  launch.argv = {bench::self_exe()};
-  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  auto launch = bench::relaunch_self(2, argc, argv);
   launch.argv.push_back("--result_file=" + tmp);
   launch.timeout = absl::Minutes(10);
   std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers on loopback\n");
