@@ -1,96 +1,161 @@
 #include "models/policy_compile.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+#include <omp.h>
 #include <torch/csrc/jit/passes/tensorexpr_fuser.h>
 #include <torch/csrc/jit/passes/xnnpack_rewrite.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
+#include <torch/csrc/jit/tensorexpr/kernel.h>
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+
+// Exported by libtorch_cpu, declared in headers Debian does not ship
+// (caffe2/utils/threadpool/thread_pool_guard.h,
+// torch/csrc/jit/codegen/fuser/interface.h).
+namespace caffe2 {
+struct TORCH_API _NoPThreadPoolGuard {
+  // Thread-local: while enabled, caffe2::pthreadpool_() is null and XNNPACK
+  // runs its work on the calling thread.
+  static bool is_enabled();
+  static void set_enabled(bool enabled);
+};
+}  // namespace caffe2
+namespace torch::jit {
+TORCH_API bool canFuseOnCPU();
+TORCH_API void overrideCanFuseOnCPU(bool value);
+}  // namespace torch::jit
 
 namespace ddprpc::models {
 namespace {
 
-constexpr char kMlpSource[] = R"(
-def forward(self, obs: Tensor) -> Tuple[Tensor, Tensor]:
+// The encoder of each kind; leaves the features in `h`.
+constexpr char kMlpEncoder[] = R"(
     h = torch.tanh(torch.linear(obs, self.fc1_weight, self.fc1_bias))
     h = torch.tanh(torch.linear(h, self.fc2_weight, self.fc2_bias))
-    return torch.linear(h, self.pi_weight, self.pi_bias), torch.linear(h, self.vf_weight, self.vf_bias)
 )";
 
-constexpr char kCnnSource[] = R"(
-def forward(self, obs: Tensor) -> Tuple[Tensor, Tensor]:
+constexpr char kCnnEncoder[] = R"(
     h = torch.relu(torch.conv2d(obs, self.conv1_weight, self.conv1_bias, [4, 4], [2, 2], [1, 1], 1))
     h = torch.relu(torch.conv2d(h, self.conv2_weight, self.conv2_bias, [2, 2], [2, 2], [1, 1], 1))
     h = torch.relu(torch.conv2d(h, self.conv3_weight, self.conv3_bias, [1, 1], [0, 0], [1, 1], 1))
     h = torch.flatten(h, 1)
-    return torch.linear(h, self.pi_weight, self.pi_bias), torch.linear(h, self.vf_weight, self.vf_bias)
 )";
 
-// The policy as a TorchScript module sharing its parameters' values.
-torch::jit::Module script(PpoPolicy& policy) {
+// The sample is sample_actions() (ppo_policy.cc) step for step, so the same
+// generator state gives the same actions.
+std::string policy_source(PolicyKind kind) {
+  const char* encoder = kind == PolicyKind::kMlp ? kMlpEncoder : kCnnEncoder;
+  return absl::StrCat(
+      "def forward(self, obs: Tensor) -> Tuple[Tensor, Tensor]:", encoder,
+      "    return torch.linear(h, self.pi_weight, self.pi_bias), "
+      "torch.linear(h, self.vf_weight, self.vf_bias)\n\n"
+      "def forward_exploration(self, obs: Tensor) -> Tuple[Tensor, Tensor, Tensor]:",
+      encoder,
+      "    logits = torch.linear(h, self.pi_weight, self.pi_bias)\n"
+      "    value = torch.linear(h, self.vf_weight, self.vf_bias)\n"
+      "    u = torch.rand_like(logits).clamp(1e-10, 1.0)\n"
+      "    return torch.argmax(logits - torch.log(-torch.log(u)), 1), logits, value\n");
+}
+
+// The policy as a TorchScript module holding a copy of its weights.
+torch::jit::Module script(const PpoPolicy& policy) {
   torch::jit::Module m(absl::StrCat("ddprpc.PpoPolicy_", kind_name(policy->kind)));
   for (const auto& item : policy->named_parameters()) {
     m.register_parameter(absl::StrReplaceAll(item.key(), {{".", "_"}}), item.value().detach().clone(),
                          /*is_buffer=*/false);
   }
-  m.define(policy->kind == PolicyKind::kMlp ? kMlpSource : kCnnSource);
+  m.define(policy_source(policy->kind));
   m.eval();
   return m;
 }
 
+// Every op of a call on the calling thread: an OpenMP team of one (ATen's
+// parallel_for and oneDNN read this thread's omp_get_max_threads) and no
+// XNNPACK pool.
+class CallerThreadGuard {
+ public:
+  CallerThreadGuard()
+      : omp_threads_(at::get_num_threads()),  // also initializes ATen's threads on this thread
+        no_pool_(caffe2::_NoPThreadPoolGuard::is_enabled()) {
+    if (omp_threads_ != 1) omp_set_num_threads(1);
+    caffe2::_NoPThreadPoolGuard::set_enabled(true);
+  }
+  ~CallerThreadGuard() {
+    if (omp_threads_ != 1) omp_set_num_threads(omp_threads_);
+    caffe2::_NoPThreadPoolGuard::set_enabled(no_pool_);
+  }
+  CallerThreadGuard(const CallerThreadGuard&) = delete;
+  CallerThreadGuard& operator=(const CallerThreadGuard&) = delete;
+
+ private:
+  const int omp_threads_;
+  const bool no_pool_;
+};
+
+// The TensorExpr fuser on for CPU tensors (LLVM codegen, or NNC's IR
+// interpreter). These are process-wide JIT settings: the graph executor
+// reads them when it (re)optimizes a graph, which can happen on any call
+// (a new batch size), so they are set around every call of an nnc policy.
+class FuserGuard {
+ public:
+  explicit FuserGuard(bool interpreter)
+      : enabled_(torch::jit::tensorExprFuserEnabled()),
+        cpu_(torch::jit::canFuseOnCPU()),
+        llvm_(torch::jit::tensorexpr::getTEMustUseLLVMOnCPU()) {
+    torch::jit::setTensorExprFuserEnabled(true);
+    torch::jit::overrideCanFuseOnCPU(true);
+    torch::jit::tensorexpr::getTEMustUseLLVMOnCPU() = !interpreter;
+  }
+  ~FuserGuard() {
+    torch::jit::setTensorExprFuserEnabled(enabled_);
+    torch::jit::overrideCanFuseOnCPU(cpu_);
+    torch::jit::tensorexpr::getTEMustUseLLVMOnCPU() = llvm_;
+  }
+  FuserGuard(const FuserGuard&) = delete;
+  FuserGuard& operator=(const FuserGuard&) = delete;
+
+ private:
+  const bool enabled_, cpu_, llvm_;
+};
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 }  // namespace
 
-CompiledPolicy::CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode)
-    : module_(std::move(module)), backend_(std::move(backend)), mode_(std::move(mode)) {}
+CompiledPolicy::CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode,
+                               Threads threads)
+    : module_(std::move(module)), backend_(std::move(backend)), mode_(std::move(mode)), threads_(threads) {}
+
+c10::IValue CompiledPolicy::call(const char* method, const at::Tensor& obs) {
+  c10::InferenceMode inference;
+  std::optional<CallerThreadGuard> caller_thread;
+  if (threads_ == Threads::kCallerThread) caller_thread.emplace();
+  std::optional<FuserGuard> fuser;
+  if (backend_ == "nnc") fuser.emplace(/*interpreter=*/mode_ == "interp");
+  return module_.get_method(method)({obs});
+}
 
 std::tuple<at::Tensor, at::Tensor> CompiledPolicy::forward(const at::Tensor& obs) {
-  c10::InferenceMode guard;
-  auto out = module_.forward({obs}).toTuple();
+  auto out = call("forward", obs).toTuple();
   return {out->elements()[0].toTensor(), out->elements()[1].toTensor()};
 }
 
-at::Tensor CompiledPolicy::forward_exploration(const at::Tensor& obs) {
-  return sample_actions(std::get<0>(forward(obs)));
+PolicyOutput CompiledPolicy::forward_exploration(const at::Tensor& obs) {
+  auto out = call("forward_exploration", obs).toTuple();
+  return {out->elements()[0].toTensor(), out->elements()[1].toTensor(), out->elements()[2].toTensor()};
 }
 
 std::vector<std::pair<std::string, std::string>> compile_backends() {
-  return {{"torchscript", "script"},
-          {"torchscript", "freeze"},
-          {"torchscript", "optimize"},
-          {"xnnpack", "default"},
-          {"nnc", "default"}};
-}
-
-CompiledPolicy compile_policy(PpoPolicy policy, const std::string& backend, const std::string& mode) {
-  const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ",
-                                        kind_name(policy->kind), " policy");
-  try {
-    torch::jit::Module m = script(policy);
-    if (backend == "torchscript") {
-      if (mode == "freeze") {
-        m = torch::jit::freeze(m);
-      } else if (mode == "optimize") {
-        m = torch::jit::freeze(m);
-        m = torch::jit::optimize_for_inference(m);
-      } else if (mode != "script") {
-        throw std::invalid_argument("unknown mode (use script, freeze or optimize)");
-      }
-    } else if (backend == "xnnpack") {
-      if (mode != "default") throw std::invalid_argument("unknown mode (use default)");
-      m = torch::jit::optimizeForMobile(torch::jit::freeze(m));
-    } else if (backend == "nnc") {
-      if (mode != "default") throw std::invalid_argument("unknown mode (use default)");
-      torch::jit::setTensorExprFuserEnabled(true);
-    } else {
-      throw std::invalid_argument("unknown backend (use torchscript, xnnpack or nnc)");
-    }
-    CompiledPolicy compiled(std::move(m), backend, mode);
-    // Run once: some backends only fail (or specialize) on first use.
-    compiled.forward(policy->example_input(1));
-    return compiled;
-  } catch (const std::exception& e) {
-    throw std::runtime_error(what + " failed: " + e.what());
-  }
+  return {{"torchscript", "script"}, {"torchscript", "freeze"}, {"torchscript", "optimize"},
+          {"xnnpack", "default"},    {"nnc", "default"},        {"nnc", "interp"}};
 }
 
 std::pair<std::string, std::string> default_backend(PolicyKind kind) {
@@ -98,6 +163,73 @@ std::pair<std::string, std::string> default_backend(PolicyKind kind) {
   return {"torchscript", "optimize"};
 }
 
-void set_policy_threads(int threads) { at::set_num_threads(threads); }
+CompiledPolicy compile_policy(const PpoPolicy& policy, const std::string& backend,
+                              const std::string& mode) {
+  CompileOptions options;
+  options.backend = backend;
+  options.mode = mode;
+  return compile_policy(policy, options);
+}
+
+CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options) {
+  const auto known = compile_backends();
+  std::string backend = options.backend, mode = options.mode;
+  if (backend.empty()) {
+    backend = default_backend(policy->kind).first;
+    if (mode.empty()) mode = default_backend(policy->kind).second;
+  }
+  if (mode.empty()) {
+    mode = "default";
+    for (const auto& [b, m] : known) {
+      if (b == backend) {
+        mode = m;
+        break;
+      }
+    }
+  }
+  const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ",
+                                        kind_name(policy->kind), " policy");
+  if (std::find(known.begin(), known.end(), std::make_pair(backend, mode)) == known.end()) {
+    throw std::runtime_error(absl::StrCat(
+        what, ": unknown backend/mode; known: ",
+        absl::StrJoin(known, ", ", [](std::string* out, const auto& p) { absl::StrAppend(out, p.first, "/", p.second); })));
+  }
+  std::string error;
+  try {
+    torch::jit::Module m = script(policy);
+    const std::vector<std::string> other_methods = {"forward_exploration"};
+    if (backend == "torchscript" && mode == "freeze") {
+      m = torch::jit::freeze(m, other_methods);
+    } else if (backend == "torchscript" && mode == "optimize") {
+      m = torch::jit::freeze(m, other_methods);
+      m = torch::jit::optimize_for_inference(m, other_methods);
+    } else if (backend == "xnnpack") {
+      m = torch::jit::optimizeForMobile(m, /*optimization_blocklist=*/{}, other_methods);
+    } else if (backend == "nnc") {
+      m = torch::jit::freeze(m, other_methods);
+    }
+    CompiledPolicy compiled(std::move(m), backend, mode, options.threads);
+    // The profiling executor optimizes (and fuses) a graph after
+    // getNumProfiledRuns() runs per input shape: run past that for two
+    // shapes so that a backend that fails, fails here.
+    const size_t runs = torch::jit::getNumProfiledRuns() + 2;
+    for (int64_t batch : {1, 2}) {
+      at::Tensor obs = policy->example_input(batch);
+      for (size_t i = 0; i < runs; ++i) {
+        compiled.forward(obs);
+        compiled.forward_exploration(obs);
+      }
+    }
+    return compiled;
+  } catch (const c10::Error& e) {
+    error = first_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    error = first_line(e.what());
+  }
+  if (error.find("LLVM") != std::string::npos) {
+    absl::StrAppend(&error, " (this libtorch was built without LLVM; mode 'interp' uses NNC's IR interpreter)");
+  }
+  throw std::runtime_error(absl::StrCat(what, " failed: ", error));
+}
 
 }  // namespace ddprpc::models

@@ -1,26 +1,46 @@
-// Turns a PpoPolicy into a faster inference module, selected as backend +
-// mode (like torch.compile's backend/mode in the seed):
+// Turns a PpoPolicy into a faster inference module: a TorchScript module
+// holding a snapshot of the policy's weights whose forward_exploration is
+// encoder + heads + Gumbel-max sample in one graph. Selected as backend +
+// mode, like torch.compile's backend/mode in the seed:
 //
-//   backend      modes      what it does
-//   torchscript  script     the policy as a TorchScript module
-//                freeze     + torch::jit::freeze
-//                optimize   + freeze + optimize_for_inference (oneDNN paths)
-//   xnnpack      default    freeze + optimizeForMobile: prepacked XNNPACK
-//                           linear/conv (as optimize_for_mobile does)
-//   nnc          default    TorchScript with the TensorExpr fuser on (this
-//                           libtorch has no LLVM: fusion falls back unfused)
+//   backend      mode      what it does
+//   torchscript  script    the policy as a TorchScript module
+//                freeze    + torch::jit::freeze (weights become constants)
+//                optimize  + freeze + optimize_for_inference (oneDNN paths:
+//                          prepacked convolutions and linears)
+//   xnnpack      default   optimizeForMobile: prepacked XNNPACK linear/conv
+//                          with fused clamps, as optimize_for_mobile does
+//   nnc          default   freeze + the TensorExpr (NNC) fuser with LLVM
+//                          codegen; fails where libtorch has no LLVM
+//                          (Debian's 1.13 has none)
+//                interp    the same with NNC's IR interpreter instead of LLVM
 //
-// Compiled modules give the same logits as eager (up to float rounding).
-// A backend that cannot handle a model throws std::runtime_error naming
-// both. Threads: XNNPACK's thread pool and OpenMP's spin-waiting threads
-// fight on small machines (batch 16 on 2 threads fell to ~60 calls/s), so
-// the safe default (DefaultThreads) is one intra-op thread for compiled
-// policies; set_policy_threads() applies a choice to both pools.
+// A compiled policy gives eager's logits and values up to float rounding and,
+// from the same generator state, the same actions. A backend/mode that
+// cannot handle a policy makes compile_policy throw std::runtime_error naming
+// both (compile_policy runs the module until its graph is optimized, so
+// failures surface there, not in the first real call).
+//
+// Threads. libtorch has two intra-op pools, both sized by at::set_num_threads:
+// OpenMP's (ATen kernels, oneDNN) and XNNPACK's pthreadpool, and the idle
+// workers of both spin before they sleep. A call that alternates between them
+// (XNNPACK linears and tanh, whose kernel goes parallel above 2048 elements:
+// batch >= 9 on the MLP) keeps one more spinning thread than a 2-core machine
+// has cores, so each hand-off waits for a scheduler tick: the MLP at batch 16
+// on 2 threads fell from thousands to tens of calls/s. Threads::kCallerThread
+// (the default) runs every op of a call on the calling thread (an OpenMP team
+// of one, no XNNPACK pool), whatever at::set_num_threads says: immune to
+// that, and the fastest choice for small batches on small machines.
+// Threads::kIntraOpPools uses the pools as configured; run such processes
+// with OMP_WAIT_POLICY=PASSIVE.
+//
+// Calls run under c10::InferenceMode (outputs are inference tensors). nnc
+// policies switch process-wide JIT fuser settings around each call: do not
+// call them concurrently with other TorchScript code.
 #pragma once
 
 #include <torch/script.h>
 
-#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -30,31 +50,46 @@
 
 namespace ddprpc::models {
 
-class CompiledPolicy {
- public:
-  CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode);
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& obs);
-  at::Tensor forward_exploration(const at::Tensor& obs);
-  std::string name() const { return backend_ + "/" + mode_; }
+enum class Threads { kCallerThread, kIntraOpPools };
 
- private:
-  torch::jit::Module module_;
-  const std::string backend_, mode_;
+struct CompileOptions {
+  std::string backend;  // empty: default_backend(policy kind), with its mode
+  std::string mode;     // empty: the backend's first mode in compile_backends()
+  Threads threads = Threads::kCallerThread;
 };
 
-// Every (backend, mode) pair compile() accepts.
+class CompiledPolicy {
+ public:
+  // (logits [B, actions], value [B, 1])
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& obs);
+  PolicyOutput forward_exploration(const at::Tensor& obs);
+
+  const std::string& backend() const { return backend_; }
+  const std::string& mode() const { return mode_; }
+  std::string name() const { return backend_ + "/" + mode_; }
+  Threads threads() const { return threads_; }
+
+ private:
+  friend CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options);
+  CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode, Threads threads);
+  // Runs `method` on obs under this policy's thread and fuser settings.
+  c10::IValue call(const char* method, const at::Tensor& obs);
+
+  torch::jit::Module module_;
+  std::string backend_, mode_;
+  Threads threads_;
+};
+
+// Every (backend, mode) pair compile_policy knows, in the order above.
 std::vector<std::pair<std::string, std::string>> compile_backends();
 
-CompiledPolicy compile_policy(PpoPolicy policy, const std::string& backend,
-                              const std::string& mode = "default");
+CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options = {});
+CompiledPolicy compile_policy(const PpoPolicy& policy, const std::string& backend,
+                              const std::string& mode);
 
-// The backend/mode to use by default for a model at a batch size: XNNPACK
-// for the MLP, freeze + optimize_for_inference for the CNN (XNNPACK's
-// convolutions lose to oneDNN's at larger batches).
+// The default backend/mode for a policy kind: xnnpack/default for the MLP,
+// torchscript/optimize for the CNN (XNNPACK's convolutions lose to oneDNN's
+// at larger batches).
 std::pair<std::string, std::string> default_backend(PolicyKind kind);
-
-// Intra-op threads for libtorch (OpenMP) and XNNPACK's pool together.
-void set_policy_threads(int threads);
-constexpr int kDefaultPolicyThreads = 1;
 
 }  // namespace ddprpc::models

@@ -1,53 +1,135 @@
 #include "models/policy_compile.h"
 
-#include <ATen/ops/allclose.h>
-#include <ATen/ops/randn.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/allclose.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/jit/passes/tensorexpr_fuser.h>
+
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "gtest/gtest.h"
 
 namespace ddprpc::models {
 namespace {
 
-void expect_same_as_eager(PpoPolicy policy) {
-  for (const auto& [backend, mode] : compile_backends()) {
-    CompiledPolicy compiled = compile_policy(policy, backend, mode);
-    for (int64_t batch : {1, 4, 16}) {
-      at::Tensor obs = policy->example_input(batch);
-      auto [logits, value] = policy->forward(obs);
-      auto [c_logits, c_value] = compiled.forward(obs);
-      EXPECT_TRUE(at::allclose(logits, c_logits, 1e-5, 1e-5))
-          << compiled.name() << " batch " << batch << " max diff "
-          << (logits - c_logits).abs().max().item<float>();
-      EXPECT_TRUE(at::allclose(value, c_value, 1e-5, 1e-5)) << compiled.name() << " batch " << batch;
-      at::Tensor actions = compiled.forward_exploration(obs);
-      EXPECT_EQ(actions.size(0), batch);
-      EXPECT_TRUE(actions.ge(0).all().item<bool>() && actions.lt(policy->actions).all().item<bool>());
-    }
+using Backend = std::pair<std::string, std::string>;
+
+PpoPolicy make_policy(PolicyKind kind) {
+  PpoPolicy policy = kind == PolicyKind::kMlp ? make_mlp_policy() : make_cnn_policy();
+  policy->eval();
+  return policy;
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+float max_diff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<float>(); }
+
+// Same logits, values and (from the same generator state) actions as eager.
+void expect_same_as_eager(PpoPolicy& policy, CompiledPolicy& compiled) {
+  c10::InferenceMode guard;
+  for (int64_t batch : {1, 4, 16}) {
+    SCOPED_TRACE(compiled.name() + " batch " + std::to_string(batch));
+    at::Tensor obs = policy->example_input(batch);
+    auto [logits, value] = policy->forward(obs);
+    auto [c_logits, c_value] = compiled.forward(obs);
+    EXPECT_TRUE(at::allclose(logits, c_logits, 1e-5, 1e-5)) << "max diff " << max_diff(logits, c_logits);
+    EXPECT_TRUE(at::allclose(value, c_value, 1e-5, 1e-5)) << "max diff " << max_diff(value, c_value);
+
+    at::manual_seed(batch);
+    PolicyOutput eager = policy->forward_exploration(obs);
+    at::manual_seed(batch);
+    PolicyOutput out = compiled.forward_exploration(obs);
+    EXPECT_TRUE(at::allclose(eager.logits, out.logits, 1e-5, 1e-5)) << max_diff(eager.logits, out.logits);
+    EXPECT_TRUE(at::allclose(eager.value, out.value, 1e-5, 1e-5)) << max_diff(eager.value, out.value);
+    EXPECT_TRUE(out.actions.equal(eager.actions)) << out.actions << eager.actions;
   }
 }
 
-TEST(PolicyCompileTest, MlpCompiledMatchesEager) { expect_same_as_eager(make_mlp_policy()); }
+class EveryBackendTest : public testing::TestWithParam<std::tuple<PolicyKind, Backend>> {};
 
-TEST(PolicyCompileTest, CnnCompiledMatchesEager) { expect_same_as_eager(make_cnn_policy()); }
+TEST_P(EveryBackendTest, MatchesEagerOrFailsNamingBackendAndModel) {
+  const auto& [kind, backend] = GetParam();
+  PpoPolicy policy = make_policy(kind);
+  if (backend == Backend{"nnc", "default"}) {
+    // Needs NNC's LLVM codegen, which depends on how libtorch was built.
+    try {
+      CompiledPolicy compiled = compile_policy(policy, backend.first, backend.second);
+      expect_same_as_eager(policy, compiled);
+    } catch (const std::runtime_error& e) {
+      EXPECT_TRUE(contains(e.what(), "backend 'nnc' (mode 'default')")) << e.what();
+      EXPECT_TRUE(contains(e.what(), kind_name(kind) + " policy")) << e.what();
+    }
+    return;
+  }
+  CompiledPolicy compiled = compile_policy(policy, backend.first, backend.second);
+  EXPECT_EQ(compiled.name(), backend.first + "/" + backend.second);
+  expect_same_as_eager(policy, compiled);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    PolicyCompile, EveryBackendTest,
+    testing::Combine(testing::Values(PolicyKind::kMlp, PolicyKind::kCnn), testing::ValuesIn(compile_backends())),
+    [](const testing::TestParamInfo<EveryBackendTest::ParamType>& info) {
+      const Backend& backend = std::get<1>(info.param);
+      return kind_name(std::get<0>(info.param)) + "_" + backend.first + "_" + backend.second;
+    });
+
+TEST(PolicyCompileTest, DefaultOptionsPickTheDefaultBackend) {
+  for (PolicyKind kind : {PolicyKind::kMlp, PolicyKind::kCnn}) {
+    PpoPolicy policy = make_policy(kind);
+    CompiledPolicy compiled = compile_policy(policy);
+    auto [backend, mode] = default_backend(kind);
+    EXPECT_EQ(compiled.backend(), backend);
+    EXPECT_EQ(compiled.mode(), mode);
+    EXPECT_EQ(compiled.threads(), Threads::kCallerThread);
+  }
+}
 
 TEST(PolicyCompileTest, UnknownBackendNamesBackendAndModel) {
   try {
-    compile_policy(make_cnn_policy(), "tensorrt", "max-autotune");
-    FAIL();
+    compile_policy(make_policy(PolicyKind::kCnn), "tensorrt", "max-autotune");
+    FAIL() << "compiled with an unknown backend";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("tensorrt"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("cnn policy"), std::string::npos) << e.what();
+    EXPECT_TRUE(contains(e.what(), "backend 'tensorrt' (mode 'max-autotune')")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "cnn policy")) << e.what();
+  }
+  try {
+    compile_policy(make_policy(PolicyKind::kMlp), "xnnpack", "max-autotune");
+    FAIL() << "compiled with an unknown mode";
+  } catch (const std::runtime_error& e) {
+    EXPECT_TRUE(contains(e.what(), "mlp policy")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "xnnpack/default")) << e.what();  // lists what is known
   }
 }
 
-TEST(PolicyCompileTest, SamplingFollowsTheLogits) {
-  at::Tensor logits = at::zeros({1000, 2});
-  logits.select(1, 1).fill_(5.0);  // p(action 1) = 0.993
-  double ones = sample_actions(logits).to(at::kFloat).mean().item<double>();
-  EXPECT_GT(ones, 0.97);
-  EXPECT_LT(ones, 1.0);
+TEST(PolicyCompileTest, ThreadChoicesGiveTheSameResultsAndRestoreSettings) {
+  const int threads_before = at::get_num_threads();
+  at::set_num_threads(2);
+  PpoPolicy policy = make_policy(PolicyKind::kMlp);
+  CompileOptions options;
+  options.backend = "xnnpack";
+  CompiledPolicy caller = compile_policy(policy, options);
+  options.threads = Threads::kIntraOpPools;
+  CompiledPolicy pools = compile_policy(policy, options);
+  at::Tensor obs = policy->example_input(16);  // tanh goes parallel at this size
+  auto [a, a_value] = caller.forward(obs);
+  EXPECT_EQ(at::get_num_threads(), 2);  // the caller-thread guard put it back
+  auto [b, b_value] = pools.forward(obs);
+  EXPECT_TRUE(at::allclose(a, b, 1e-5, 1e-5)) << max_diff(a, b);
+  EXPECT_TRUE(at::allclose(a_value, b_value, 1e-5, 1e-5));
+  at::set_num_threads(threads_before);
+}
+
+TEST(PolicyCompileTest, NncLeavesTheProcessFuserSettingAlone) {
+  const bool before = torch::jit::tensorExprFuserEnabled();
+  PpoPolicy policy = make_policy(PolicyKind::kMlp);
+  CompiledPolicy compiled = compile_policy(policy, "nnc", "interp");
+  compiled.forward_exploration(policy->example_input(3));
+  EXPECT_EQ(torch::jit::tensorExprFuserEnabled(), before);
 }
 
 }  // namespace

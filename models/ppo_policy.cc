@@ -12,15 +12,15 @@ namespace ddprpc::models {
 
 PpoPolicyImpl::PpoPolicyImpl(PolicyKind kind, int64_t obs_dim, int64_t actions)
     : kind(kind), obs_dim(obs_dim), actions(actions) {
-  int64_t hidden = 256;
+  const int64_t hidden = 256;
   if (kind == PolicyKind::kMlp) {
-    fc1 = register_module("fc1", torch::nn::Linear(obs_dim, 256));
-    fc2 = register_module("fc2", torch::nn::Linear(256, 256));
+    fc1 = register_module("fc1", torch::nn::Linear(obs_dim, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
   } else {
     using torch::nn::Conv2dOptions;
     conv1 = register_module("conv1", torch::nn::Conv2d(Conv2dOptions(4, 16, 8).stride(4).padding(2)));
     conv2 = register_module("conv2", torch::nn::Conv2d(Conv2dOptions(16, 32, 4).stride(2).padding(2)));
-    conv3 = register_module("conv3", torch::nn::Conv2d(Conv2dOptions(32, 256, 11).stride(1)));
+    conv3 = register_module("conv3", torch::nn::Conv2d(Conv2dOptions(32, hidden, 11).stride(1)));
   }
   pi = register_module("pi", torch::nn::Linear(hidden, actions));
   vf = register_module("vf", torch::nn::Linear(hidden, 1));
@@ -37,8 +37,9 @@ std::tuple<at::Tensor, at::Tensor> PpoPolicyImpl::forward(const at::Tensor& obs)
   return {pi->forward(h), vf->forward(h)};
 }
 
-at::Tensor PpoPolicyImpl::forward_exploration(const at::Tensor& obs) {
-  return sample_actions(std::get<0>(forward(obs)));
+PolicyOutput PpoPolicyImpl::forward_exploration(const at::Tensor& obs) {
+  auto [logits, value] = forward(obs);
+  return {sample_actions(logits), logits, value};
 }
 
 at::Tensor PpoPolicyImpl::example_input(int64_t batch) const {
