@@ -14,8 +14,10 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "gtest/gtest.h"
+#include "rpc/store.h"
 #include "tests/multiprocess.h"
 
 namespace ddp = ddprpc::ddp;
@@ -63,6 +65,32 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
     EXPECT_NE(std::string(e.what()).find("of 3"), std::string::npos) << e.what();
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+// A group built on an existing store (as when RPC already hosts one): two
+// groups under different prefixes share it without mixing their keys.
+MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {
+  const std::string host = std::getenv("MASTER_ADDR");
+  const int port = std::atoi(std::getenv("MASTER_PORT"));
+  std::unique_ptr<ddprpc::rpc::StoreServer> server;
+  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port);
+  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(30));
+  auto a = ddp::make_gloo_group(store, "a/", mp::rank(), 2);
+  auto b = ddp::make_gloo_group(store, "b/", mp::rank(), 2);
+  EXPECT_EQ(a->rank(), mp::rank());
+  EXPECT_EQ(b->size(), 2);
+  EXPECT_EQ(a->backend(), "gloo");
+  const double r = mp::rank();
+  at::Tensor x = at::full({3}, r + 1), y = at::full({3}, 10 * (r + 1));
+  auto wa = a->allreduce({x}), wb = b->allreduce({y});
+  wa->wait(absl::Seconds(30));
+  wb->wait(absl::Seconds(30));
+  EXPECT_TRUE(wa->completed());
+  EXPECT_TRUE(at::allclose(x, at::full({3}, 3.0)));
+  EXPECT_TRUE(at::allclose(y, at::full({3}, 30.0)));
+  // Nobody uses the store once both groups are past this point.
+  a->barrier()->wait(absl::Seconds(30));
+  b->barrier()->wait(absl::Seconds(30));
 }
 
 torch::nn::Sequential make_model() {
@@ -121,7 +149,11 @@ MULTIPROCESS_TEST(DdpTest, EarlyBucketLaunchesBeforeBackwardEnds, 2) {
   options.bucket_cap_mb = 0.3;
   options.first_bucket_mb = 0.3;
   ddp::DistributedDataParallel ddp_model(model.ptr(), pg, options);
-  EXPECT_GE(ddp_model.bucket_indices().size(), 4u);
+  const auto buckets = ddp_model.bucket_indices();
+  EXPECT_GE(buckets.size(), 4u);
+  // Reverse parameter order: the last layer's parameters come first.
+  ASSERT_FALSE(buckets.empty());
+  EXPECT_EQ(buckets[0][0], model->parameters().size() - 1);
   std::vector<std::string> events;
   ddp_model.set_event_observer([&](const std::string& e) { events.push_back(e); });
   at::mse_loss(model->forward(at::randn({4, 256})), at::randn({4, 256})).backward();
@@ -169,6 +201,38 @@ MULTIPROCESS_TEST(DdpTest, NoSyncUnusedParametersAndFp16Hook, 2) {
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
   model->forward(x).sum().backward();
   EXPECT_TRUE(at::allclose(fp16, model->parameters()[0].grad(), 1e-2, 1e-2));
+}
+
+// The gradient sink (the seam for distributed autograd) gets every
+// parameter's average exactly once; .grad then keeps the local gradient.
+MULTIPROCESS_TEST(DdpTest, GradientSinkReceivesTheAveragesInsteadOfGrad, 2) {
+  auto pg = group();
+  auto model = make_model();
+  ddp::DistributedDataParallel ddp_model(model.ptr(), pg);
+  const auto params = model->parameters();
+  std::vector<at::Tensor> received(params.size());
+  ddp_model.set_gradient_sink([&](size_t k, const at::Tensor& p, const at::Tensor& avg) {
+    ASSERT_LT(k, received.size());
+    EXPECT_TRUE(p.is_same(params[k]));
+    EXPECT_FALSE(received[k].defined()) << "parameter " << k << " delivered twice";
+    received[k] = avg.clone();
+  });
+  const double r = mp::rank();
+  at::Tensor x = at::full({1, 6}, r + 1);
+  model->forward(x).sum().backward();
+  for (size_t k = 0; k < params.size(); ++k) {
+    ASSERT_TRUE(received[k].defined()) << "parameter " << k;
+    at::Tensor expected = params[k].grad().clone();  // local
+    pg->allreduce({expected}, ddp::ReduceOp::kAvg)->wait();
+    EXPECT_TRUE(at::allclose(received[k], expected)) << "parameter " << k;
+  }
+  // The ranks' inputs differ, so the first layer's local gradient is not the average.
+  EXPECT_FALSE(at::allclose(params[0].grad(), received[0]));
+
+  ddp_model.set_gradient_sink(nullptr);  // back to writing .grad
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  model->forward(x).sum().backward();
+  EXPECT_TRUE(at::allclose(params[0].grad(), received[0]));
 }
 
 }  // namespace

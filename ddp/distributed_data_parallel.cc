@@ -54,11 +54,23 @@ CommHook fp16_compress_hook() {
   };
 }
 
+GradientSink grad_field_sink() {
+  return [](size_t, const at::Tensor& param, const at::Tensor& averaged) {
+    at::NoGradGuard no_grad;
+    at::Tensor& grad = param.mutable_grad();
+    if (grad.defined()) {
+      grad.copy_(averaged);
+    } else {
+      grad = averaged.clone();
+    }
+  };
+}
+
 class DistributedDataParallel::Reducer {
  public:
   Reducer(std::vector<at::Tensor> params, std::shared_ptr<ProcessGroup> group, DdpOptions options)
       : params_(std::move(params)), group_(std::move(group)), options_(options),
-        hook_(allreduce_hook()) {
+        hook_(allreduce_hook()), sink_(grad_field_sink()) {
     // Buckets in reverse parameter order (roughly the order of backward).
     const double mb = 1024.0 * 1024.0;
     double cap = options_.first_bucket_mb * mb, filled = 0;
@@ -106,6 +118,10 @@ class DistributedDataParallel::Reducer {
   void set_hook(CommHook hook) {
     absl::MutexLock lock(&mu_);
     hook_ = std::move(hook);
+  }
+  void set_sink(GradientSink sink) {
+    absl::MutexLock lock(&mu_);
+    sink_ = sink ? std::move(sink) : grad_field_sink();
   }
   void set_observer(std::function<void(const std::string&)> observer) {
     absl::MutexLock lock(&mu_);
@@ -224,12 +240,7 @@ class DistributedDataParallel::Reducer {
     for (Bucket& b : buckets_) b.work->wait(options_.timeout);
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < params_.size(); ++k) {
-      at::Tensor avg = bucket_view(k).view(params_[k].sizes());
-      if (params_[k].grad().defined()) {
-        params_[k].mutable_grad().copy_(avg);
-      } else {
-        params_[k].mutable_grad() = avg.clone();
-      }
+      sink_(k, params_[k], bucket_view(k).view(params_[k].sizes()));
     }
     notify("done");
   }
@@ -244,6 +255,7 @@ class DistributedDataParallel::Reducer {
   absl::Mutex mu_;
   // State below is protected by mu_.
   CommHook hook_ ABSL_GUARDED_BY(mu_);
+  GradientSink sink_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> observer_ ABSL_GUARDED_BY(mu_);
   bool sync_ ABSL_GUARDED_BY(mu_) = true;
   bool in_pass_ ABSL_GUARDED_BY(mu_) = false;
@@ -284,6 +296,10 @@ DistributedDataParallel::NoSync::~NoSync() {
 
 void DistributedDataParallel::register_comm_hook(CommHook hook) {
   reducer_->set_hook(std::move(hook));
+}
+
+void DistributedDataParallel::set_gradient_sink(GradientSink sink) {
+  reducer_->set_sink(std::move(sink));
 }
 
 std::vector<std::vector<size_t>> DistributedDataParallel::bucket_indices() const {

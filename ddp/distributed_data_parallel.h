@@ -34,6 +34,22 @@ CommHook allreduce_hook();
 // Sends the bucket as float16 (half the bytes), averages, casts back.
 CommHook fp16_compress_hook();
 
+// Where the reducer delivers each averaged gradient at the end of a
+// synchronized backward pass (before backward returns), once per parameter
+// in module().parameters() order: `index` into that list, the parameter, and
+// its average over the group, shaped like the parameter. `averaged` is a
+// view of the reducer's bucket, valid only during the call: copy it to keep
+// it. A sink other than the default takes over the write-back completely
+// (.grad keeps whatever local accumulation put there), e.g. to route the
+// averages into a distributed autograd context instead of .grad. Runs on
+// the thread finishing backward, under the reducer's lock: it must not call
+// back into its DistributedDataParallel.
+using GradientSink =
+    std::function<void(size_t index, const at::Tensor& param, const at::Tensor& averaged)>;
+// The default: writes .grad (copies into an existing .grad, else sets it to
+// a copy of the average).
+GradientSink grad_field_sink();
+
 struct DdpOptions {
   double bucket_cap_mb = 25;
   double first_bucket_mb = 1;
@@ -69,6 +85,10 @@ class DistributedDataParallel {
   NoSync no_sync() { return NoSync(this); }
 
   void register_comm_hook(CommHook hook);
+  // Replaces where averaged gradients go (nullptr restores
+  // grad_field_sink()). Not used inside a dist_autograd context, where the
+  // averages replace the pass's gradients before they reach the context.
+  void set_gradient_sink(GradientSink sink);
 
   // Parameter indices (into module().parameters()) of each bucket.
   std::vector<std::vector<size_t>> bucket_indices() const;
