@@ -1,0 +1,643 @@
+// rpc_rl: RPC throughput and latency for reinforcement learning
+// (../shared/seeds/rpc-rl-benchmark.txt), with PyTorch's own benchmark
+// (benchmarks/reference/rpc_rl.py) measured in the same run.
+//
+//   ./bazelw run //benchmarks:rpc_rl -- --world_size=3,5,10 --batch=true
+//
+// Processes: coordinator (rank 0), agent (rank 1), observers (ranks 2..W-1).
+// The coordinator creates the agent and the observers as remote objects and
+// runs --episodes episodes; in each, every observer sends --episode_steps
+// random states to the agent by rpc_sync and waits for an action. The agent's
+// policy is Flatten -> Linear(prod(state_size), out_features) -> nlayers x
+// Linear(out_features, out_features) -> softmax, sampled. --batch=false: each
+// request runs through the policy alone. --batch=true: select_action_batch
+// runs with async execution: it parks its request on a shared future until
+// every observer has sent a state, the last one runs the whole batch in one
+// call and completes the future, which answers everyone.
+//
+// Metrics (p50/p75/p90/p95): agent latency (one request, or one batch from
+// its first arrival until it is answered), agent throughput (batch size /
+// agent latency), observer latency (request -> action) and observer
+// throughput (1 / observer latency). One flag may hold a comma list; each
+// value is run in turn and becomes the table's x axis. --output_file_path
+// writes the JSON that `bazel run //benchmarks:plot -- FILE` charts.
+#include <ATen/Parallel.h>
+#include <ATen/ops/multinomial.h>
+#include <ATen/ops/rand.h>
+#include <ATen/ops/randint.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/zeros.h>
+#include <gflags/gflags.h>
+#include <torch/nn/modules/linear.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "benchmarks/common.h"
+#include "rpc/launch.h"
+#include "rpc/rref.h"
+
+DEFINE_string(world_size, "5", "processes: coordinator + agent + (world_size - 2) observers");
+DEFINE_string(master_addr, "127.0.0.1", "address of the rendezvous (rank 0)");
+DEFINE_int32(master_port, 0, "port of the rendezvous; 0 picks a free one for every run");
+DEFINE_string(batch, "true",
+              "true: the agent answers all observers from one batched policy call (async "
+              "execution); false: one request at a time");
+DEFINE_string(state_size, "10-20-10", "shape of an observer's state, dims joined by '-'");
+DEFINE_string(nlayers, "5", "hidden Linear(out_features, out_features) layers of the policy");
+DEFINE_string(out_features, "10", "actions the policy chooses from");
+DEFINE_string(episodes, "10", "episodes the coordinator runs");
+DEFINE_string(episode_steps, "10", "requests every observer sends per episode");
+DEFINE_string(output_file_path, "benchmark_report.json",
+              "JSON with the configuration and every figure (ours and PyTorch's)");
+DEFINE_bool(pytorch, true,
+            "also run PyTorch's benchmark (benchmarks/reference/rpc_rl.py with /usr/bin/python3) "
+            "on the same configuration and print both");
+DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
+DEFINE_int32(timeout_s, 600, "stop everything after this many seconds per configuration");
+DEFINE_string(result_file, "", "internal: where the coordinator writes its results");
+
+namespace ddprpc {
+namespace {
+
+namespace bench = benchmarks;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+const char* const kMetrics[] = {"agent latency (seconds)", "agent throughput",
+                                "observer latency (seconds)", "observer throughput"};
+const int kPercentiles[] = {50, 75, 90, 95};
+
+// numpy.percentile's default (linear interpolation), as PyTorch's benchmark.
+double percentile_linear(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = p / 100.0 * (v.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - lo);
+}
+
+std::string worker_name(int rank) {
+  if (rank == 0) return "coordinator";
+  if (rank == 1) return "agent";
+  return absl::StrCat("observer", rank);
+}
+
+// The dummy policy of PyTorch's benchmark.
+class Policy {
+ public:
+  Policy(int64_t in_features, int64_t nlayers, int64_t out_features) {
+    layers_.emplace_back(in_features, out_features);
+    for (int64_t i = 0; i < nlayers; ++i) layers_.emplace_back(out_features, out_features);
+  }
+  // x: [batch, state...] -> action probabilities [batch, out_features].
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x.flatten(1);
+    for (auto& layer : layers_) h = layer->forward(h);
+    return at::softmax(h, -1);
+  }
+
+ private:
+  std::vector<torch::nn::Linear> layers_;
+};
+
+// The agent, owned by rank 1 and called by the observers through an RRef.
+class RlAgent {
+ public:
+  RlAgent() = default;
+
+  void set_world(int64_t batch_size, std::vector<int64_t> state_size, int64_t nlayers,
+                 int64_t out_features, bool batch) {
+    absl::MutexLock lock(&mu_);
+    const int64_t in = std::accumulate(state_size.begin(), state_size.end(), int64_t{1},
+                                       std::multiplies<int64_t>());
+    policy_ = std::make_unique<Policy>(in, nlayers, out_features);
+    batch_ = batch;
+    batch_size_ = batch_size;
+    pending_ = batch_size;
+    std::vector<int64_t> shape{batch_size};
+    shape.insert(shape.end(), state_size.begin(), state_size.end());
+    states_ = at::zeros(shape);
+    saved_log_probs_.clear();
+  }
+
+  // batch=false: one state through the policy; returns the sampled action.
+  int64_t select_action(int64_t observer_id, at::Tensor state) {
+    const auto start = Clock::now();
+    at::Tensor probs = policy()->forward(state.to(at::kFloat).unsqueeze(0));
+    at::Tensor action = at::multinomial(probs, 1);
+    at::Tensor log_prob = probs.gather(1, action).log();
+    const int64_t a = action.item<int64_t>();
+    absl::MutexLock lock(&mu_);
+    saved_log_probs_.push_back(log_prob);
+    const double latency = seconds_since(start);
+    latency_.push_back(latency);
+    throughput_.push_back(1.0 / latency);
+    ++answered_;
+    return a;
+  }
+
+  // batch=true, async execution: the returned future completes once every
+  // observer has sent its state for this step.
+  rpc::Future<int64_t> select_action_batch(int64_t observer_id, at::Tensor state) {
+    const int64_t row = observer_id - 2;
+    rpc::Future<int64_t> mine;
+    rpc::Future<at::Tensor> full;  // set when this request completes the batch
+    Policy* policy = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (row < 0 || row >= batch_size_) {
+        throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument,
+                            absl::StrCat("select_action_batch: no observer ", observer_id));
+      }
+      states_[row].copy_(state);
+      mine = future_actions_.then([row](const rpc::Future<at::Tensor>& f) {
+        return f.value()[row].item<int64_t>();
+      });
+      if (pending_ == batch_size_) batch_start_ = Clock::now();
+      if (--pending_ == 0) {
+        pending_ = batch_size_;
+        full = future_actions_;
+        future_actions_ = rpc::Future<at::Tensor>();
+        policy = policy_.get();
+      }
+    }
+    if (policy != nullptr) {
+      // No other request of this step can arrive before `full` completes.
+      at::Tensor probs = policy->forward(states_);
+      at::Tensor actions = at::multinomial(probs, 1);
+      at::Tensor log_probs = probs.gather(1, actions).log().t();
+      full.set_result(actions.squeeze(1));
+      absl::MutexLock lock(&mu_);
+      saved_log_probs_.push_back(log_probs);
+      const double latency = seconds_since(batch_start_);
+      latency_.push_back(latency);
+      throughput_.push_back(batch_size_ / latency);
+      answered_ += batch_size_;
+    }
+    return mine;
+  }
+
+  // The episode's agent latencies and throughputs and the number of actions
+  // answered; resets them.
+  std::tuple<std::vector<double>, std::vector<double>, int64_t> finish_episode() {
+    absl::MutexLock lock(&mu_);
+    auto out = std::make_tuple(std::move(latency_), std::move(throughput_), answered_);
+    latency_.clear();
+    throughput_.clear();
+    saved_log_probs_.clear();
+    answered_ = 0;
+    return out;
+  }
+
+ private:
+  Policy* policy() {
+    absl::MutexLock lock(&mu_);
+    if (!policy_) throw std::runtime_error("RlAgent: set_world was not called");
+    return policy_.get();
+  }
+
+  absl::Mutex mu_;
+  // State below is protected by mu_ (states_ rows are written by their
+  // observer's request before it takes mu_, and read by the batch's last).
+  std::unique_ptr<Policy> policy_ ABSL_GUARDED_BY(mu_);
+  bool batch_ ABSL_GUARDED_BY(mu_) = true;
+  int64_t batch_size_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
+  at::Tensor states_;
+  rpc::Future<at::Tensor> future_actions_ ABSL_GUARDED_BY(mu_);
+  Clock::time_point batch_start_ ABSL_GUARDED_BY(mu_);
+  std::vector<at::Tensor> saved_log_probs_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> latency_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> throughput_ ABSL_GUARDED_BY(mu_);
+  int64_t answered_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// An observer: random states and rewards, one request per step.
+class RlObserver {
+ public:
+  RlObserver(int64_t id, std::vector<int64_t> state_size, bool batch)
+      : id_(id), state_size_(std::move(state_size)), batch_(batch) {}
+
+  // Returns (rewards, observer latencies, observer throughputs, actions
+  // received that lie in [0, num_actions)).
+  std::tuple<at::Tensor, std::vector<double>, std::vector<double>, int64_t> run_ob_episode(
+      rpc::RRef<RlAgent> agent, int64_t n_steps, int64_t num_actions) {
+    at::Tensor state = at::rand(state_size_);
+    at::Tensor rewards = at::zeros({n_steps});
+    std::vector<double> latency, throughput;
+    int64_t valid = 0;
+    for (int64_t step = 0; step < n_steps; ++step) {
+      const auto start = Clock::now();
+      const int64_t action = batch_ ? agent.rpc_sync(&RlAgent::select_action_batch, id_, state)
+                                    : agent.rpc_sync(&RlAgent::select_action, id_, state);
+      const double l = seconds_since(start);
+      latency.push_back(l);
+      throughput.push_back(1.0 / l);
+      if (action >= 0 && action < num_actions) ++valid;
+      state = at::rand(state_size_);
+      rewards[step].fill_(at::randint(0, 2, {}).item<int64_t>());
+    }
+    return {rewards, latency, throughput, valid};
+  }
+
+ private:
+  const int64_t id_;
+  const std::vector<int64_t> state_size_;
+  const bool batch_;
+};
+
+const auto agent_class = rpc::register_class<RlAgent>("ddprpc.bench.RlAgent")
+                             .constructor<>()
+                             .method("set_world", &RlAgent::set_world)
+                             .method("select_action", &RlAgent::select_action)
+                             .method("select_action_batch", &RlAgent::select_action_batch)
+                             .method("finish_episode", &RlAgent::finish_episode);
+const auto observer_class =
+    rpc::register_class<RlObserver>("ddprpc.bench.RlObserver")
+        .constructor<int64_t, std::vector<int64_t>, bool>()
+        .method("run_ob_episode", &RlObserver::run_ob_episode);
+
+// One configuration, after the x-axis value was substituted.
+struct Config {
+  int world_size = 0;
+  bool batch = true;
+  std::vector<int64_t> state_size;
+  int64_t nlayers = 0, out_features = 0, episodes = 0, episode_steps = 0;
+};
+
+bool parse_bool(const std::string& s, bool* out) {
+  if (s == "true" || s == "True" || s == "1") return (*out = true), true;
+  if (s == "false" || s == "False" || s == "0") return (*out = false), true;
+  return false;
+}
+
+// Parses the flags (with `x_name` = `x_value` substituted); "" or an error.
+std::string parse_config(const std::string& x_name, const std::string& x_value, Config* c) {
+  std::map<std::string, std::string> v = {
+      {"world_size", FLAGS_world_size},     {"batch", FLAGS_batch},
+      {"state_size", FLAGS_state_size},     {"nlayers", FLAGS_nlayers},
+      {"out_features", FLAGS_out_features}, {"episodes", FLAGS_episodes},
+      {"episode_steps", FLAGS_episode_steps}};
+  if (!x_name.empty()) v[x_name] = x_value;
+  auto integer = [&](const char* name, int64_t min, int64_t* out) -> std::string {
+    if (!absl::SimpleAtoi(v[name], out) || *out < min) {
+      return absl::StrCat("--", name, "=", v[name], ": expected an integer >= ", min);
+    }
+    return "";
+  };
+  int64_t ws = 0;
+  for (auto [name, min, out] : {std::make_tuple("world_size", 3, &ws),
+                                std::make_tuple("nlayers", 0, &c->nlayers),
+                                std::make_tuple("out_features", 1, &c->out_features),
+                                std::make_tuple("episodes", 1, &c->episodes),
+                                std::make_tuple("episode_steps", 1, &c->episode_steps)}) {
+    std::string err = integer(name, min, out);
+    if (!err.empty()) return err;
+  }
+  c->world_size = static_cast<int>(ws);
+  if (!parse_bool(v["batch"], &c->batch)) return "--batch=" + v["batch"] + ": expected true or false";
+  c->state_size.clear();
+  for (absl::string_view d : absl::StrSplit(v["state_size"], '-')) {
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(d, &n) || n < 1) {
+      return "--state_size=" + v["state_size"] + ": expected positive dims joined by '-'";
+    }
+    c->state_size.push_back(n);
+  }
+  return "";
+}
+
+// Which flag holds a comma list (the x axis): "" for none; error if several.
+std::string x_axis_name(std::string* error) {
+  const std::vector<std::pair<std::string, std::string>> flags = {
+      {"world_size", FLAGS_world_size}, {"batch", FLAGS_batch},
+      {"state_size", FLAGS_state_size}, {"nlayers", FLAGS_nlayers},
+      {"out_features", FLAGS_out_features}, {"episodes", FLAGS_episodes},
+      {"episode_steps", FLAGS_episode_steps}};
+  std::vector<std::string> listed;
+  for (const auto& [name, value] : flags) {
+    if (value.find(',') != std::string::npos) listed.push_back(name);
+  }
+  if (listed.size() > 1) {
+    *error = "only one flag may hold a comma list, got " + absl::StrJoin(listed, ", ");
+  }
+  return listed.empty() ? "" : listed[0];
+}
+
+void json_metrics(bench::Json& json, const std::vector<std::vector<double>>& samples) {
+  for (int m = 0; m < 4; ++m) {
+    json.key(kMetrics[m]).begin_object();
+    for (int p : kPercentiles) json.key(absl::StrCat("p", p)).value(percentile_linear(samples[m], p));
+    json.end_object();
+  }
+}
+
+int coordinator(const Config& c) {
+  const int observers = c.world_size - 2;
+  auto agent = rpc::remote<RlAgent>("agent");
+  agent.rpc_sync(&RlAgent::set_world, int64_t{observers}, c.state_size, c.nlayers,
+                 c.out_features, c.batch);
+  std::vector<rpc::RRef<RlObserver>> obs;
+  for (int rank = 2; rank < c.world_size; ++rank) {
+    obs.push_back(rpc::remote<RlObserver>(worker_name(rank), int64_t{rank}, c.state_size, c.batch));
+  }
+  std::vector<std::vector<double>> samples(4);
+  int64_t requests = 0, answered = 0, valid = 0;
+  for (int64_t ep = 0; ep < c.episodes; ++ep) {
+    const auto start = Clock::now();
+    std::vector<rpc::Future<std::tuple<at::Tensor, std::vector<double>, std::vector<double>, int64_t>>>
+        futs;
+    for (auto& ob : obs) {
+      futs.push_back(ob.rpc_async(&RlObserver::run_ob_episode, agent, c.episode_steps,
+                                  c.out_features));
+    }
+    for (auto& ret : rpc::wait_all(futs)) {
+      auto& [rewards, latency, throughput, ok] = ret;
+      samples[2].insert(samples[2].end(), latency.begin(), latency.end());
+      samples[3].insert(samples[3].end(), throughput.begin(), throughput.end());
+      requests += static_cast<int64_t>(latency.size());
+      valid += ok;
+    }
+    auto [latency, throughput, n] = agent.rpc_sync(&RlAgent::finish_episode);
+    samples[0].insert(samples[0].end(), latency.begin(), latency.end());
+    samples[1].insert(samples[1].end(), throughput.begin(), throughput.end());
+    answered += n;
+    std::fprintf(stderr, "world_size %d batch %s: episode %ld/%ld - %.3f s\n", c.world_size,
+                 c.batch ? "true" : "false", static_cast<long>(ep + 1),
+                 static_cast<long>(c.episodes), seconds_since(start));
+  }
+  bench::Json json;
+  json.begin_object();
+  json_metrics(json, samples);
+  json.key("requests").value(requests).key("answered").value(answered).key("valid_actions").value(valid);
+  json.end_object();
+  if (!json.write(FLAGS_result_file)) {
+    std::fprintf(stderr, "rpc_rl: cannot write %s\n", FLAGS_result_file.c_str());
+    return 1;
+  }
+  return requests == answered && valid == requests ? 0 : 3;
+}
+
+int worker(const Config& c) {
+  at::set_num_threads(1);  // many processes share the cores (the reference does the same)
+  const int rank = bench::env_rank();
+  rpc::RpcBackendOptions options;
+  options.num_worker_threads = FLAGS_num_worker_threads;
+  options.rpc_timeout = absl::Seconds(FLAGS_timeout_s);
+  rpc::init_rpc(worker_name(rank), rank, c.world_size, options);
+  int rc = 0;
+  if (rank == 0) {
+    try {
+      rc = coordinator(c);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rpc_rl: coordinator failed: %s\n", e.what());
+      rc = 1;
+    }
+  }
+  rpc::shutdown(/*graceful=*/rc == 0);
+  return rc;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// metric -> percentile -> value, from one result object's JSON text (ours
+// or the reference's, which share the shape).
+using Figures = std::map<std::string, std::map<int, double>>;
+Figures parse_figures(const std::string& json) {
+  Figures out;
+  for (const char* metric : kMetrics) {
+    const size_t at = json.find(std::string("\"") + metric + "\"");
+    if (at == std::string::npos) continue;
+    const size_t end = json.find('}', at);
+    const std::string body = json.substr(at, end - at);
+    for (int p : kPercentiles) {
+      std::smatch m;
+      std::regex re(absl::StrCat("\"p", p, "\"\\s*:\\s*([0-9.eE+-]+)"));
+      if (std::regex_search(body, m, re)) out[metric][p] = std::stod(m[1].str());
+    }
+  }
+  return out;
+}
+
+// The reference's "benchmark_results" entries, as JSON text each.
+std::vector<std::string> split_results(const std::string& json) {
+  std::vector<std::string> out;
+  size_t at = json.find("\"benchmark_results\"");
+  if (at == std::string::npos) return out;
+  at = json.find('[', at);
+  int depth = 0;
+  size_t start = 0;
+  for (size_t i = at + 1; i < json.size(); ++i) {
+    if (json[i] == '{' && depth++ == 0) start = i;
+    if (json[i] == '}' && --depth == 0) out.push_back(json.substr(start, i - start + 1));
+    if (json[i] == ']' && depth == 0) break;
+  }
+  return out;
+}
+
+std::string format_value(int metric, double v) {
+  return metric % 2 == 0 ? absl::StrFormat("%.5f", v) : absl::StrFormat("%.0f", v);
+}
+
+// The table of PyTorch's launcher: one row per x value, four metrics x four percentiles.
+void print_table(const std::string& x_name, const std::vector<std::string>& xs,
+                 const std::vector<Figures>& rows) {
+  const int w = 9;
+  const std::string x_label = x_name.empty() ? "" : x_name + " |";
+  const int xw = std::max<int>(w, x_label.size() + 1);
+  std::string heading = absl::StrFormat("%-*s", xw, x_label), sub = std::string(xw, ' ');
+  for (const char* metric : kMetrics) {
+    heading += absl::StrFormat("%-*s", 4 * w, metric);
+    for (int p : kPercentiles) sub += absl::StrFormat("%-*s", w, absl::StrCat("p", p));
+  }
+  std::printf("%s\n%s\n", heading.c_str(), sub.c_str());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::string line = absl::StrFormat("%-*s", xw, x_name.empty() ? "" : xs[i]);
+    for (int m = 0; m < 4; ++m) {
+      for (int p : kPercentiles) {
+        auto it = rows[i].find(kMetrics[m]);
+        line += absl::StrFormat("%-*s", w,
+                                it == rows[i].end() ? "-" : format_value(m, it->second.at(p)));
+      }
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+int launcher(int argc, char** argv) {
+  std::string error;
+  const std::string x_name = x_axis_name(&error);
+  std::vector<std::string> xs = {""};
+  if (!x_name.empty()) {
+    gflags::CommandLineFlagInfo info;
+    gflags::GetCommandLineFlagInfo(x_name.c_str(), &info);
+    xs = absl::StrSplit(info.current_value, ',', absl::SkipWhitespace());
+  }
+  std::vector<Config> configs;
+  for (const auto& x : xs) {
+    Config c;
+    if (error.empty()) error = parse_config(x_name, x, &c);
+    configs.push_back(c);
+  }
+  if (!error.empty()) {
+    std::fprintf(stderr, "rpc_rl: %s\n", error.c_str());
+    return 2;
+  }
+  std::printf("--------------------------------------------------------------\n");
+  std::printf("ddprpc rpc benchmark reinforcement learning suite\n");
+  std::printf("--------------------------------------------------------------\n");
+  std::printf("master_addr : %s\nmaster_port : %s\nbatch : %s\nstate_size : %s\nnlayers : %s\n"
+              "out_features : %s\nepisodes : %s\nepisode_steps : %s\noutput_file_path : %s\n"
+              "x_axis_name : %s\n",
+              FLAGS_master_addr.c_str(),
+              FLAGS_master_port == 0 ? "(free port)" : absl::StrCat(FLAGS_master_port).c_str(),
+              FLAGS_batch.c_str(), FLAGS_state_size.c_str(), FLAGS_nlayers.c_str(),
+              FLAGS_out_features.c_str(), FLAGS_episodes.c_str(), FLAGS_episode_steps.c_str(),
+              FLAGS_output_file_path.c_str(), x_name.empty() ? "(none)" : x_name.c_str());
+  std::fflush(stdout);
+
+  std::vector<Figures> ours;
+  std::vector<std::string> ours_json;
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const std::string tmp = bench::temp_path("rpc_rl");
+    auto launch = bench::relaunch_self(configs[i].world_size, argc, argv);
+    if (!x_name.empty()) launch.argv.push_back("--" + x_name + "=" + xs[i]);
+    launch.argv.push_back("--result_file=" + tmp);
+    launch.master_addr = FLAGS_master_addr;
+    launch.master_port = FLAGS_master_port;
+    launch.timeout = absl::Seconds(FLAGS_timeout_s);
+    launch.grace_period = absl::Seconds(10);
+    std::fprintf(stderr, "rpc_rl: %s%s%s: %d processes\n", x_name.c_str(), x_name.empty() ? "" : "=",
+                 xs[i].c_str(), configs[i].world_size);
+    rpc::LaunchResult r = rpc::launch(launch);
+    const std::string result = read_file(tmp);
+    std::remove(tmp.c_str());
+    if (r.exit_code != 0) {
+      std::fprintf(stderr, "rpc_rl: failed%s: %s\n",
+                   r.failed_rank < 0 ? "" : (" on " + worker_name(r.failed_rank)).c_str(),
+                   r.exit_code == 3 ? "some requests were not answered with a valid action"
+                                    : r.message.c_str());
+      return 1;
+    }
+    ours.push_back(parse_figures(result));
+    ours_json.push_back(result);
+  }
+  std::printf("\n");
+  print_table(x_name, xs, ours);
+
+  std::string theirs_json;
+  std::vector<Figures> theirs;
+  const std::string script = bench::source_path("benchmarks/reference/rpc_rl.py");
+  if (FLAGS_pytorch && !script.empty()) {
+    std::fprintf(stderr, "rpc_rl: running PyTorch's benchmark (%s), same configuration\n",
+                 script.c_str());
+    const std::string tmp = bench::temp_path("rpc_rl_pytorch") + ".json";
+    std::string output;
+    const int rc = bench::run_command(
+        {"/usr/bin/python3", script, "--world_size", FLAGS_world_size, "--batch", FLAGS_batch,
+         "--state_size", FLAGS_state_size, "--nlayers", FLAGS_nlayers, "--out_features",
+         FLAGS_out_features, "--episodes", FLAGS_episodes, "--episode_steps", FLAGS_episode_steps,
+         "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
+         "--output_file_path", tmp},
+        &output);
+    theirs_json = read_file(tmp);
+    std::remove(tmp.c_str());
+    for (const auto& r : split_results(theirs_json)) theirs.push_back(parse_figures(r));
+    std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
+    if (rc != 0 || theirs.size() != xs.size()) {
+      std::printf("PyTorch's benchmark failed (exit %d):\n%s\n", rc,
+                  output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
+      theirs.clear();
+      theirs_json.clear();
+    } else {
+      print_table(x_name, xs, theirs);
+      std::printf("\nddprpc / PyTorch at p50:\n");
+      for (size_t i = 0; i < xs.size(); ++i) {
+        auto ratio = [&](const char* metric) {
+          const double t = theirs[i][metric][50];
+          return t > 0 ? ours[i][metric][50] / t : 0.0;
+        };
+        std::printf("  %s%s%s agent throughput %.2fx, observer throughput %.2fx\n",
+                    x_name.c_str(), x_name.empty() ? "" : "=", xs[i].c_str(),
+                    ratio("agent throughput"), ratio("observer throughput"));
+      }
+    }
+  } else {
+    std::printf("\nPyTorch's benchmark not run (--pytorch=false or reference script not found)\n");
+  }
+
+  bench::Json json;
+  json.begin_object();
+  json.key("benchmark_args").begin_object();
+  json.key("world_size").value(FLAGS_world_size).key("batch").value(FLAGS_batch);
+  json.key("state_size").value(FLAGS_state_size).key("nlayers").value(FLAGS_nlayers);
+  json.key("out_features").value(FLAGS_out_features).key("episodes").value(FLAGS_episodes);
+  json.key("episode_steps").value(FLAGS_episode_steps).key("cpus").value(bench::cpu_count());
+  json.end_object();
+  json.key("x_axis_name").value(x_name);
+  std::string text = json.str();
+  // Our results, each with its x value, then PyTorch's as written by its script.
+  text += ",\"benchmark_results\":[";
+  for (size_t i = 0; i < ours_json.size(); ++i) {
+    std::string r = ours_json[i];
+    while (!r.empty() && r.back() != '}') r.pop_back();
+    r.pop_back();
+    if (!x_name.empty()) r += ",\"" + x_name + "\":\"" + xs[i] + "\"";
+    text += (i ? "," : "") + r + "}";
+  }
+  text += "],\"pytorch\":" + (theirs_json.empty() ? std::string("null") : theirs_json) + "}";
+  while (text.back() == '\n') text.pop_back();
+  const std::string path = bench::output_path(FLAGS_output_file_path);
+  std::ofstream(path) << text << "\n";
+  std::printf("\nwrote %s (chart it: ./bazelw run //benchmarks:plot -- %s)\n", path.c_str(),
+              path.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace ddprpc
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "RPC throughput/latency benchmark for reinforcement learning (coordinator, agent, "
+      "observers), with PyTorch's benchmark run on the same configuration.\n"
+      "  usage: rpc_rl [--world_size=3,5,10] [--batch=true] ...  (one flag may hold a comma "
+      "list: the x axis)");
+  ddprpc::benchmarks::parse_flags(&argc, &argv, "benchmarks/rpc_rl");
+  if (ddprpc::benchmarks::env_rank() >= 0) {
+    ddprpc::Config c;
+    const std::string error = ddprpc::parse_config("", "", &c);
+    if (!error.empty()) {
+      std::fprintf(stderr, "rpc_rl: %s\n", error.c_str());
+      return 2;
+    }
+    return ddprpc::worker(c);
+  }
+  return ddprpc::launcher(argc, argv);
+}

@@ -1,0 +1,71 @@
+// Runs //benchmarks:rpc_rl as a user would: small runs with batch on and off
+// print a table that parses, write valid JSON, answer every request with one
+// valid action (the binary exits non-zero otherwise), and chart.
+#include <cstdlib>
+#include <regex>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "benchmarks/testing/subprocess.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+using namespace ddprpc::benchmarks::testing;
+
+std::string tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
+
+// Rows of the table: "<x> <16 numbers>".
+int check_table(const std::string& out, const std::vector<std::string>& xs) {
+  int rows = 0;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    std::vector<std::string> cells = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    if (cells.size() != 17 || cells[0] != xs[rows % xs.size()]) continue;
+    for (size_t i = 1; i < cells.size(); ++i) {
+      EXPECT_GT(std::stod(cells[i]), 0) << line;
+    }
+    // Percentiles rise within latency metrics.
+    EXPECT_LE(std::stod(cells[1]), std::stod(cells[4])) << line;
+    EXPECT_LE(std::stod(cells[9]), std::stod(cells[12])) << line;
+    ++rows;
+  }
+  return rows;
+}
+
+void run(bool batch) {
+  const std::string tag = batch ? "batch" : "nobatch";
+  const std::string json = tmp(tag + ".json");
+  Child c(binary("benchmarks/rpc_rl"),
+          {"--world_size=3,4", absl::StrCat("--batch=", batch ? "true" : "false"),
+           "--episodes=2", "--episode_steps=5", "--pytorch=false", "--output_file_path=" + json},
+          tag);
+  ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.err());
+  EXPECT_EQ(check_table(c.out(), {"3", "4"}), 2) << c.out();
+  const std::string j = read_file(json);
+  // Every request answered, every action valid: (world_size - 2) * 2 * 5.
+  EXPECT_TRUE(std::regex_search(j, std::regex(R"("requests":10,"answered":10,"valid_actions":10)"))) << j;
+  EXPECT_TRUE(std::regex_search(j, std::regex(R"("requests":20,"answered":20,"valid_actions":20)"))) << j;
+  EXPECT_NE(j.find("\"x_axis_name\":\"world_size\""), std::string::npos) << j;
+  EXPECT_NE(j.find("\"pytorch\":null"), std::string::npos) << j;
+  // The plot script reads it (skipped where matplotlib is missing).
+  if (std::system("/usr/bin/python3 -c 'import matplotlib' 2>/dev/null") == 0) {
+    const std::string png = tmp(tag + ".png");
+    const std::string cmd = absl::StrCat("/usr/bin/python3 ", std::getenv("TEST_SRCDIR"),
+                                         "/ddprpc/benchmarks/reference/plot_rl.py ", json, " ", png);
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    EXPECT_GT(read_file(png).size(), 1000u);
+  }
+}
+
+TEST(RpcRlBenchmarkTest, BatchAnswersEveryRequest) { run(true); }
+TEST(RpcRlBenchmarkTest, NonBatchAnswersEveryRequest) { run(false); }
+
+TEST(RpcRlBenchmarkTest, RejectsTwoListFlags) {
+  Child c(binary("benchmarks/rpc_rl"), {"--world_size=3,4", "--nlayers=1,2", "--pytorch=false"},
+          "twolists");
+  EXPECT_EQ(c.wait_for(absl::Seconds(30)), 2);
+  EXPECT_NE(c.err().find("only one flag may hold a comma list"), std::string::npos) << c.err();
+}
+
+}  // namespace

@@ -1,0 +1,104 @@
+#include "benchmarks/testing/subprocess.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace ddprpc::benchmarks::testing {
+
+std::string binary(const std::string& path) {
+  return absl::StrCat(std::getenv("TEST_SRCDIR"), "/ddprpc/", path);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string tail(const std::string& s) { return s.size() > 3000 ? s.substr(s.size() - 3000) : s; }
+
+Child::Child(const std::string& path, const std::vector<std::string>& args, const std::string& tag)
+    : out_path_(absl::StrCat(std::getenv("TEST_TMPDIR"), "/", tag, ".out")),
+      err_path_(absl::StrCat(std::getenv("TEST_TMPDIR"), "/", tag, ".err")) {
+  const std::string marker = absl::StrCat(getpid(), "-", tag);
+  pid_ = fork();
+  if (pid_ == 0) {
+    setenv("DDPRPC_TEST_RUN", marker.c_str(), 1);  // the ranks inherit it
+    int out = open(out_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int err = open(err_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(out, 1);
+    dup2(err, 2);
+    std::vector<std::string> copy = args;
+    std::string bin = path;
+    std::vector<char*> argv{bin.data()};
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+}
+
+Child::~Child() {
+  if (pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+}
+
+int Child::wait_for(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    int status;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return -1;
+}
+
+namespace {
+std::vector<std::string> environment(pid_t pid) {
+  std::vector<std::string> vars;
+  std::istringstream in(read_file(absl::StrCat("/proc/", pid, "/environ")));
+  for (std::string var; std::getline(in, var, '\0');) vars.push_back(var);
+  return vars;
+}
+}  // namespace
+
+std::vector<pid_t> run_processes(const std::string& tag) {
+  const std::string marker = absl::StrCat("DDPRPC_TEST_RUN=", getpid(), "-", tag);
+  std::vector<pid_t> out;
+  for (int pid = 2; pid < 4194304; ++pid) {
+    char path[64];
+    std::snprintf(path, sizeof(path), "/proc/%d", pid);
+    if (access(path, F_OK) != 0) continue;
+    for (const auto& var : environment(pid)) {
+      if (var == marker) out.push_back(pid);
+    }
+  }
+  return out;
+}
+
+pid_t find_rank(const std::string& tag, int rank) {
+  for (pid_t pid : run_processes(tag)) {
+    for (const auto& var : environment(pid)) {
+      if (var == absl::StrCat("RANK=", rank)) return pid;
+    }
+  }
+  return -1;
+}
+
+}  // namespace ddprpc::benchmarks::testing

@@ -1,0 +1,45 @@
+// Test helpers that run a benchmark binary the way a user does: as a
+// subprocess with its own stdout/stderr files, bounded in time, killed (with
+// its ranks, which die with it) if the test fails early.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+
+namespace ddprpc::benchmarks::testing {
+
+// $TEST_SRCDIR/ddprpc/<target path>, e.g. binary("benchmarks/ddp_rpc").
+std::string binary(const std::string& path);
+std::string read_file(const std::string& path);
+// The last 3000 characters, for failure messages.
+std::string tail(const std::string& s);
+
+class Child {
+ public:
+  // Starts `path` with `args`; stdout/stderr go to $TEST_TMPDIR/<tag>.out/.err.
+  // Its processes carry DDPRPC_TEST_RUN=<test pid>-<tag> (see run_processes).
+  Child(const std::string& path, const std::vector<std::string>& args, const std::string& tag);
+  ~Child();  // kills the process if it still runs
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  // Waits up to `timeout`; the exit code (128 for a signal), or -1 on timeout.
+  int wait_for(absl::Duration timeout);
+  std::string out() const { return read_file(out_path_); }
+  std::string err() const { return read_file(err_path_); }
+
+ private:
+  pid_t pid_ = -1;
+  const std::string out_path_, err_path_;
+};
+
+// Live processes started (directly or not) by the Child tagged `tag`.
+std::vector<pid_t> run_processes(const std::string& tag);
+// The one of them with RANK=<rank>, or -1.
+pid_t find_rank(const std::string& tag, int rank);
+
+}  // namespace ddprpc::benchmarks::testing
