@@ -333,7 +333,7 @@ int64_t release_remote(int64_t id) {
 DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_release, kRelease, release_remote);
 
 const bool kHookInstalled = [] {
-  rpc::set_rpc_hook(std::make_shared<DistAutogradHook>());
+  rpc::add_rpc_hook(std::make_shared<DistAutogradHook>());
   return true;
 }();
 

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,7 @@ namespace ddprpc::rpc {
 namespace {
 
 using internal::Frame;
+using HookStates = absl::InlinedVector<std::shared_ptr<void>, 2>;
 
 thread_local const CallContext* t_current_call = nullptr;
 
@@ -84,6 +86,12 @@ ErrorCode error_code_of(std::exception_ptr error, std::string* message) {
   return ErrorCode::kRemoteException;
 }
 
+// Tells a call's hooks that it ended (reply: the response's ext, or nullptr).
+void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& hooks,
+               const MessageExt* reply) {
+  for (const auto& [hook, state] : hooks) hook->end_call(state, reply);
+}
+
 }  // namespace
 
 const CallContext* current_call() { return t_current_call; }
@@ -125,7 +133,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
       options_.listen_address,
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
         if (!try_acquire_worker()) return offload(std::move(responder), std::move(frame));
-        serve(responder, frame);
+        serve(responder, frame, absl::Now());
         release_worker();
       },
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
@@ -205,6 +213,7 @@ std::string RpcAgent::describe(const PendingCall& call) const {
 void RpcAgent::fail_pending(const std::vector<PendingCall>& calls, ErrorCode code,
                             const std::string& why) {
   for (const auto& call : calls) {
+    end_hooks(call.hooks, nullptr);
     call.future.set_error(RpcError(code, absl::StrCat(describe(call), " failed: ", why)));
   }
 }
@@ -240,9 +249,18 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
   header.set_kind(one_way ? wire::NOTICE : wire::REQUEST);
   header.set_function(function);
   header.set_src(rank_);
+  const RpcHooks& hooks = rpc_hooks();
+  if (!one_way && !hooks.empty()) {
+    const OutgoingCall info{workers_[rank_], workers_[to], function, api, call.function};
+    for (const auto& hook : hooks) {
+      if (auto state = hook->start_call(info, header.mutable_ext())) {
+        call.hooks.emplace_back(hook.get(), std::move(state));
+      }
+    }
+  }
   try {
     c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
-    if (auto hook = rpc_hook()) hook->outgoing_request(to, packed, header.mutable_ext());
+    for (const auto& hook : hooks) hook->outgoing_request(to, packed, header.mutable_ext());
     internal::encode_value(packed, header.mutable_payload(), &frame, {rrefs_.get(), to});
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kInvalidArgument,
@@ -328,7 +346,8 @@ void RpcAgent::on_reply(Frame frame) {
   }
   try {
     c10::IValue value = internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to});
-    if (auto hook = rpc_hook()) hook->incoming_response(call.to, value, header.ext());
+    for (const auto& hook : rpc_hooks()) hook->incoming_response(call.to, value, header.ext());
+    end_hooks(call.hooks, &header.ext());
     call.future.set_result(std::move(value));
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kMalformedMessage,
@@ -375,6 +394,7 @@ void RpcAgent::timer_loop() {
       }
     }
     for (const auto& call : expired) {
+      end_hooks(call.hooks, nullptr);
       absl::Duration timeout = options_.rpc_timeout;
       call.future.set_error(RpcError(
           ErrorCode::kTimeout, absl::StrCat(describe(call), " timed out (deadline passed; default "
@@ -409,14 +429,15 @@ void RpcAgent::release_worker() {
 void RpcAgent::offload(std::shared_ptr<internal::Responder> responder, Frame frame) {
   auto task = std::make_shared<std::pair<std::shared_ptr<internal::Responder>, Frame>>(
       std::move(responder), std::move(frame));
-  pool_->run([this, task] {
+  pool_->run([this, task, received = absl::Now()] {
     acquire_worker();
-    serve(task->first, task->second);
+    serve(task->first, task->second, received);
     release_worker();
   });
 }
 
-void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request) {
+void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request,
+                     absl::Time received) {
   {
     // Peers may call as soon as the rendezvous is done, before we are.
     absl::MutexLock lock(&mu_);
@@ -451,12 +472,15 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
                                     "' is registered on worker '", self().name, "'"));
   }
   std::vector<c10::IValue> args;
-  std::shared_ptr<RpcHook> hook = rpc_hook();
-  std::shared_ptr<void> hook_state;
+  // Immutable and never freed (hooks.h); one state per hook, in its order.
+  const RpcHooks* hooks = &rpc_hooks();
+  HookStates hook_states(hooks->size());
   try {
     c10::IValue value = internal::decode_value(header.payload(), request, {rrefs_.get(), header.src()});
     if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
-    if (hook) hook_state = hook->incoming_request(header.src(), value, header.ext());
+    for (size_t i = 0; i < hooks->size(); ++i) {
+      hook_states[i] = (*hooks)[i]->incoming_request(header.src(), value, header.ext());
+    }
     args = value.toTupleRef().elements().vec();
   } catch (const std::exception& e) {
     return reply_error(ErrorCode::kMalformedMessage,
@@ -465,10 +489,11 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   request.tensors.clear();
 
   Future<c10::IValue> result;
-  CallContext context{header.src(), function};
+  CallContext context{header.src(), function, received};
   {
     CallScope scope(&context);
-    std::shared_ptr<void> hook_guard = hook ? hook->enter(hook_state) : nullptr;
+    HookStates hook_guards(hooks->size());
+    for (size_t i = 0; i < hooks->size(); ++i) hook_guards[i] = (*hooks)[i]->enter(hook_states[i]);
     ++executing_;
     struct Done {
       std::atomic<int>& n;
@@ -485,8 +510,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   if (one_way) return;
   const int64_t limit = options_.max_message_bytes;
   const int caller = header.src();
-  result.add_done_callback([this, responder, id, function, limit, caller, hook,
-                            hook_state](const Future<c10::IValue>& f) {
+  result.add_done_callback([this, responder, id, function, limit, caller, hooks,
+                            hook_states](const Future<c10::IValue>& f) {
     Frame out;
     out.header.set_id(id);
     out.header.set_src(rank_);
@@ -505,7 +530,10 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
     } else {
       out.header.set_kind(wire::RESPONSE);
       try {
-        if (hook) hook->outgoing_response(caller, hook_state, f.value(), out.header.mutable_ext());
+        for (size_t i = 0; i < hooks->size(); ++i) {
+          (*hooks)[i]->outgoing_response(caller, hook_states[i], f.value(),
+                                         out.header.mutable_ext());
+        }
         internal::encode_value(f.value(), out.header.mutable_payload(), &out,
                                {rrefs_.get(), caller});
         const uint64_t size = out.size();

@@ -29,6 +29,8 @@
 
 namespace ddprpc::rpc {
 
+class RpcHook;
+
 namespace internal {
 struct Frame;
 class PeerStream;
@@ -70,6 +72,7 @@ struct WorkerInfo {
 struct CallContext {
   int caller = -1;       // worker id of the caller
   std::string function;  // registered function name
+  absl::Time received;   // when it arrived (before waiting for a worker thread)
 };
 
 // The request being served on this thread, or nullptr outside a request.
@@ -130,6 +133,8 @@ class RpcAgent {
     std::string function;  // as shown in errors
     const char* api;
     absl::Time deadline;
+    // Hooks that took part in this call (rpc/hooks.h) and their state.
+    std::vector<std::pair<RpcHook*, std::shared_ptr<void>>> hooks;
   };
   struct PeerSlot {
     absl::Mutex mu;
@@ -147,7 +152,8 @@ class RpcAgent {
   std::shared_ptr<internal::PeerStream> peer(int to);
   // Serves a request on a pool thread (when the stream's threads are busy).
   void offload(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
-  void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame);
+  void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame,
+             absl::Time received);
   void on_reply(internal::Frame frame);
   void on_peer_closed(int peer, const std::string& why);
   void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);

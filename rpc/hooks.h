@@ -1,7 +1,8 @@
-// A hook into every RPC message, for layers above rpc (distributed autograd
-// attaches its send/recv functions and context ids here). One hook per
-// process; the default does nothing. Hooks run on RPC threads and must not
-// block.
+// Hooks into every RPC message, for layers above rpc (distributed autograd
+// attaches its send/recv functions and context ids here; the profiler its
+// events). Any number of hooks may be installed; each sees every message, in
+// the order they were added. Hooks run on RPC threads and must not block or
+// throw. With no hook installed the agent pays one atomic load per message.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -9,14 +10,35 @@
 
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "rpc/agent.h"
 
 namespace ddprpc::rpc {
 
 using MessageExt = google::protobuf::Map<std::string, std::string>;
 
+// A call (not a one-way notice) as the caller's hooks see it.
+struct OutgoingCall {
+  const WorkerInfo& from;
+  const WorkerInfo& to;
+  const std::string& function;  // registered function name
+  const char* api;              // "rpc_sync", "rpc_async", "remote", ...
+  const std::string& display;   // as shown in errors (function, or e.g. "Table.forward")
+};
+
 class RpcHook {
  public:
   virtual ~RpcHook() = default;
+  // Caller: a call is about to be encoded and sent. The returned state (may
+  // be null) comes back to end_call() exactly once.
+  virtual std::shared_ptr<void> start_call(const OutgoingCall& call, MessageExt* ext) {
+    return nullptr;
+  }
+  // Caller: the call ended, on the thread completing it, just before its
+  // future completes. `reply` is the response's ext, or nullptr when the call
+  // failed (error reply, timeout, broken connection, shutdown).
+  virtual void end_call(const std::shared_ptr<void>& call_state, const MessageExt* reply) {}
   // Caller: a request with `args` is about to go to worker `dest`.
   virtual void outgoing_request(int dest, const c10::IValue& args, MessageExt* ext) {}
   // Callee: a request arrived from `src`. The returned state (may be null)
@@ -37,8 +59,12 @@ class RpcHook {
   virtual void incoming_response(int src, const c10::IValue& result, const MessageExt& ext) {}
 };
 
-// Installs the process-wide hook (nullptr: none).
-void set_rpc_hook(std::shared_ptr<RpcHook> hook);
-std::shared_ptr<RpcHook> rpc_hook();
+using RpcHooks = std::vector<std::shared_ptr<RpcHook>>;
+
+// Adds a hook for the rest of the process (hooks are never removed).
+void add_rpc_hook(std::shared_ptr<RpcHook> hook);
+// The hooks installed now. The list is immutable and lives for the whole
+// process; a later add_rpc_hook publishes a new list.
+const RpcHooks& rpc_hooks();
 
 }  // namespace ddprpc::rpc
