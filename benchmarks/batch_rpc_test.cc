@@ -1,0 +1,274 @@
+// Runs //benchmarks:batch_rpc as a user would (a subprocess), in small
+// configurations: its tables parse, its JSON is valid, every request (a
+// trainer's gradients, an observer's state, batched or not) gets exactly one
+// answer, async execution holds no callee thread while trainers wait, and
+// REINFORCE's reward improves over episodes for the default seed.
+#include <cctype>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "benchmarks/testing/subprocess.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+using ddprpc::benchmarks::testing::binary;
+using ddprpc::benchmarks::testing::Child;
+using ddprpc::benchmarks::testing::read_file;
+using ddprpc::benchmarks::testing::run_processes;
+using ddprpc::benchmarks::testing::tail;
+
+// A strict JSON syntax check (RFC 8259 grammar; no semantics).
+class JsonChecker {
+ public:
+  explicit JsonChecker(const std::string& s) : s_(s) {}
+  bool valid() {
+    ws();
+    if (!value()) return false;
+    ws();
+    return i_ == s_.size();
+  }
+
+ private:
+  void ws() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
+  bool eat(char c) {
+    ws();
+    if (i_ < s_.size() && s_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  bool literal(const char* w) {
+    const std::string word(w);
+    if (s_.compare(i_, word.size(), word) != 0) return false;
+    i_ += word.size();
+    return true;
+  }
+  bool string() {
+    if (!eat('"')) return false;
+    while (i_ < s_.size() && s_[i_] != '"') {
+      if (static_cast<unsigned char>(s_[i_]) < 0x20) return false;
+      if (s_[i_] == '\\') ++i_;
+      ++i_;
+    }
+    return i_ < s_.size() && s_[i_++] == '"';
+  }
+  bool number() {
+    std::smatch m;
+    std::string rest = s_.substr(i_, 64);
+    static const std::regex re(R"(^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?)");
+    if (!std::regex_search(rest, m, re) || m.length(0) == 0) return false;
+    i_ += m.length(0);
+    return true;
+  }
+  bool value() {
+    ws();
+    if (i_ >= s_.size()) return false;
+    switch (s_[i_]) {
+      case '{': {
+        ++i_;
+        if (eat('}')) return true;
+        do {
+          if (!string() || !eat(':') || !value()) return false;
+        } while (eat(','));
+        return eat('}');
+      }
+      case '[': {
+        ++i_;
+        if (eat(']')) return true;
+        do {
+          if (!value()) return false;
+        } while (eat(','));
+        return eat(']');
+      }
+      case '"':
+        return string();
+      case 't':
+        return literal("true");
+      case 'f':
+        return literal("false");
+      case 'n':
+        return literal("null");
+      default:
+        return number();
+    }
+  }
+  const std::string& s_;
+  size_t i_ = 0;
+};
+
+TEST(JsonCheckerTest, AcceptsJsonRejectsGarbage) {
+  for (const char* ok : {"{}", R"({"a":[1,2.5,-3e-2,true,null,"x\"y"],"b":{}})"}) {
+    EXPECT_TRUE(JsonChecker(ok).valid()) << ok;
+  }
+  for (const char* bad : {"", "{", R"({"a":})", "[1,]", R"({"a":nan})", "{} x", "[01]"}) {
+    EXPECT_FALSE(JsonChecker(bad).valid()) << bad;
+  }
+}
+
+std::string tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
+
+// Runs the benchmark to completion; its stdout, or "" after a failed assertion.
+std::string run(const std::vector<std::string>& args, const std::string& tag) {
+  Child c(binary("benchmarks/batch_rpc"), args, tag);
+  const int code = c.wait_for(absl::Minutes(4));
+  EXPECT_EQ(code, 0) << "batch_rpc " << tag << " stderr:\n" << tail(c.err());
+  EXPECT_TRUE(run_processes(tag).empty()) << "processes left behind";
+  return code == 0 ? c.out() : "";
+}
+
+// A number after `"key":` in the JSON text, starting the search at `from`.
+double json_number(const std::string& j, const std::string& key, size_t from = 0) {
+  const std::string k = "\"" + key + "\":";
+  size_t p = j.find(k, from);
+  if (p == std::string::npos) return -1;
+  return std::stod(j.substr(p + k.size()));
+}
+
+TEST(BatchRpcBenchmarkTest, ParameterServerAnswersEveryTrainerAndHoldsNoThread) {
+  const std::string json = tmp("ps.json");
+  const int iters = 3, warmup = 1;
+  const std::string out =
+      run({"--mode=ps", "--trainers=2,3", absl::StrCat("--iters=", iters),
+           absl::StrCat("--warmup=", warmup), "--json=" + json},
+          "ps");
+  ASSERT_FALSE(out.empty());
+  // trainers, mode, updates/s, grads/s, blocked mean, max, busy mean, max, requests/answers
+  std::regex row(R"((\d+) +(async execution|blocking) +([0-9.]+) +([0-9.]+) +([0-9.]+) +(\d+) +)"
+                 R"(([0-9.]+) +(\d+) +(\d+)/(\d+)\n)");
+  int rows = 0;
+  for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it, ++rows) {
+    const auto& m = *it;
+    const int trainers = std::stoi(m[1].str());
+    const bool async = m[2].str() == "async execution";
+    EXPECT_GT(std::stod(m[3].str()), 0) << m[0];
+    EXPECT_NEAR(std::stod(m[4].str()), trainers * std::stod(m[3].str()), 0.2) << m[0];
+    const double blocked_mean = std::stod(m[5].str());
+    if (async) {
+      // Waiting trainers hold no callee thread; an RRef fork message may
+      // be running at the moment of a sample.
+      EXPECT_LE(blocked_mean, 1.0) << m[0];
+    } else {
+      EXPECT_GE(blocked_mean, trainers - 1) << m[0];
+    }
+    // Every gradient report was answered once with the updated model.
+    EXPECT_EQ(std::stoi(m[9].str()), trainers * (iters + warmup)) << m[0];
+    EXPECT_EQ(m[9].str(), m[10].str()) << m[0];
+  }
+  EXPECT_EQ(rows, 4) << out;
+  const std::string j = read_file(json);
+  EXPECT_TRUE(JsonChecker(j).valid()) << j;
+  size_t at = 0;
+  int entries = 0;
+  while ((at = j.find("\"trainers\":", at + 1)) != std::string::npos) {
+    ASSERT_EQ(j.compare(at - 1, 1, "{"), 0) << "\"trainers\" opens each ps entry";
+    ++entries;
+    const double expected = json_number(j, "expected", at);
+    EXPECT_GT(expected, 0);
+    EXPECT_EQ(json_number(j, "requests", at), expected) << j.substr(at, 400);
+    EXPECT_EQ(json_number(j, "answers", at), expected) << j.substr(at, 400);
+    EXPECT_EQ(json_number(j, "models_received", at), expected) << j.substr(at, 400);
+    EXPECT_EQ(json_number(j, "updates", at), iters + warmup) << j.substr(at, 400);
+  }
+  EXPECT_EQ(entries, 4) << j;
+}
+
+struct CartPoleRow {
+  int world = 0;
+  double batch_s = 0, nobatch_s = 0;
+  double batch_first = 0, batch_second = 0, nobatch_first = 0, nobatch_second = 0;
+  long batch_req = 0, batch_ans = 0, nobatch_req = 0, nobatch_ans = 0;
+};
+
+std::vector<CartPoleRow> cartpole_rows(const std::string& out) {
+  std::regex row(R"((\d+) +([0-9.]+) +([0-9.]+) +([0-9.]+)x +([0-9.]+) -> ([0-9.]+) +)"
+                 R"(([0-9.]+) -> ([0-9.]+) +(\d+)/(\d+) +(\d+)/(\d+)\n)");
+  std::vector<CartPoleRow> rows;
+  for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it) {
+    const auto& m = *it;
+    CartPoleRow r;
+    r.world = std::stoi(m[1].str());
+    r.batch_s = std::stod(m[2].str());
+    r.nobatch_s = std::stod(m[3].str());
+    r.batch_first = std::stod(m[5].str());
+    r.batch_second = std::stod(m[6].str());
+    r.nobatch_first = std::stod(m[7].str());
+    r.nobatch_second = std::stod(m[8].str());
+    r.batch_req = std::stol(m[9].str());
+    r.batch_ans = std::stol(m[10].str());
+    r.nobatch_req = std::stol(m[11].str());
+    r.nobatch_ans = std::stol(m[12].str());
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+TEST(BatchRpcBenchmarkTest, CartPoleAnswersEveryObserverOnceWithAndWithoutBatching) {
+  const std::string json = tmp("cartpole.json");
+  const int episodes = 2, steps = 30;
+  const std::string out = run({"--mode=cartpole", "--world_sizes=3..4",
+                               absl::StrCat("--episodes=", episodes), absl::StrCat("--steps=", steps),
+                               "--json=" + json},
+                              "cartpole");
+  ASSERT_FALSE(out.empty());
+  std::vector<CartPoleRow> rows = cartpole_rows(out);
+  ASSERT_EQ(rows.size(), 2u) << out;
+  for (const auto& r : rows) {
+    EXPECT_EQ(r.world, &r == &rows[0] ? 3 : 4);
+    EXPECT_GT(r.batch_s, 0);
+    EXPECT_GT(r.nobatch_s, 0);
+    // One request per observer per step, each answered with one action.
+    const long expected = static_cast<long>(r.world - 1) * steps * episodes;
+    EXPECT_EQ(r.batch_req, expected);
+    EXPECT_EQ(r.batch_ans, expected);
+    EXPECT_EQ(r.nobatch_req, expected);
+    EXPECT_EQ(r.nobatch_ans, expected);
+    for (double reward : {r.batch_first, r.batch_second, r.nobatch_first, r.nobatch_second}) {
+      EXPECT_GE(reward, 1);
+      EXPECT_LE(reward, steps);
+    }
+  }
+  // The seed's "world_size, batch, no-batch" lines.
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(\n3, [0-9.]+, [0-9.]+\n4, [0-9.]+, [0-9.]+\n)")))
+      << out;
+  const std::string j = read_file(json);
+  EXPECT_TRUE(JsonChecker(j).valid()) << j;
+  for (const char* mode : {"\"batch\":{", "\"nobatch\":{"}) {
+    int seen = 0;
+    for (size_t at = j.find(mode); at != std::string::npos; at = j.find(mode, at + 1), ++seen) {
+      const double expected = json_number(j, "expected", at);
+      EXPECT_GT(expected, 0);
+      EXPECT_EQ(json_number(j, "requests", at), expected) << j.substr(at, 300);
+      EXPECT_EQ(json_number(j, "answers", at), expected) << j.substr(at, 300);
+      EXPECT_EQ(json_number(j, "actions_received", at), expected) << j.substr(at, 300);
+    }
+    EXPECT_EQ(seen, 2) << mode;
+  }
+}
+
+TEST(BatchRpcBenchmarkTest, ReinforceRewardImprovesForTheDefaultSeed) {
+  // Runs are reproducible for a seed (seeded environments, policy and
+  // sampling generators), so this checks one fixed trajectory per mode.
+  const std::string out = run({"--mode=cartpole", "--world_sizes=3", "--episodes=10", "--steps=100",
+                               "--seed=543", "--json=" + tmp("learning.json")},
+                              "learning");
+  ASSERT_FALSE(out.empty());
+  std::vector<CartPoleRow> rows = cartpole_rows(out);
+  ASSERT_EQ(rows.size(), 1u) << out;
+  EXPECT_GT(rows[0].batch_second, rows[0].batch_first * 1.2) << out;
+  EXPECT_GT(rows[0].nobatch_second, rows[0].nobatch_first * 1.2) << out;
+}
+
+TEST(BatchRpcBenchmarkTest, RejectsAnUnknownMode) {
+  Child c(binary("benchmarks/batch_rpc"), {"--mode=bogus"}, "bogus");
+  EXPECT_EQ(c.wait_for(absl::Seconds(30)), 2);
+  EXPECT_NE(c.err().find("--mode must be ps, cartpole or all"), std::string::npos) << c.err();
+}
+
+}  // namespace
