@@ -855,6 +855,7 @@ int coordinator(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::keep_freed_memory();
   gflags::SetUsageMessage(
       "batch RPC with async execution: a batch-updating parameter server and batch CartPole "
       "REINFORCE\n  usage: batch_rpc [--mode=ps|cartpole|all] [--trainers=2,4,8] "

@@ -1,9 +1,11 @@
 #include "benchmarks/common.h"
 
 #include <gflags/gflags.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +30,12 @@ void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
 int env_rank() {
   const char* r = std::getenv("RANK");
   return r ? std::atoi(r) : -1;
+}
+
+void keep_freed_memory() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // the largest glibc accepts
+  mallopt(M_TRIM_THRESHOLD, INT_MAX);
+  mallopt(M_TOP_PAD, 64 << 20);
 }
 
 int cpu_count() { return static_cast<int>(std::thread::hardware_concurrency()); }

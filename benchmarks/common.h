@@ -17,6 +17,13 @@ void parse_flags(int* argc, char*** argv, const char* flag_file_filter);
 // RANK from the environment, or -1 when not launched as a worker.
 int env_rank();
 int cpu_count();
+// Keeps freed tensor memory in the process: glibc otherwise returns large
+// blocks to the kernel (munmap, or madvise when it trims a thread's arena)
+// and every later tensor of that size page-faults its memory in again.
+// Tensors of a training step (gradient buckets, embedding gradients) are
+// allocated and freed every step; on this VM the faults cost ~20% of a
+// ddp_rpc iteration. Call first thing in main().
+void keep_freed_memory();
 // p in [0, 1]; the value at index floor(n * p) of the sorted samples, as the
 // PyTorch anchors compute it.
 double percentile(std::vector<double> samples, double p);

@@ -3,61 +3,115 @@
 //
 //   ./bazelw run //benchmarks:ddp_rpc -- --trainers=8 --ps=8
 //
-// Processes: trainers 0..T-1, parameter servers T..T+P-1, master T+P. The
-// master creates an EmbeddingBag table on every PS (rpc::remote) and starts
-// training on every trainer by RPC. Each trainer builds a HybridModel (the
-// tables by RRef + a dense stack averaged across trainers by DDP), and per
-// iteration trains on 10 random batches, each in a dist_autograd context:
+// Processes (ranks): trainers 0..T-1, parameter servers T..T+P-1, master
+// T+P. Without a rank this binary starts all of them on this host; with
+// --rank (or RANK, as torchrun sets it) it runs just that role, so that a
+// launcher can start the ranks across hosts. The master creates an
+// EmbeddingBag table on every PS (rpc::remote) and starts training on every
+// trainer by RPC. Each trainer builds a HybridModel (the tables by RRef + a
+// dense stack averaged across trainers by DDP), and per iteration trains on
+// --batches_per_iter random batches, each in a dist_autograd context:
 // forward, CrossEntropy, dist_autograd::backward, DistributedOptimizer(SGD,
-// lr=0.05).step. The master prints p50/p75/p90/p95 sec/iter and ex/sec per
+// --lr).step. The master prints p50/p75/p90/p95 sec/iter and ex/sec per
 // trainer and for All (per iteration: the slowest trainer's time, the sum
-// of examples), and writes every figure to --json.
+// of examples), and writes every figure to --json. --check_convergence
+// trains on a learnable target instead and checks that the loss falls and
+// the tables on the parameter servers change.
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/randint.h>
+#include <arpa/inet.h>
 #include <gflags/gflags.h>
+#include <gloo/config.h>
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <torch/version.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <regex>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "autograd/dist_autograd.h"
 #include "benchmarks/common.h"
 #include "ddp/distributed_data_parallel.h"
-#include "rpc/store.h"
 #include "models/hybrid_model.h"
 #include "optim/distributed_optimizer.h"
 #include "rpc/launch.h"
 #include "rpc/rref.h"
+#include "rpc/store.h"
 
+#ifdef DDPRPC_WITH_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+// Workload.
 DEFINE_int32(trainers, 8, "number of trainer processes (DDP replicas)");
 DEFINE_int32(ps, 8, "number of parameter servers (one embedding table each)");
 DEFINE_int32(num_embeddings, 300, "rows of each embedding table");
 DEFINE_int32(embedding_dim, 64, "columns of each embedding table (fc_in = ps * embedding_dim)");
-DEFINE_int32(iters, 20, "measured iterations per trainer (each = 10 batches)");
-DEFINE_int32(warmup, 2, "iterations per trainer before measuring");
+DEFINE_int32(iters, 100, "measured iterations per trainer");
+DEFINE_int32(warmup, 5, "iterations per trainer before measuring (left out of every figure)");
+DEFINE_int32(batches_per_iter, 10,
+             "batches per iteration; each has 20..50 indices cut into bags of 1..10");
+DEFINE_double(lr, 0.05, "learning rate of the DistributedOptimizer (SGD)");
+DEFINE_uint64(seed, 1,
+              "seed of the data and of the initial parameters; rank r draws from a stream "
+              "derived from (seed, r), so a run is repeatable and the trainers' data differ");
+DEFINE_bool(check_convergence, false,
+            "train on a learnable target (every index of a bag has index % 8 == the bag's "
+            "target) and exit with code 3 unless the mean loss of the last iteration is at "
+            "least 10% below the first one's and every parameter server's table changed");
 DEFINE_string(backend, "gloo",
               "DDP collective backend among trainers: gloo (CPU) or nccl (GPU; needs a CUDA build "
               "and a visible GPU)");
 DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
+
+// Where the processes run.
+DEFINE_int32(rank, -1,
+             "run only this role (trainers 0..T-1, parameter servers T..T+P-1, master T+P), for "
+             "launchers that start every rank themselves (torchrun, Slurm, Kubernetes); every "
+             "rank needs the same flags. -1: the RANK environment variable if set, else start "
+             "every role on this host");
+DEFINE_int32(world_size, 0,
+             "with a rank: the number of processes, which must be trainers + ps + 1; 0: the "
+             "WORLD_SIZE environment variable");
+DEFINE_string(master_addr, "127.0.0.1",
+              "rendezvous host, where rank 0 (trainer0) serves the store; a role started on its "
+              "own uses MASTER_ADDR instead when this flag is not given");
+DEFINE_int32(master_port, 0,
+             "rendezvous port; 0: a free one when every role runs on this host, MASTER_PORT for a "
+             "role started on its own");
+DEFINE_string(listen_address, "",
+              "address this process serves RPC and Gloo on; empty: the local address that routes "
+              "to the rendezvous host (127.0.0.1 when every role runs on this host)");
+
+// Output and the PyTorch reference.
 DEFINE_string(json, "ddp_rpc.json",
               "where to write every figure and the configuration (relative to the directory "
               "bazel run started in)");
 DEFINE_bool(pytorch, true,
-            "also run PyTorch's reference (../shared/anchors/ref_ddp_rpc.py, /usr/bin/python3) "
-            "with the same configuration and print the ratio");
+            "also run PyTorch's reference (../shared/anchors/ref_ddp_rpc.py, /usr/bin/python3) on "
+            "the same tables and trainers and print the ratio (not with --check_convergence or "
+            "a role started on its own)");
+DEFINE_int32(pytorch_iters, 20,
+             "measured iterations of PyTorch's reference (at most --iters): it is ~2.5x slower, "
+             "and 8x8 at 100 iterations would take minutes");
+DEFINE_int32(pytorch_warmup, 2, "warm-up iterations of PyTorch's reference (at most --warmup)");
 DEFINE_string(pytorch_anchor, "", "path of the PyTorch reference script (default: found in ../shared)");
-DEFINE_int32(timeout_s, 1800, "stop everything after this many seconds");
-DEFINE_string(result_file, "", "internal: where the master writes its results");
+DEFINE_int32(timeout_s, 1800, "stop everything after this many seconds (also the RPC timeout)");
+DEFINE_string(result_file, "",
+              "internal, set by the local launch: where the master leaves its report");
 
 namespace rpc = ddprpc::rpc;
 namespace bench = ddprpc::benchmarks;
@@ -65,6 +119,17 @@ namespace models = ddprpc::models;
 namespace dist_autograd = ddprpc::dist_autograd;
 
 namespace {
+
+constexpr int64_t kClasses = 8;  // outputs of the dense stack
+constexpr int kTrainingFailed = 1;
+constexpr int kUsageError = 2;
+constexpr int kNotConverged = 3;
+constexpr double kMinLossFall = 0.10;  // --check_convergence: last <= 90% of first
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "ddp_rpc: %s (see --help)\n", message.c_str());
+  std::exit(kUsageError);
+}
 
 struct Role {
   int trainers, ps, rank;
@@ -78,65 +143,201 @@ struct Role {
   }
 };
 
+Role role_of(int rank) { return Role{FLAGS_trainers, FLAGS_ps, rank}; }
+
+// ---------------------------------------------------------------------------
+// Placement: which role this process runs and where the rendezvous is.
+
+struct Placement {
+  int rank = -1;  // -1: start every role on this host
+  std::string master_addr;
+  int master_port = 0;
+};
+
+// An integer environment variable, or `fallback` when it is unset.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  int out;
+  if (!absl::SimpleAtoi(v, &out)) usage_error(absl::StrCat(name, "='", v, "' is not an integer"));
+  return out;
+}
+
+// Flags win over the torchrun-style environment (RANK, WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT), which is also how the local launch tells its
+// children their rank.
+Placement placement() {
+  Placement p;
+  p.rank = FLAGS_rank >= 0 ? FLAGS_rank : env_int("RANK", -1);
+  p.master_addr = FLAGS_master_addr;
+  p.master_port = FLAGS_master_port;
+  if (p.rank < 0) return p;  // the local launch (picks a port when it is 0)
+
+  const char* env_addr = std::getenv("MASTER_ADDR");
+  if (gflags::GetCommandLineFlagInfoOrDie("master_addr").is_default && env_addr && *env_addr) {
+    p.master_addr = env_addr;
+  }
+  if (p.master_port == 0) p.master_port = env_int("MASTER_PORT", 0);
+  const int world = FLAGS_trainers + FLAGS_ps + 1;
+  const int world_size = FLAGS_world_size > 0 ? FLAGS_world_size : env_int("WORLD_SIZE", 0);
+  if (world_size <= 0) usage_error("a rank needs --world_size (or WORLD_SIZE)");
+  if (world_size != world) {
+    usage_error(absl::StrFormat(
+        "world size %d does not match --trainers=%d --ps=%d: the ranks are trainers 0..%d, "
+        "parameter servers %d..%d and the master %d, so the world size must be %d",
+        world_size, FLAGS_trainers, FLAGS_ps, FLAGS_trainers - 1, FLAGS_trainers, world - 2,
+        world - 1, world));
+  }
+  if (p.rank >= world) {
+    usage_error(absl::StrFormat("rank %d is outside the world of %d processes", p.rank, world));
+  }
+  if (p.master_port <= 0 || p.master_port > 65535) {
+    usage_error(
+        "a role started on its own needs the rendezvous port, the same on every rank: "
+        "--master_port or MASTER_PORT");
+  }
+  return p;
+}
+
+// The local address that routes to `host`: the one peers on other hosts can
+// reach this process at (127.0.0.1 when `host` is this one). "" if none.
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || !found) return "";
+  std::string address;
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  sockaddr_in self{};
+  socklen_t len = sizeof(self);
+  char text[INET_ADDRSTRLEN];
+  // Connecting a UDP socket sends nothing; it only picks the route.
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0 &&
+      ::inet_ntop(AF_INET, &self.sin_addr, text, sizeof(text))) {
+    address = text;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(found);
+  return address;
+}
+
+std::pair<std::string, int> split_host_port(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return {address.substr(0, colon), std::stoi(address.substr(colon + 1))};
+}
+
+// A seed for rank `rank` derived from --seed: the same (seed, rank) always
+// gives the same stream, different ranks unrelated ones.
+uint64_t derived_seed(int rank) {
+  std::seed_seq seq{static_cast<uint32_t>(FLAGS_seed), static_cast<uint32_t>(FLAGS_seed >> 32),
+                    static_cast<uint32_t>(rank)};
+  uint32_t words[2];
+  seq.generate(words, words + 2);
+  return (uint64_t{words[0]} << 32) | words[1];
+}
+
+// The flags that define what a trainer does. The master sends its own, and a
+// trainer started with other ones (possible when a launcher starts the ranks
+// on several hosts) refuses to run.
+std::string workload_flags() {
+  return absl::StrFormat(
+      "--trainers=%d --ps=%d --num_embeddings=%d --embedding_dim=%d --iters=%d --warmup=%d "
+      "--batches_per_iter=%d --lr=%g --seed=%d --check_convergence=%d --backend=%s",
+      FLAGS_trainers, FLAGS_ps, FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_iters,
+      FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed, FLAGS_check_convergence,
+      FLAGS_backend);
+}
+
+// ---------------------------------------------------------------------------
+// Trainer.
+
 struct Batch {
   at::Tensor indices, offsets, targets;
 };
 
-// 10 batches: 20..50 random indices, offsets with random steps 1..10,
-// random targets in [0, 8).
-std::vector<Batch> make_batches(std::mt19937& rng, int64_t num_embeddings) {
+// One iteration's batches, as the seed: each has 20..50 indices in
+// [0, num_embeddings) cut into bags by offsets with random steps 1..10, and
+// one target in [0, 8) per bag. The targets are random (the seed's workload:
+// nothing to learn) or, with --check_convergence, learnable: every index of
+// a bag is a row of the bag's target class (index % 8 == target).
+std::vector<Batch> make_batches(std::mt19937_64& rng) {
+  auto uniform = [&rng](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  const int64_t rows = FLAGS_num_embeddings;
   std::vector<Batch> out;
-  for (int b = 0; b < 10; ++b) {
-    const int64_t k = std::uniform_int_distribution<int64_t>(20, 50)(rng);
+  for (int b = 0; b < FLAGS_batches_per_iter; ++b) {
+    const int64_t k = uniform(20, 50);
     std::vector<int64_t> offsets;
-    for (int64_t s = 0; s < k; s += std::uniform_int_distribution<int64_t>(1, 10)(rng)) {
-      offsets.push_back(s);
+    for (int64_t s = 0; s < k; s += uniform(1, 10)) offsets.push_back(s);
+    std::vector<int64_t> indices(k), targets(offsets.size());
+    for (size_t bag = 0; bag < offsets.size(); ++bag) {
+      const int64_t target = uniform(0, kClasses - 1);
+      targets[bag] = target;
+      const int64_t end = bag + 1 < offsets.size() ? offsets[bag + 1] : k;
+      for (int64_t i = offsets[bag]; i < end; ++i) {
+        indices[i] = FLAGS_check_convergence
+                         ? target + kClasses * uniform(0, (rows - 1 - target) / kClasses)
+                         : uniform(0, rows - 1);
+      }
     }
-    const int64_t n = static_cast<int64_t>(offsets.size());
-    out.push_back({at::randint(0, num_embeddings, {k}, at::kLong),
-                   at::tensor(offsets, at::kLong), at::randint(0, 8, {n}, at::kLong)});
+    out.push_back({at::tensor(indices, at::kLong), at::tensor(offsets, at::kLong),
+                   at::tensor(targets, at::kLong)});
   }
   return out;
 }
 
-// Runs on each trainer, started by the master. Returns seconds and examples
-// per measured iteration, and the mean milliseconds per batch spent in
-// forward, backward, optimizer step and context release.
-std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>> run_trainer(
-    std::vector<rpc::RRef<models::EmbeddingTable>> tables, int64_t rank, int64_t iters,
-    int64_t warmup, int64_t num_embeddings, int64_t embedding_dim) {
-  std::mt19937 rng(static_cast<uint32_t>(rank));
-  at::manual_seed(rank);
-  models::HybridModel model(std::move(tables), embedding_dim);
+// Per measured iteration: seconds and examples; the mean milliseconds per
+// measured batch spent in forward, backward, optimizer step and context
+// release; per iteration (warm-up included): the mean loss of its batches.
+using TrainerResult = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>,
+                                 std::vector<double>>;
+
+// Runs on each trainer, started by the master.
+TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables, int64_t rank,
+                          std::string master_workload) {
+  if (master_workload != workload_flags()) {
+    throw std::invalid_argument(absl::StrCat("trainer", rank, " was started with other flags (",
+                                             workload_flags(), ") than the master (",
+                                             master_workload, ")"));
+  }
+  std::mt19937_64 rng(derived_seed(static_cast<int>(rank)));
+  models::HybridModel model(std::move(tables), FLAGS_embedding_dim);
   // DDP among the trainers (rendezvous through the RPC store): the same
   // initial dense parameters everywhere, gradients averaged inside every
   // dist_autograd backward pass.
-  const std::string address = rpc::current_agent()->store().address();
-  const size_t colon = address.rfind(':');
-  auto store = std::make_shared<rpc::Store>(address.substr(0, colon),
-                                            std::stoi(address.substr(colon + 1)),
-                                            absl::Seconds(FLAGS_timeout_s));
-  auto group = FLAGS_backend == "nccl"
-                   ? ddprpc::ddp::make_nccl_group(store, "ddp/trainers/", static_cast<int>(rank),
-                                                  FLAGS_trainers)
-                   : ddprpc::ddp::make_gloo_group(store, "ddp/trainers/", static_cast<int>(rank),
-                                                  FLAGS_trainers);
+  auto agent = rpc::current_agent();
+  const auto [store_host, store_port] = split_host_port(agent->store().address());
+  auto store = std::make_shared<rpc::Store>(store_host, store_port, absl::Seconds(FLAGS_timeout_s));
+  ddprpc::ddp::ProcessGroupOptions group_options;
+  group_options.listen_address = split_host_port(agent->self().address).first;
+  auto make_group = FLAGS_backend == "nccl" ? ddprpc::ddp::make_nccl_group
+                                            : ddprpc::ddp::make_gloo_group;
+  auto group = make_group(store, "ddp/trainers/", static_cast<int>(rank), FLAGS_trainers,
+                          group_options);
   ddprpc::ddp::DistributedDataParallel ddp(model.dense().ptr(), group);
-  ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", 0.05}}, model.parameter_rrefs());
-  std::vector<double> seconds;
+  ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", FLAGS_lr}},
+                                                model.parameter_rrefs());
+  std::vector<double> seconds, losses;
   std::vector<int64_t> examples;
   std::vector<double> phase_ms(4, 0.0);  // forward, backward, step, release
   int64_t measured_batches = 0;
-  for (int64_t it = 0; it < iters + warmup; ++it) {
+  const int total = FLAGS_iters + FLAGS_warmup;
+  for (int it = 0; it < total; ++it) {
+    const bool measured = it >= FLAGS_warmup;
     absl::Time start = absl::Now();
     int64_t n = 0;
-    for (const Batch& b : make_batches(rng, num_embeddings)) {
+    double loss_sum = 0;
+    for (const Batch& b : make_batches(rng)) {
       n += b.targets.size(0);
       absl::Time t[5];
       {
         t[0] = absl::Now();
         dist_autograd::Context context;
         at::Tensor loss = at::cross_entropy_loss(model.forward(b.indices, b.offsets), b.targets);
+        loss_sum += loss.item<double>();
         t[1] = absl::Now();
         dist_autograd::backward(context.id(), {loss});
         t[2] = absl::Now();
@@ -144,25 +345,28 @@ std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>> run_t
         t[3] = absl::Now();
       }
       t[4] = absl::Now();
-      if (it >= warmup) {
+      if (measured) {
         for (int i = 0; i < 4; ++i) phase_ms[i] += absl::ToDoubleMilliseconds(t[i + 1] - t[i]);
         ++measured_batches;
       }
     }
-    if (it >= warmup) {
+    if (measured) {
       seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
       examples.push_back(n);
     }
+    losses.push_back(loss_sum / FLAGS_batches_per_iter);
     if (rank == 0) {
-      std::fprintf(stderr, "ddp_rpc: trainer0 iteration %lld/%lld (%s)\n",
-                   static_cast<long long>(it + 1), static_cast<long long>(iters + warmup),
-                   it < warmup ? "warm-up" : "measured");
+      std::fprintf(stderr, "ddp_rpc: trainer0 iteration %d/%d (%s), mean loss %.4f\n", it + 1,
+                   total, measured ? "measured" : "warm-up", losses.back());
     }
   }
   for (double& ms : phase_ms) ms /= std::max<int64_t>(1, measured_batches);
-  return {seconds, examples, phase_ms};
+  return {seconds, examples, phase_ms, losses};
 }
 DDPRPC_REGISTER_FUNCTION(run_trainer);
+
+// ---------------------------------------------------------------------------
+// Master: the run and its report.
 
 struct Percentiles {
   double sec[4], ex[4];
@@ -199,7 +403,60 @@ void json_percentiles(bench::Json& json, const Percentiles& p) {
   json.end_object();
 }
 
-int master(const Role& role) {
+// A copy of every table's weight, fetched from its parameter server.
+std::vector<at::Tensor> fetch_weights(const std::vector<rpc::RRef<models::EmbeddingTable>>& tables) {
+  std::vector<at::Tensor> out;
+  for (const auto& table : tables) {
+    out.push_back(table.rpc_sync(&models::EmbeddingTable::parameter_rrefs).at(0).to_here());
+  }
+  return out;
+}
+
+// --check_convergence: the mean loss (over the trainers and an iteration's
+// batches) of the last iteration must be kMinLossFall below the first one's,
+// and every parameter server's table must have changed.
+bool report_convergence(const std::vector<TrainerResult>& results,
+                        const std::vector<at::Tensor>& before,
+                        const std::vector<at::Tensor>& after, std::ostream& out,
+                        bench::Json& json) {
+  std::vector<double> loss(FLAGS_iters + FLAGS_warmup, 0.0);
+  for (const auto& result : results) {
+    const std::vector<double>& trainer_loss = std::get<3>(result);
+    for (size_t i = 0; i < loss.size(); ++i) loss[i] += trainer_loss[i] / results.size();
+  }
+  const double first = loss.front(), last = loss.back();
+  const bool fell = last <= (1 - kMinLossFall) * first;
+  out << absl::StrFormat(
+      "Convergence (learnable target, seed %d): mean loss %.4f in the first iteration, %.4f in "
+      "the last (%+.1f%%)%s\n",
+      FLAGS_seed, first, last, 100 * (last / first - 1),
+      fell ? "" : absl::StrFormat(": did not fall by %.0f%%", 100 * kMinLossFall));
+  json.key("convergence").begin_object();
+  json.key("loss_per_iter").begin_array();
+  for (double l : loss) json.value(l);
+  json.end_array();
+  json.key("tables").begin_array();
+  bool all_changed = true;
+  for (size_t i = 0; i < before.size(); ++i) {
+    const int64_t changed = (after[i] - before[i]).abs().amax(1).gt(0).sum().item<int64_t>();
+    const double norm_before = before[i].norm().item<double>();
+    const double norm_after = after[i].norm().item<double>();
+    all_changed = all_changed && changed > 0;
+    out << absl::StrFormat("  ps%d: %d of %d embedding rows changed, weight norm %.4f -> %.4f\n",
+                           i, changed, before[i].size(0), norm_before, norm_after);
+    json.begin_object().key("rows_changed").value(changed);
+    json.key("norm_before").value(norm_before).key("norm_after").value(norm_after).end_object();
+  }
+  json.end_array();
+  const bool passed = fell && all_changed;
+  json.key("passed").value(passed).end_object();
+  out << "Convergence check: " << (passed ? "passed" : "FAILED") << "\n";
+  return passed;
+}
+
+// Returns the exit code: 0, kTrainingFailed or kNotConverged. `report`
+// receives the table, `report_json` every figure.
+int run_master(const Role& role, std::string* report, std::string* report_json) {
   absl::Time start = absl::Now();
   std::vector<rpc::RRef<models::EmbeddingTable>> tables;
   for (int i = 0; i < role.ps; ++i) {
@@ -207,17 +464,16 @@ int master(const Role& role) {
                                                           int64_t{FLAGS_num_embeddings},
                                                           int64_t{FLAGS_embedding_dim}));
   }
-  using Result = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>>;
-  std::vector<rpc::Future<Result>> runs;
+  std::vector<at::Tensor> weights_before;
+  if (FLAGS_check_convergence) weights_before = fetch_weights(tables);
+  std::vector<rpc::Future<TrainerResult>> runs;
   for (int r = 0; r < role.trainers; ++r) {
-    runs.push_back(rpc::rpc_async<Result>(rpc::CallOptions{absl::Seconds(FLAGS_timeout_s)},
-                                          absl::StrCat("trainer", r), "run_trainer", tables,
-                                          int64_t{r}, int64_t{FLAGS_iters}, int64_t{FLAGS_warmup},
-                                          int64_t{FLAGS_num_embeddings},
-                                          int64_t{FLAGS_embedding_dim}));
+    runs.push_back(rpc::rpc_async<TrainerResult>(rpc::CallOptions{absl::Seconds(FLAGS_timeout_s)},
+                                                 absl::StrCat("trainer", r), "run_trainer", tables,
+                                                 int64_t{r}, workload_flags()));
   }
   rpc::collect_all(runs).wait();
-  std::vector<Result> results;
+  std::vector<TrainerResult> results;
   bool failed = false;
   for (int r = 0; r < role.trainers; ++r) {
     if (runs[r].has_error()) {
@@ -230,7 +486,7 @@ int master(const Role& role) {
       results.push_back(runs[r].value());
     }
   }
-  if (failed) return 1;
+  if (failed) return kTrainingFailed;
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
 
   std::ostringstream out;
@@ -242,7 +498,7 @@ int master(const Role& role) {
   std::vector<double> all_sec(FLAGS_iters, 0.0), all_ex(FLAGS_iters, 0.0);
   std::vector<double> phases(4, 0.0);
   for (int r = 0; r < role.trainers; ++r) {
-    const auto& [sec, ex, phase_ms] = results[r];
+    const auto& [sec, ex, phase_ms, losses] = results[r];
     for (int i = 0; i < 4; ++i) phases[i] += phase_ms[i] / role.trainers;
     std::vector<double> exd(ex.begin(), ex.end());
     Percentiles p = percentiles(sec, exd);
@@ -267,22 +523,150 @@ int master(const Role& role) {
     json.key(kPhases[i]).value(phases[i]);
   }
   json.end_object();
+  bool converged = true;
+  if (FLAGS_check_convergence) {
+    converged = report_convergence(results, weights_before, fetch_weights(tables), out, json);
+  }
   json.end_object();
-  std::ofstream(FLAGS_result_file + ".txt") << out.str();
-  std::ofstream(FLAGS_result_file) << json.str() << "\n";
-  return 0;
+  *report = out.str();
+  *report_json = json.str();
+  return converged ? 0 : kNotConverged;
 }
 
-int worker(const Role& role) {
+// ---------------------------------------------------------------------------
+// Info header and the JSON file.
+
+std::string run_or_empty(const std::vector<std::string>& argv) {
+  std::string output;
+  return bench::run_command(argv, &output) == 0 ? output : "";
+}
+
+// `name` and its version from the headers, with the Debian package's version
+// when dpkg knows it (Gloo's headers say 0.5.0 for years of commits; the
+// package names the commit).
+std::string library_version(const std::string& name, const std::string& header_version,
+                            const std::string& package) {
+  std::string version = absl::StrCat(name, " ", header_version);
+  const std::string installed =
+      run_or_empty({"dpkg-query", "--showformat=${Version}", "--show", package});
+  if (!installed.empty()) absl::StrAppend(&version, " (Debian ", package, " ", installed, ")");
+  return version;
+}
+
+std::string cuda_versions() {
+#ifdef DDPRPC_WITH_NCCL
+  int nccl = 0, runtime = 0, driver = 0, gpus = 0;
+  ncclGetVersion(&nccl);
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch, older ones * 1000.
+  const int major_unit = nccl >= 20900 ? 10000 : 1000;
+  return absl::StrFormat(
+      "NCCL %d.%d.%d, CUDA runtime %d.%d, %s, %d GPU(s) visible", nccl / major_unit,
+      nccl % major_unit / 100, nccl % 100, runtime / 1000, runtime % 1000 / 10,
+      driver > 0 ? absl::StrFormat("driver %d.%d", driver / 1000, driver % 1000 / 10)
+                 : std::string("no CUDA driver"),
+      gpus);
+#else
+  return "NCCL/CUDA not built in (no /usr/local/cuda/include/nccl.h at build time)";
+#endif
+}
+
+void print_info(const std::string& processes) {
+  absl::PrintF("---------- Info ---------\n");
+  absl::PrintF("* ddprpc: %s, %s; gRPC %s; %s\n",
+               library_version("libtorch", TORCH_VERSION, "libtorch-dev"),
+               at::hasCUDA() ? "with CUDA" : "CPU only", grpc::Version(),
+               library_version("Gloo",
+                               absl::StrFormat("%d.%d.%d", GLOO_VERSION_MAJOR, GLOO_VERSION_MINOR,
+                                               GLOO_VERSION_PATCH),
+                               "libgloo0"));
+  absl::PrintF("* %s; DDP backend: %s\n", cuda_versions(), FLAGS_backend);
+  absl::PrintF("* CPUs: %d; %s\n", bench::cpu_count(), processes);
+  absl::PrintF(
+      "* embedding tables: %d x %d each, fc_in = %d; %d measured + %d warm-up iterations of %d "
+      "batches; SGD lr %g; seed %d%s\n",
+      FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_ps * FLAGS_embedding_dim, FLAGS_iters,
+      FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed,
+      FLAGS_check_convergence ? "; learnable target (--check_convergence)" : "");
+  const std::string topo = run_or_empty({"nvidia-smi", "topo", "-m"});
+  if (!topo.empty()) absl::PrintF("---------- nvidia-smi topo -m ---------\n%s", topo);
+  std::fflush(stdout);
+}
+
+std::string trim_json(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s.empty() ? "null" : s;
+}
+
+void write_json(const std::string& ours, const std::string& theirs) {
+  bench::Json config;
+  config.begin_object();
+  config.key("trainers").value(FLAGS_trainers).key("ps").value(FLAGS_ps);
+  config.key("num_embeddings").value(FLAGS_num_embeddings);
+  config.key("embedding_dim").value(FLAGS_embedding_dim);
+  config.key("iters").value(FLAGS_iters).key("warmup").value(FLAGS_warmup);
+  config.key("batches_per_iter").value(FLAGS_batches_per_iter).key("lr").value(FLAGS_lr);
+  config.key("seed").value(static_cast<double>(FLAGS_seed));
+  config.key("check_convergence").value(FLAGS_check_convergence);
+  config.key("backend").value(FLAGS_backend).key("cpus").value(bench::cpu_count());
+  config.end_object();
+  const std::string path = bench::output_path(FLAGS_json);
+  std::ofstream(path) << "{\"config\":" << config.str() << ",\"ddprpc\":" << trim_json(ours)
+                      << ",\"pytorch\":" << trim_json(theirs) << "}\n";
+  std::printf("wrote %s\n", path.c_str());
+}
+
+// ---------------------------------------------------------------------------
+// One process of the world.
+
+int worker(const Placement& where) {
+  const Role role = role_of(where.rank);
   at::set_num_threads(1);  // as the reference: many processes share the cores
+  at::manual_seed(derived_seed(where.rank));  // the tables' and dense stack's initial values
   rpc::RpcBackendOptions options;
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_timeout_s);
-  rpc::init_rpc(role.name(), role.rank, role.trainers + role.ps + 1, options);
-  int rc = role.is_master() ? master(role) : 0;
-  rpc::shutdown(/*graceful=*/rc == 0);
+  options.init_method = absl::StrCat("tcp://", where.master_addr, ":", where.master_port);
+  options.listen_address = FLAGS_listen_address.empty()
+                               ? local_address_towards(where.master_addr)
+                               : FLAGS_listen_address;
+  if (options.listen_address.empty()) {
+    usage_error(absl::StrCat("no local address routes to ", where.master_addr,
+                             "; pass --listen_address"));
+  }
+  const bool standalone = FLAGS_result_file.empty();  // not started by the local launch
+  if (standalone) {
+    std::fprintf(stderr, "ddp_rpc: %s (rank %d) joining at %s:%d, serving on %s\n",
+                 role.name().c_str(), where.rank, where.master_addr.c_str(), where.master_port,
+                 options.listen_address.c_str());
+    if (role.is_master()) {
+      print_info(absl::StrFormat("this process is the master (rank %d) of %d trainers + %d "
+                                 "parameter servers + 1 master started on their own",
+                                 where.rank, FLAGS_trainers, FLAGS_ps));
+    }
+  }
+  rpc::init_rpc(role.name(), where.rank, FLAGS_trainers + FLAGS_ps + 1, options);
+  int rc = 0;
+  if (role.is_master()) {
+    std::string report, report_json;
+    rc = run_master(role, &report, &report_json);
+    if (standalone) {
+      std::printf("%sPyTorch reference not run (roles started on their own)\n", report.c_str());
+      if (rc != kTrainingFailed) write_json(report_json, "");
+    } else {
+      std::ofstream(FLAGS_result_file + ".txt") << report;
+      std::ofstream(FLAGS_result_file) << report_json << "\n";
+    }
+  }
+  // A failed convergence check is still a complete run: shut down gracefully.
+  rpc::shutdown(/*graceful=*/rc != kTrainingFailed);
   return rc;
 }
+
+// ---------------------------------------------------------------------------
+// The local launch: every role on this host, then PyTorch's reference.
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path);
@@ -298,116 +682,120 @@ double all_p50(const std::string& json) {
   return std::regex_search(json, m, re) ? std::stod(m[1].str()) : 0;
 }
 
-std::string trim_json(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s.empty() ? "null" : s;
+// Runs the reference on the same tables and trainers; returns its JSON.
+std::string run_pytorch_reference(const std::string& anchor, const std::string& tmp) {
+  const int iters = std::min(FLAGS_iters, FLAGS_pytorch_iters);
+  const int warmup = std::min(FLAGS_warmup, FLAGS_pytorch_warmup);
+  std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s)\n", anchor.c_str());
+  const std::string json = tmp + ".pytorch.json";
+  std::string output;
+  int rc = bench::run_command(
+      {"/usr/bin/python3", anchor, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
+       absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
+       absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(iters), "--warmup",
+       absl::StrCat(warmup), "--port", absl::StrCat(rpc::pick_free_port()), "--json", json},
+      &output);
+  const std::string theirs = read_file(json);
+  std::remove(json.c_str());
+  std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
+  std::printf(
+      "(%d measured + %d warm-up iterations of 10 batches, lr 0.05, its own random data: "
+      "--pytorch_iters, --pytorch_warmup)\n",
+      iters, warmup);
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    // Its table and summary, without its processes' log lines.
+    if (line.find(": p50:") != std::string::npos || line.rfind("PyTorch", 0) == 0 ||
+        line.rfind("wall", 0) == 0) {
+      std::printf("%s\n", line.c_str());
+    }
+  }
+  if (rc != 0) std::printf("PyTorch reference failed (exit %d)\n", rc);
+  return theirs;
 }
 
 int coordinator(int argc, char** argv) {
   const int world = FLAGS_trainers + FLAGS_ps + 1;
-  std::printf("---------- Info ---------\n");
-  std::printf("* ddprpc: libtorch %d.%d.%d, gRPC %s, collectives: %s\n", TORCH_VERSION_MAJOR,
-              TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, grpc::Version().c_str(),
-              FLAGS_backend == "nccl" ? "NCCL" : "Gloo");
-  std::printf("* CPUs: %d; processes: %d trainers + %d parameter servers + 1 master\n",
-              bench::cpu_count(), FLAGS_trainers, FLAGS_ps);
-  std::printf("* embedding tables: %d x %d each, fc_in = %d; %d measured + %d warm-up iterations\n",
-              FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_ps * FLAGS_embedding_dim, FLAGS_iters,
-              FLAGS_warmup);
-  std::string topo;
-  if (bench::run_command({"nvidia-smi", "topo", "-m"}, &topo) == 0) {
-    std::printf("---------- nvidia-smi topo -m ---------\n%s", topo.c_str());
-  }
-  std::fflush(stdout);
-
+  print_info(absl::StrFormat("processes on this host: %d trainers + %d parameter servers + 1 "
+                             "master",
+                             FLAGS_trainers, FLAGS_ps));
   const std::string tmp = bench::temp_path("ddp_rpc");
   auto launch = bench::relaunch_self(world, argc, argv);
   launch.argv.push_back("--result_file=" + tmp);
+  launch.master_addr = FLAGS_master_addr;
+  launch.master_port = FLAGS_master_port;
   launch.timeout = absl::Seconds(FLAGS_timeout_s);
   launch.grace_period = absl::Seconds(20);  // let the master report which call failed
   std::fprintf(stderr, "ddp_rpc: starting %d processes\n", world);
   rpc::LaunchResult r = rpc::launch(launch);
-  if (r.exit_code != 0) {
-    std::string who = r.failed_rank < 0 ? "" : Role{FLAGS_trainers, FLAGS_ps, r.failed_rank}.name();
-    std::fprintf(stderr, "ddp_rpc: failed: %s%s\n", who.empty() ? "" : (who + ": ").c_str(),
-                 r.message.c_str());
-    return 1;
-  }
   const std::string ours = read_file(tmp);
-  std::printf("%s", read_file(tmp + ".txt").c_str());
+  std::printf("%s", read_file(tmp + ".txt").c_str());  // also when the convergence check failed
+  std::fflush(stdout);  // the table shows before PyTorch's reference starts, also in a pipe
   std::remove(tmp.c_str());
   std::remove((tmp + ".txt").c_str());
+  if (r.exit_code == kNotConverged && role_of(r.failed_rank).is_master()) {
+    std::fprintf(stderr, "ddp_rpc: the convergence check failed (see the report above)\n");
+    return kNotConverged;
+  }
+  if (r.exit_code != 0) {
+    std::string who = r.failed_rank < 0 ? "" : role_of(r.failed_rank).name() + ": ";
+    std::fprintf(stderr, "ddp_rpc: failed: %s%s\n", who.c_str(), r.message.c_str());
+    return kTrainingFailed;
+  }
 
   std::string theirs;
   const std::string anchor = FLAGS_pytorch_anchor.empty()
                                  ? bench::shared_path("anchors/ref_ddp_rpc.py")
                                  : FLAGS_pytorch_anchor;
-  if (FLAGS_pytorch && !anchor.empty()) {
-    std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s), same configuration\n",
-                 anchor.c_str());
-    const std::string json = tmp + ".pytorch.json";
-    std::string output;
-    int rc = bench::run_command(
-        {"/usr/bin/python3", anchor, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
-         absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
-         absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(FLAGS_iters), "--warmup",
-         absl::StrCat(FLAGS_warmup), "--port", absl::StrCat(rpc::pick_free_port()), "--json", json},
-        &output);
-    theirs = read_file(json);
-    std::remove(json.c_str());
-    std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
-    std::istringstream lines(output);
-    for (std::string line; std::getline(lines, line);) {
-      // Its table and summary, without its processes' log lines.
-      if (line.find(": p50:") != std::string::npos || line.rfind("PyTorch", 0) == 0 ||
-          line.rfind("wall", 0) == 0) {
-        std::printf("%s\n", line.c_str());
-      }
-    }
-    if (rc != 0) std::printf("PyTorch reference failed (exit %d)\n", rc);
+  if (FLAGS_check_convergence) {
+    std::printf("PyTorch reference not run (--check_convergence)\n");
+  } else if (FLAGS_pytorch && !anchor.empty()) {
+    theirs = run_pytorch_reference(anchor, tmp);
   } else {
     std::printf("PyTorch reference not run (--pytorch=false or no anchor script found)\n");
   }
   const double ours_p50 = all_p50(ours), theirs_p50 = all_p50(theirs);
-  if (ours_p50 > 0 && theirs_p50 > 0) {
+  // sec/iter compare only when an iteration is the same work (10 batches).
+  if (ours_p50 > 0 && theirs_p50 > 0 && FLAGS_batches_per_iter == 10) {
     std::printf("All p50 sec/iter: ddprpc %.3fs, PyTorch %.3fs: ddprpc is %.2fx %s\n", ours_p50,
                 theirs_p50, theirs_p50 >= ours_p50 ? theirs_p50 / ours_p50 : ours_p50 / theirs_p50,
                 theirs_p50 >= ours_p50 ? "faster" : "slower");
   }
-  bench::Json config;
-  config.begin_object();
-  config.key("trainers").value(FLAGS_trainers).key("ps").value(FLAGS_ps);
-  config.key("num_embeddings").value(FLAGS_num_embeddings);
-  config.key("embedding_dim").value(FLAGS_embedding_dim);
-  config.key("iters").value(FLAGS_iters).key("warmup").value(FLAGS_warmup);
-  config.key("backend").value(FLAGS_backend).key("cpus").value(bench::cpu_count());
-  config.end_object();
-  const std::string path = bench::output_path(FLAGS_json);
-  std::ofstream(path) << "{\"config\":" << config.str() << ",\"ddprpc\":" << trim_json(ours)
-                      << ",\"pytorch\":" << trim_json(theirs) << "}\n";
-  std::printf("wrote %s\n", path.c_str());
+  write_json(ours, theirs);
   return 0;
+}
+
+void check_flags() {
+  if (FLAGS_backend != "gloo" && FLAGS_backend != "nccl") usage_error("--backend must be gloo or nccl");
+  if (FLAGS_backend == "nccl" && !ddprpc::ddp::nccl_available()) {
+    usage_error("--backend=nccl needs a CUDA build and a visible GPU");
+  }
+  if (FLAGS_trainers < 1 || FLAGS_ps < 1 || FLAGS_iters < 1 || FLAGS_batches_per_iter < 1) {
+    usage_error("--trainers, --ps, --iters and --batches_per_iter must be at least 1");
+  }
+  if (FLAGS_warmup < 0 || FLAGS_embedding_dim < 1 || FLAGS_num_embeddings < 1) {
+    usage_error("--warmup must be at least 0, --embedding_dim and --num_embeddings at least 1");
+  }
+  if (FLAGS_check_convergence && FLAGS_num_embeddings < kClasses) {
+    usage_error("--check_convergence needs --num_embeddings of at least 8 (a row per class)");
+  }
+  if (FLAGS_master_port < 0 || FLAGS_master_port > 65535) usage_error("--master_port is 0..65535");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::keep_freed_memory();
   gflags::SetUsageMessage(
       "DDP + RPC hybrid benchmark (master + trainers + parameter servers), with PyTorch's own "
-      "stack measured in the same run\n  usage: ddp_rpc [--trainers=8 --ps=8 ...]");
+      "stack measured in the same run\n"
+      "  all roles on this host:  ddp_rpc [--trainers=8 --ps=8 ...]\n"
+      "  one role (multi-host):   ddp_rpc --rank=R --world_size=T+P+1 --master_addr=HOST "
+      "--master_port=PORT [same flags on every rank]\n"
+      "                           or RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the "
+      "environment (torchrun style)");
   bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
-  if (FLAGS_backend != "gloo" && FLAGS_backend != "nccl") {
-    std::fprintf(stderr, "ddp_rpc: --backend must be gloo or nccl\n");
-    return 2;
-  }
-  if (FLAGS_backend == "nccl" && !ddprpc::ddp::nccl_available()) {
-    std::fprintf(stderr, "ddp_rpc: --backend=nccl needs a CUDA build and a visible GPU\n");
-    return 2;
-  }
-  if (FLAGS_trainers < 1 || FLAGS_ps < 1 || FLAGS_iters < 1) {
-    std::fprintf(stderr, "ddp_rpc: --trainers, --ps and --iters must be at least 1\n");
-    return 2;
-  }
-  if (bench::env_rank() >= 0) return worker(Role{FLAGS_trainers, FLAGS_ps, bench::env_rank()});
-  return coordinator(argc, argv);
+  check_flags();
+  const Placement where = placement();
+  return where.rank < 0 ? coordinator(argc, argv) : worker(where);
 }

@@ -1,47 +1,136 @@
 // Runs //benchmarks:ddp_rpc as a user would (a subprocess): a small run
-// prints a parsable table and JSON; killing a parameter server mid-run makes
-// it fail promptly with a message naming the server and the call, leaving
-// no process behind.
+// prints a parsable table and JSON; the same run with every role started on
+// its own (as a multi-host launcher would) does too; --check_convergence
+// passes when training works and fails when it cannot learn (lr 0); killing
+// a parameter server mid-run makes it fail promptly with a message naming
+// the server and the call, leaving no process behind.
 #include <signal.h>
 
 #include <cstdlib>
+#include <memory>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
+#include "rpc/launch.h"
 
 namespace {
 
 using namespace ddprpc::benchmarks::testing;
 
 const std::string kBinary = "benchmarks/ddp_rpc";
+const std::vector<std::string> kSmall = {"--trainers=2", "--ps=2", "--pytorch=false"};
 
-TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
-  const std::string json = absl::StrCat(std::getenv("TEST_TMPDIR"), "/small.json");
-  Child c(binary(kBinary),
-          {"--trainers=2", "--ps=2", "--iters=3", "--warmup=1", "--pytorch=false", "--json=" + json},
-          "small");
-  ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << c.err();
-  const std::string out = c.out();
+std::string tmp_file(const std::string& name) {
+  return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name);
+}
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// The table of a 2-trainer run has Trainer0, Trainer1 and All rows, every
+// figure positive; its JSON has every trainer.
+void expect_table_and_json(const std::string& out, const std::string& json_path) {
   std::regex row(R"((Trainer0|Trainer1|All):\s+p50: ([0-9.]+)s\s+([0-9]+)/s\s+p75: ([0-9.]+)s\s+([0-9]+)/s\s+p90: ([0-9.]+)s\s+([0-9]+)/s\s+p95: ([0-9.]+)s\s+([0-9]+)/s)");
   int rows = 0;
   for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it, ++rows) {
     for (int g = 2; g <= 9; ++g) EXPECT_GT(std::stod((*it)[g].str()), 0) << (*it)[0];
   }
   EXPECT_EQ(rows, 3) << out;
-  const std::string j = read_file(json);
+  const std::string j = read_file(json_path);
   for (const char* key : {"\"trainer0\"", "\"trainer1\"", "\"all\"", "\"config\"", "\"trainers\":2"}) {
     EXPECT_NE(j.find(key), std::string::npos) << key << " missing from " << j;
   }
 }
 
+TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
+  const std::string json = tmp_file("small.json");
+  Child c(binary(kBinary), with(kSmall, {"--iters=3", "--warmup=1", "--json=" + json}), "small");
+  ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << c.err();
+  const std::string out = c.out();
+  expect_table_and_json(out, json);
+  for (const char* info : {"libtorch 1.", "gRPC 1.", "Gloo 0.", "CPUs: "}) {
+    EXPECT_NE(out.find(info), std::string::npos) << info << " missing from the Info header:\n" << out;
+  }
+}
+
+// As under a multi-host launcher: each rank its own process, told its place
+// by --rank, --world_size and --master_port instead of the local launch.
+TEST(DdpRpcBenchmarkTest, RolesStartedOnTheirOwnRunTheSameBenchmark) {
+  const std::string json = tmp_file("roles.json");
+  const std::string port = absl::StrCat(ddprpc::rpc::pick_free_port());
+  std::vector<std::unique_ptr<Child>> ranks;
+  for (int rank = 0; rank < 5; ++rank) {  // trainers 0-1, ps 2-3, master 4
+    ranks.push_back(std::make_unique<Child>(
+        binary(kBinary),
+        with(kSmall, {"--iters=3", "--warmup=1", "--json=" + json, absl::StrCat("--rank=", rank),
+                      "--world_size=5", "--master_port=" + port}),
+        absl::StrCat("roles", rank)));
+  }
+  for (int rank = 0; rank < 5; ++rank) {
+    EXPECT_EQ(ranks[rank]->wait_for(absl::Minutes(3)), 0)
+        << "rank " << rank << ":\n" << tail(ranks[rank]->err());
+  }
+  expect_table_and_json(ranks[4]->out(), json);
+}
+
+TEST(DdpRpcBenchmarkTest, WorldSizeThatDoesNotMatchTheRolesIsRefused) {
+  Child c(binary(kBinary), with(kSmall, {"--rank=0", "--world_size=4", "--master_port=1"}),
+          "mismatch");
+  EXPECT_EQ(c.wait_for(absl::Seconds(30)), 2);
+  EXPECT_NE(c.err().find("the world size must be 5"), std::string::npos) << c.err();
+}
+
+// The mean loss of the first and the last iteration from the report.
+std::pair<double, double> first_and_last_loss(const std::string& out) {
+  std::smatch m;
+  std::regex re(R"(mean loss ([0-9.]+) in the first iteration, ([0-9.]+) in the last)");
+  if (!std::regex_search(out, m, re)) return {0, 0};
+  return {std::stod(m[1].str()), std::stod(m[2].str())};
+}
+
+TEST(DdpRpcBenchmarkTest, CheckConvergenceSeesTheLossFallAndTheTablesChange) {
+  const std::string json = tmp_file("converge.json");
+  Child c(binary(kBinary),
+          with(kSmall, {"--iters=10", "--warmup=0", "--check_convergence", "--json=" + json}),
+          "converge");
+  ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.out()) << tail(c.err());
+  const std::string out = c.out();
+  const auto [first, last] = first_and_last_loss(out);
+  EXPECT_GT(first, 1.5) << out;  // ~ln(8) before any training
+  EXPECT_LT(last, 0.9 * first) << out;
+  for (const char* ps : {"ps0", "ps1"}) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(out, m, std::regex(absl::StrCat(ps, R"(: ([0-9]+) of 300 embedding rows changed)"))))
+        << out;
+    EXPECT_GT(std::stoi(m[1].str()), 0) << out;
+  }
+  EXPECT_NE(out.find("Convergence check: passed"), std::string::npos) << out;
+  EXPECT_NE(read_file(json).find("\"convergence\""), std::string::npos);
+}
+
+// The check can fail: with a zero learning rate nothing is learned.
+TEST(DdpRpcBenchmarkTest, CheckConvergenceFailsWhenNothingIsLearned) {
+  Child c(binary(kBinary),
+          with(kSmall, {"--iters=3", "--warmup=0", "--check_convergence", "--lr=0",
+                        "--json=" + tmp_file("frozen.json")}),
+          "frozen");
+  EXPECT_EQ(c.wait_for(absl::Minutes(3)), 3) << tail(c.err());
+  const std::string out = c.out();
+  EXPECT_NE(out.find("ps0: 0 of 300 embedding rows changed"), std::string::npos) << out;
+  EXPECT_NE(out.find("Convergence check: FAILED"), std::string::npos) << out;
+  EXPECT_NE(c.err().find("convergence check failed"), std::string::npos) << tail(c.err());
+}
+
 TEST(DdpRpcBenchmarkTest, KilledParameterServerFailsTheRunCleanly) {
   Child c(binary(kBinary),
-          {"--trainers=2", "--ps=2", "--iters=500", "--warmup=0", "--pytorch=false",
-           "--json=" + absl::StrCat(std::getenv("TEST_TMPDIR"), "/killed.json")},
+          with(kSmall, {"--iters=500", "--warmup=0", "--json=" + tmp_file("killed.json")}),
           "killed");
   // Wait until training runs, then kill ps0 (rank 2 = trainers + 0).
   absl::Time deadline = absl::Now() + absl::Minutes(2);

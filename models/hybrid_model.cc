@@ -1,8 +1,9 @@
 #include "models/hybrid_model.h"
 
+#include "models/linear.h"
+
 #include <ATen/ops/cat.h>
 #include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/linear.h>
 
 namespace ddprpc::models {
 
@@ -26,9 +27,9 @@ static auto embedding_table_registration =
         .method("parameter_rrefs", &EmbeddingTable::parameter_rrefs);
 
 torch::nn::Sequential make_dense(int64_t fc_in) {
-  return torch::nn::Sequential(torch::nn::Linear(fc_in, 256), torch::nn::Linear(256, 128),
-                               torch::nn::ReLU(), torch::nn::Linear(128, 64),
-                               torch::nn::Linear(64, 32), torch::nn::Linear(32, 8));
+  // models::Linear: torch::nn::Linear with its products on XNNPACK (linear.h).
+  return torch::nn::Sequential(Linear(fc_in, 256), Linear(256, 128), torch::nn::ReLU(),
+                               Linear(128, 64), Linear(64, 32), Linear(32, 8));
 }
 
 HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t embedding_dim)

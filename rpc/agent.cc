@@ -123,6 +123,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   store_ = std::make_unique<Store>(host, port,
                                    std::max(options_.rpc_timeout, absl::Seconds(60)));
   pool_ = std::make_unique<internal::ThreadPool>(options_.num_worker_threads);
+  reply_sender_ = std::make_unique<internal::ThreadPool>(1);
   {
     absl::MutexLock lock(&workers_mu_);
     free_workers_ = options_.num_worker_threads;
@@ -162,6 +163,7 @@ void RpcAgent::start_serving() {
 
 RpcAgent::~RpcAgent() {
   stop(/*graceful=*/false);
+  reply_sender_.reset();  // sends what is queued while rrefs_ still exists
   if (rrefs_) rrefs_->detach();
   peers_.clear();  // before mu_ goes: a stream's close callback takes it
 }
@@ -510,8 +512,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   if (one_way) return;
   const int64_t limit = options_.max_message_bytes;
   const int caller = header.src();
-  result.add_done_callback([this, responder, id, function, limit, caller, hooks,
-                            hook_states](const Future<c10::IValue>& f) {
+  auto reply = [this, responder, id, function, limit, caller, hooks,
+                hook_states](const Future<c10::IValue>& f) {
     Frame out;
     out.header.set_id(id);
     out.header.set_src(rank_);
@@ -548,6 +550,13 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
       }
     }
     responder->send(internal::serialize_frame(out));
+  };
+  if (result.completed()) return reply(result);
+  // Async execution: the thread that completes the future (for a batch, the
+  // last caller, answering everyone) only queues the reply; reply_sender_
+  // encodes and writes it, so that thread is free as soon as it returns.
+  result.add_done_callback([this, reply = std::move(reply)](const Future<c10::IValue>& f) {
+    reply_sender_->run([reply, f] { reply(f); });
   });
 }
 

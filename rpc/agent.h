@@ -174,6 +174,9 @@ class RpcAgent {
   std::unique_ptr<Store> store_;
   std::unique_ptr<internal::TransportServer> server_;
   std::unique_ptr<internal::ThreadPool> pool_;
+  // Sends the replies of calls whose futures complete after their handler
+  // returned (async execution). Lives as long as the agent.
+  std::unique_ptr<internal::ThreadPool> reply_sender_;
   std::shared_ptr<internal::RRefContext> rrefs_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   std::thread timer_;

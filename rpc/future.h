@@ -125,6 +125,12 @@ class Future {
   void set_result() const {
     complete(std::optional<stored_type>(std::monostate{}), nullptr);
   }
+  // As set_result(), but does nothing and returns false when the future has
+  // completed already (for outcomes that may be learned from two sources).
+  template <typename U = T, typename = std::enable_if_t<std::is_void_v<U>>>
+  bool try_set_result() const {
+    return complete(std::optional<stored_type>(std::monostate{}), nullptr, /*once=*/false);
+  }
   void set_error(std::exception_ptr error) const {
     complete(std::nullopt, std::move(error));
   }
@@ -200,11 +206,15 @@ class Future {
     state_->mu.Await(absl::Condition(&state_->done));
   }
 
-  void complete(std::optional<stored_type> value, std::exception_ptr error) const {
+  // With `once`, completing twice is a logic error; without, the second
+  // completion is ignored. Returns whether this call completed the future.
+  bool complete(std::optional<stored_type> value, std::exception_ptr error,
+                bool once = true) const {
     std::vector<typename State::Callback> callbacks;
     {
       absl::MutexLock lock(&state_->mu);
       if (state_->done) {
+        if (!once) return false;
         throw std::logic_error("rpc::Future completed twice");
       }
       state_->value = std::move(value);
@@ -213,6 +223,7 @@ class Future {
       callbacks.swap(state_->callbacks);
     }
     for (auto& cb : callbacks) cb(*this);
+    return true;
   }
 
   std::shared_ptr<State> state_;

@@ -37,6 +37,20 @@ TEST(FutureTest, CompletingTwiceThrows) {
   EXPECT_EQ(f.value(), 1);
 }
 
+TEST(FutureTest, TrySetResultCompletesOnlyOnce) {
+  Future<void> f;
+  int calls = 0;
+  f.add_done_callback([&](const Future<void>&) { ++calls; });
+  EXPECT_TRUE(f.try_set_result());
+  EXPECT_FALSE(f.try_set_result());
+  EXPECT_EQ(calls, 1);
+  EXPECT_THROW(f.set_result(), std::logic_error);  // set_result still insists on once
+  Future<void> failed;
+  failed.set_error(RpcError(ErrorCode::kTimeout, "late"));
+  EXPECT_FALSE(failed.try_set_result());
+  EXPECT_NE(failed.error(), nullptr);  // the error stays
+}
+
 TEST(FutureTest, CallbacksRunOnceBeforeAndAfterCompletion) {
   Future<int> f;
   int before = 0, after = 0;

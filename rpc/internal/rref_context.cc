@@ -149,9 +149,9 @@ std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& t
   Future<void> created = state->created;
   reply.add_done_callback([created](const Future<c10::IValue>& f) {
     if (auto e = f.error()) {
-      created.set_error(e);
+      if (!created.completed()) created.set_error(e);  // no call on it can have succeeded
     } else {
-      created.set_result();
+      created.try_set_result();  // a call's reply may have confirmed it first
     }
   });
   return state;
@@ -188,6 +188,20 @@ std::shared_ptr<RRefState> RRefContext::create_local(c10::IValue value) {
   return state;
 }
 
+// A call served by the owner on this RRef proves that the owner created it,
+// and its reply may overtake the create reply (the owner answers calls that
+// waited for the object as soon as it exists). Unless creation is confirmed
+// already, the returned future confirms it before it completes.
+Future<c10::IValue> RRefContext::confirming(const RRefState& rref, Future<c10::IValue> call) {
+  if (rref.created.completed()) return call;
+  Future<void> created = rref.created;
+  return call.then([created](const Future<c10::IValue>& f) {
+    c10::IValue value = f.value();  // rethrows the call's error
+    created.try_set_result();
+    return value;
+  });
+}
+
 Future<c10::IValue> RRefContext::fetch(const RRefState& rref, absl::Duration timeout) {
   RpcAgent* agent = acquire_agent();
   if (!agent) {
@@ -199,7 +213,7 @@ Future<c10::IValue> RRefContext::fetch(const RRefState& rref, absl::Duration tim
       agent->call(rref.owner, kFetch, {c10::IValue(int64_t{rref.id.worker}), c10::IValue(rref.id.local)},
                   timeout, "rref.to_here", "RRef");
   release_agent();
-  return f;
+  return confirming(rref, std::move(f));
 }
 
 Future<c10::IValue> RRefContext::call_method(const RRefState& rref, const std::string& method,
@@ -217,7 +231,7 @@ Future<c10::IValue> RRefContext::call_method(const RRefState& rref, const std::s
        as_tuple(std::move(args))},
       timeout, "rref.rpc", rref.type + "." + method);
   release_agent();
-  return f;
+  return confirming(rref, std::move(f));
 }
 
 // ----------------------------------------------------------------- owner side

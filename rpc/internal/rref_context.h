@@ -117,6 +117,7 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   };
 
   RRefId next_id();
+  static Future<c10::IValue> confirming(const RRefState& rref, Future<c10::IValue> call);
   std::shared_ptr<RRefState> make_state(RRefId id, RRefId fork, int owner, std::string type);
   std::shared_ptr<OwnerEntry> find(RRefId id) const;
   // The entry, or a placeholder that the creation message will fill.

@@ -1,0 +1,95 @@
+#include "models/linear.h"
+
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/randn.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <tuple>
+#include <vector>
+
+namespace ddprpc::models {
+namespace {
+
+// Output and gradients (input, weight, bias) of y = linear(x); loss = sum(y * g).
+std::vector<at::Tensor> run(bool fast, const at::Tensor& x0, const at::Tensor& w0,
+                            const at::Tensor& b0, const at::Tensor& g) {
+  at::Tensor x = x0.clone().requires_grad_(true);
+  at::Tensor w = w0.clone().requires_grad_(true);
+  at::Tensor b = b0.defined() ? b0.clone().requires_grad_(true) : at::Tensor();
+  at::Tensor y = fast ? fast_linear(x, w, b) : at::linear(x, w, b);
+  std::vector<at::Tensor> inputs{x, w};
+  if (b.defined()) inputs.push_back(b);
+  std::vector<at::Tensor> out{y.detach()};
+  for (auto& grad : torch::autograd::grad({(y * g).sum()}, inputs)) out.push_back(grad);
+  return out;
+}
+
+void expect_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  const char* names[] = {"output", "grad input", "grad weight", "grad bias"};
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].sizes(), b[i].sizes()) << names[i];
+    EXPECT_TRUE(at::allclose(a[i], b[i], 1e-4, 1e-4))
+        << names[i] << ": max difference " << (a[i] - b[i]).abs().max().item<float>();
+  }
+}
+
+TEST(FastLinearTest, XnnpackIsAvailableInThisBuild) {
+  // Debian's libtorch 1.13 ships XNNPACK; if this fails, every Linear here
+  // silently runs on reference BLAS again.
+  EXPECT_TRUE(xnnpack_linear_available());
+}
+
+TEST(FastLinearTest, MatchesAtLinearValuesAndGradients) {
+  at::manual_seed(0);
+  for (auto [batch, in, out] : std::vector<std::tuple<int, int, int>>{
+           {7, 512, 256}, {1, 4, 128}, {33, 32, 8}, {50, 64, 64}, {3, 1, 5}}) {
+    SCOPED_TRACE(testing::Message() << batch << "x" << in << " -> " << out);
+    at::Tensor x = at::randn({batch, in}), w = at::randn({out, in}), b = at::randn({out});
+    at::Tensor g = at::randn({batch, out});
+    expect_same(run(true, x, w, b, g), run(false, x, w, b, g));
+    expect_same(run(true, x, w, at::Tensor(), g), run(false, x, w, at::Tensor(), g));
+  }
+}
+
+TEST(FastLinearTest, NonContiguousInputAndNoInputGradient) {
+  at::manual_seed(1);
+  at::Tensor x = at::randn({16, 9}).t();  // [9, 16], transposed view
+  at::Tensor w = at::randn({5, 16}).requires_grad_(true);
+  at::Tensor y = fast_linear(x, w, at::Tensor());
+  EXPECT_TRUE(at::allclose(y, at::linear(x, w.detach()), 1e-4, 1e-4));
+  auto grads = torch::autograd::grad({y.sum()}, {w});
+  EXPECT_TRUE(at::allclose(grads[0], at::ones({9}).unsqueeze(0).mm(x).expand({5, 16}), 1e-4, 1e-4));
+}
+
+TEST(FastLinearTest, FallsBackForInputsXnnpackCannotTake) {
+  at::manual_seed(2);
+  // 3-D input and double precision go through at::linear.
+  at::Tensor x3 = at::randn({2, 3, 4}), w = at::randn({5, 4}), b = at::randn({5});
+  EXPECT_TRUE(at::allclose(fast_linear(x3, w, b), at::linear(x3, w, b)));
+  at::Tensor xd = at::randn({3, 4}, at::kDouble), wd = at::randn({5, 4}, at::kDouble);
+  EXPECT_TRUE(at::allclose(fast_linear(xd, wd, at::Tensor()), at::linear(xd, wd)));
+  // A shape mismatch gets at::linear's error, not XNNPACK's.
+  EXPECT_THROW(fast_linear(at::randn({3, 6}), w, b), c10::Error);
+}
+
+TEST(FastLinearTest, ModuleHasTorchLinearParametersAndWorksInSequential) {
+  torch::nn::Sequential seq(Linear(6, 4), Linear(torch::nn::LinearOptions(4, 2).bias(false)));
+  EXPECT_EQ(seq->parameters().size(), 3u);
+  auto* first = seq[0]->as<LinearImpl>();
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(first->weight.sizes(), at::IntArrayRef({4, 6}));
+  at::Tensor x = at::randn({3, 6});
+  at::Tensor y = seq->forward(x);
+  auto* second = seq[1]->as<LinearImpl>();
+  at::Tensor expected = at::linear(at::linear(x, first->weight, first->bias), second->weight);
+  EXPECT_TRUE(at::allclose(y, expected, 1e-4, 1e-4));
+  y.sum().backward();
+  EXPECT_TRUE(first->weight.grad().defined());
+  EXPECT_TRUE(second->weight.grad().defined());
+}
+
+}  // namespace
+}  // namespace ddprpc::models
