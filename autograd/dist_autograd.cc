@@ -8,12 +8,16 @@
 #include <atomic>
 #include <map>
 #include <set>
+#include <thread>
 #include <unordered_set>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "autograd/internal/functions.h"
 #include "glog/logging.h"
@@ -31,7 +35,11 @@ using torch::autograd::Node;
 constexpr char kContextKey[] = "dist_autograd.context";
 constexpr char kMessageKey[] = "dist_autograd.message";
 constexpr char kPropagate[] = "__dist_autograd.propagate";
-constexpr char kRelease[] = "__dist_autograd.release";
+constexpr char kReleasedKey[] = "dist_autograd.released";
+constexpr char kFlushReleases[] = "__dist_autograd.flush_releases";
+// How long a release may wait for another message to its worker before it
+// goes out in a notice of its own.
+constexpr absl::Duration kReleaseDelay = absl::Milliseconds(20);
 
 thread_local ContextId t_current = -1;
 
@@ -168,14 +176,94 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
   return ctx;
 }
 
+// Releases of finished contexts on other workers. Instead of a notice per
+// worker per context, they wait for the next message this process sends to
+// that worker (typically the next iteration's first call) and ride in its
+// ext; a flusher thread sends what waited longer than kReleaseDelay in one
+// notice per worker.
+class PendingReleases {
+ public:
+  void add(int worker, ContextId id) {
+    absl::MutexLock lock(&mu_);
+    auto& ids = waiting_[worker];
+    if (ids.empty()) since_[worker] = absl::Now();
+    ids.push_back(id);
+    if (!flusher_started_) {
+      flusher_started_ = true;
+      std::thread([this] { flush_loop(); }).detach();  // lives as long as the process
+    }
+  }
+
+  // Moves the releases waiting for `worker` into `ext`.
+  void attach(int worker, rpc::MessageExt* ext) {
+    std::vector<ContextId> ids;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = waiting_.find(worker);
+      if (it == waiting_.end() || it->second.empty()) return;
+      ids.swap(it->second);
+    }
+    std::string& out = (*ext)[kReleasedKey];
+    if (!out.empty()) out += ',';
+    absl::StrAppend(&out, absl::StrJoin(ids, ","));
+  }
+
+ private:
+  void flush_loop() {
+    while (true) {
+      std::vector<int> due;
+      {
+        absl::MutexLock lock(&mu_);
+        auto waiting = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          for (const auto& [w, ids] : waiting_) {
+            if (!ids.empty()) return true;
+          }
+          return false;
+        };
+        mu_.Await(absl::Condition(&waiting));
+        const absl::Time now = absl::Now();
+        for (const auto& [w, ids] : waiting_) {
+          if (!ids.empty() && now - since_[w] >= kReleaseDelay) due.push_back(w);
+        }
+      }
+      for (int w : due) send_notice(w);
+      absl::SleepFor(kReleaseDelay / 2);
+    }
+  }
+
+  // The notice's ext picks up the releases (DistAutogradHook::outgoing_request).
+  static void send_notice(int worker) {
+    try {
+      rpc::current_agent()->notify(worker, kFlushReleases, {});
+    } catch (const std::exception& e) {
+      VLOG(1) << "dist_autograd: releases for worker " << worker << " not sent: " << e.what();
+    }
+  }
+
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  std::map<int, std::vector<ContextId>> waiting_ ABSL_GUARDED_BY(mu_);
+  std::map<int, absl::Time> since_ ABSL_GUARDED_BY(mu_);  // oldest wait per worker
+  bool flusher_started_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+void release_attached(int src, const rpc::MessageExt& ext);
+
+PendingReleases& pending_releases() {
+  static auto* p = new PendingReleases();
+  return *p;
+}
+
 class DistAutogradHook : public rpc::RpcHook {
  public:
   void outgoing_request(int dest, const c10::IValue& args, rpc::MessageExt* ext) override {
+    pending_releases().attach(dest, ext);
     if (t_current < 0) return;
     if (auto ctx = container().find(t_current)) attach_send(ctx, dest, args, ext);
   }
   std::shared_ptr<void> incoming_request(int src, const c10::IValue& args,
                                          const rpc::MessageExt& ext) override {
+    release_attached(src, ext);
     return attach_recv(src, args, ext);
   }
   std::shared_ptr<void> enter(const std::shared_ptr<void>& state) override {
@@ -314,23 +402,32 @@ void release_context(ContextId id, int from) {
     absl::MutexLock lock(&ctx->mu);
     workers = ctx->workers;
   }
-  std::shared_ptr<rpc::RpcAgent> agent;
+  int self;
   try {
-    agent = rpc::current_agent();
+    self = self_id();
   } catch (const rpc::RpcError&) {
     return;  // shut down: nothing to tell
   }
   for (int w : workers) {
-    if (w == from || w == agent->self().id) continue;
-    agent->notify(w, kRelease, {c10::IValue(id)});
+    if (w != from && w != self) pending_releases().add(w, id);
   }
 }
 
-int64_t release_remote(int64_t id) {
-  release_context(id, rpc::current_call() ? rpc::current_call()->caller : -1);
-  return 0;
+// Releases named in a message's ext (see PendingReleases).
+void release_attached(int src, const rpc::MessageExt& ext) {
+  auto it = ext.find(kReleasedKey);
+  if (it == ext.end()) return;
+  for (absl::string_view s : absl::StrSplit(it->second, ',', absl::SkipEmpty())) {
+    ContextId id;
+    if (absl::SimpleAtoi(s, &id)) release_context(id, src);
+  }
 }
-DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_release, kRelease, release_remote);
+
+// A notice that carries only releases in its ext (the hook handles them).
+int64_t flush_releases() { return 0; }
+DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_flush_releases, kFlushReleases, flush_releases);
+
+
 
 const bool kHookInstalled = [] {
   rpc::add_rpc_hook(std::make_shared<DistAutogradHook>());

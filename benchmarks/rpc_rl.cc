@@ -50,6 +50,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "benchmarks/common.h"
+#include "models/linear.h"
 #include "rpc/launch.h"
 #include "rpc/rref.h"
 
@@ -118,7 +119,7 @@ class Policy {
   }
 
  private:
-  std::vector<torch::nn::Linear> layers_;
+  std::vector<ddprpc::models::Linear> layers_;  // torch::nn::Linear on XNNPACK
 };
 
 // The agent, owned by rank 1 and called by the observers through an RRef.

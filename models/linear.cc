@@ -93,11 +93,18 @@ class XnnLinearNoBias : public torch::autograd::Function<XnnLinearNoBias> {
   }
 };
 
+// Below this many multiply-adds per product, XNNPACK's per-call operator
+// setup costs more than reference BLAS saves (measured: a 10x10 layer takes
+// 1.6 us on at::linear and 3.1 us here; 128x64 at batch 7, 57k MACs, takes
+// 22 us and 7.6 us).
+constexpr int64_t kMinMacs = 32 * 1024;
+
 bool xnnpack_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   auto plain = [](const at::Tensor& t) {
     return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided;
   };
   return x.dim() == 2 && weight.dim() == 2 && x.numel() > 0 && weight.numel() > 0 &&
+         x.size(0) * weight.numel() >= kMinMacs &&
          x.size(1) == weight.size(1) && plain(x) && plain(weight) &&
          (!bias.defined() || (plain(bias) && bias.dim() == 1 && bias.size(0) == weight.size(0))) &&
          xnnpack_linear_available();

@@ -12,7 +12,8 @@
 // Autograd sees one node with the usual gradients for input, weight and
 // bias, so DDP hooks and dist autograd work as with torch::nn::Linear.
 // Inputs XNNPACK cannot take (not 2-D float CPU, empty, or XNNPACK missing
-// from the build) go through at::linear unchanged.
+// from the build), and products too small to gain (under 32k multiply-adds,
+// where XNNPACK's per-call setup dominates), go through at::linear.
 #pragma once
 
 #include <ATen/core/Tensor.h>

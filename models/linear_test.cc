@@ -45,7 +45,8 @@ TEST(FastLinearTest, XnnpackIsAvailableInThisBuild) {
 TEST(FastLinearTest, MatchesAtLinearValuesAndGradients) {
   at::manual_seed(0);
   for (auto [batch, in, out] : std::vector<std::tuple<int, int, int>>{
-           {7, 512, 256}, {1, 4, 128}, {33, 32, 8}, {50, 64, 64}, {3, 1, 5}}) {
+           {7, 512, 256}, {1, 256, 128}, {9, 100, 37}, {50, 64, 64},  // XNNPACK
+           {1, 4, 128}, {33, 32, 8}, {3, 1, 5}}) {                       // too small: at::linear
     SCOPED_TRACE(testing::Message() << batch << "x" << in << " -> " << out);
     at::Tensor x = at::randn({batch, in}), w = at::randn({out, in}), b = at::randn({out});
     at::Tensor g = at::randn({batch, out});
@@ -56,12 +57,12 @@ TEST(FastLinearTest, MatchesAtLinearValuesAndGradients) {
 
 TEST(FastLinearTest, NonContiguousInputAndNoInputGradient) {
   at::manual_seed(1);
-  at::Tensor x = at::randn({16, 9}).t();  // [9, 16], transposed view
-  at::Tensor w = at::randn({5, 16}).requires_grad_(true);
+  at::Tensor x = at::randn({64, 40}).t();  // [40, 64], transposed view
+  at::Tensor w = at::randn({20, 64}).requires_grad_(true);
   at::Tensor y = fast_linear(x, w, at::Tensor());
   EXPECT_TRUE(at::allclose(y, at::linear(x, w.detach()), 1e-4, 1e-4));
   auto grads = torch::autograd::grad({y.sum()}, {w});
-  EXPECT_TRUE(at::allclose(grads[0], at::ones({9}).unsqueeze(0).mm(x).expand({5, 16}), 1e-4, 1e-4));
+  EXPECT_TRUE(at::allclose(grads[0], at::ones({40}).unsqueeze(0).mm(x).expand({20, 64}), 1e-4, 1e-4));
 }
 
 TEST(FastLinearTest, FallsBackForInputsXnnpackCannotTake) {
@@ -76,12 +77,12 @@ TEST(FastLinearTest, FallsBackForInputsXnnpackCannotTake) {
 }
 
 TEST(FastLinearTest, ModuleHasTorchLinearParametersAndWorksInSequential) {
-  torch::nn::Sequential seq(Linear(6, 4), Linear(torch::nn::LinearOptions(4, 2).bias(false)));
+  torch::nn::Sequential seq(Linear(96, 64), Linear(torch::nn::LinearOptions(64, 48).bias(false)));
   EXPECT_EQ(seq->parameters().size(), 3u);
   auto* first = seq[0]->as<LinearImpl>();
   ASSERT_NE(first, nullptr);
-  EXPECT_EQ(first->weight.sizes(), at::IntArrayRef({4, 6}));
-  at::Tensor x = at::randn({3, 6});
+  EXPECT_EQ(first->weight.sizes(), at::IntArrayRef({64, 96}));
+  at::Tensor x = at::randn({16, 96});
   at::Tensor y = seq->forward(x);
   auto* second = seq[1]->as<LinearImpl>();
   at::Tensor expected = at::linear(at::linear(x, first->weight, first->bias), second->weight);
