@@ -7,6 +7,9 @@
 //     auto grads = dist_autograd::get_gradients(context.id());
 //   }                                             // released on every worker
 //
+// (Other workers learn of the release with the next message this process
+// sends them, or in a notice of its own after 20 ms.)
+//
 // Inside a context, every RPC that carries tensors requiring grad (arguments
 // or results, nested calls and RRef method calls included) records a send
 // function on the sender and a recv function on the receiver. backward() runs
