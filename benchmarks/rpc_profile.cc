@@ -236,6 +236,7 @@ int coordinator(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::keep_freed_memory();
   gflags::SetUsageMessage(
       "the PyTorch 'Profiling RPC-based workloads' recipe in C++: profiler tables, Chrome\n"
       "  traces and PNG timelines of add/mul RPCs, a user function, and num_worker_threads\n"

@@ -625,6 +625,7 @@ int launcher(int argc, char** argv) {
 }  // namespace ddprpc
 
 int main(int argc, char** argv) {
+  ddprpc::benchmarks::keep_freed_memory();
   gflags::SetUsageMessage(
       "RPC throughput/latency benchmark for reinforcement learning (coordinator, agent, "
       "observers), with PyTorch's benchmark run on the same configuration.\n"
