@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +60,13 @@ rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv) {
   launch.argv = {self_exe()};
   for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
   return launch;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 std::string temp_path(const std::string& stem) {

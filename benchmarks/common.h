@@ -33,6 +33,8 @@ std::string self_exe();
 // workers (RANK etc. set by rpc::launch).
 rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv);
 std::string temp_path(const std::string& stem);
+// The whole file, or "" if it cannot be read.
+std::string read_file(const std::string& path);
 // `relative` under ../shared beside the workspace, or "" if it is not there.
 std::string shared_path(const std::string& relative);
 // A file of this repository (e.g. a reference script), or "" if not found.

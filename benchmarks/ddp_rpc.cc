@@ -668,13 +668,6 @@ int worker(const Placement& where) {
 // ---------------------------------------------------------------------------
 // The local launch: every role on this host, then PyTorch's reference.
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 // "All" p50 sec/iter of a results JSON ({"all": {"p50": {"sec_per_iter": x ...).
 double all_p50(const std::string& json) {
   std::smatch m;
@@ -695,7 +688,7 @@ std::string run_pytorch_reference(const std::string& anchor, const std::string& 
        absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(iters), "--warmup",
        absl::StrCat(warmup), "--port", absl::StrCat(rpc::pick_free_port()), "--json", json},
       &output);
-  const std::string theirs = read_file(json);
+  const std::string theirs = bench::read_file(json);
   std::remove(json.c_str());
   std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
   std::printf(
@@ -728,8 +721,8 @@ int coordinator(int argc, char** argv) {
   launch.grace_period = absl::Seconds(20);  // let the master report which call failed
   std::fprintf(stderr, "ddp_rpc: starting %d processes\n", world);
   rpc::LaunchResult r = rpc::launch(launch);
-  const std::string ours = read_file(tmp);
-  std::printf("%s", read_file(tmp + ".txt").c_str());  // also when the convergence check failed
+  const std::string ours = bench::read_file(tmp);
+  std::printf("%s", bench::read_file(tmp + ".txt").c_str());  // also when the convergence check failed
   std::fflush(stdout);  // the table shows before PyTorch's reference starts, also in a pipe
   std::remove(tmp.c_str());
   std::remove((tmp + ".txt").c_str());

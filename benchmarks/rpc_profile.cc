@@ -143,13 +143,6 @@ int worker() {
   return 0;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // Runs both workers for one phase; returns rank 0's report and wall time.
 bool run_phase(int argc, char** argv, const std::string& phase, int threads, std::string* report,
                double* wall_ms) {
@@ -165,8 +158,8 @@ bool run_phase(int argc, char** argv, const std::string& phase, int threads, std
   std::fprintf(stderr, "rpc_profile: %s, callee num_worker_threads=%d ...\n", phase.c_str(),
                threads);
   if (rpc::launch(launch).exit_code != 0) return false;
-  *report = read_file(tmp + ".txt");
-  *wall_ms = std::stod("0" + read_file(tmp + ".wall_ms"));
+  *report = bench::read_file(tmp + ".txt");
+  *wall_ms = std::stod("0" + bench::read_file(tmp + ".wall_ms"));
   std::remove((tmp + ".txt").c_str());
   std::remove((tmp + ".wall_ms").c_str());
   return true;

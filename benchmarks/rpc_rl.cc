@@ -420,13 +420,6 @@ int worker(const Config& c) {
   return rc;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 // metric -> percentile -> value, from one result object's JSON text (ours
 // or the reference's, which share the shape).
 using Figures = std::map<std::string, std::map<int, double>>;
@@ -537,7 +530,7 @@ int launcher(int argc, char** argv) {
     std::fprintf(stderr, "rpc_rl: %s%s%s: %d processes\n", x_name.c_str(), x_name.empty() ? "" : "=",
                  xs[i].c_str(), configs[i].world_size);
     rpc::LaunchResult r = rpc::launch(launch);
-    const std::string result = read_file(tmp);
+    const std::string result = bench::read_file(tmp);
     std::remove(tmp.c_str());
     if (r.exit_code != 0) {
       std::fprintf(stderr, "rpc_rl: failed%s: %s\n",
@@ -567,7 +560,7 @@ int launcher(int argc, char** argv) {
          "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
          "--output_file_path", tmp},
         &output);
-    theirs_json = read_file(tmp);
+    theirs_json = bench::read_file(tmp);
     std::remove(tmp.c_str());
     for (const auto& r : split_results(theirs_json)) theirs.push_back(parse_figures(r));
     std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
