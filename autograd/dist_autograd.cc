@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <set>
@@ -185,65 +186,87 @@ class PendingReleases {
  public:
   void add(int worker, ContextId id) {
     absl::MutexLock lock(&mu_);
-    auto& ids = waiting_[worker];
-    if (ids.empty()) since_[worker] = absl::Now();
-    ids.push_back(id);
+    Waiting& w = waiting_[worker];
+    if (w.ids.empty()) w.since = absl::Now();
+    w.ids.push_back(id);
+    count_.fetch_add(1, std::memory_order_relaxed);
     if (!flusher_started_) {
       flusher_started_ = true;
       std::thread([this] { flush_loop(); }).detach();  // lives as long as the process
     }
   }
 
-  // Moves the releases waiting for `worker` into `ext`.
+  // Moves the releases waiting for `worker` into `ext`. Without any waiting
+  // (every message of a process that never used a context) it costs one
+  // atomic load.
   void attach(int worker, rpc::MessageExt* ext) {
-    std::vector<ContextId> ids;
-    {
-      absl::MutexLock lock(&mu_);
-      auto it = waiting_.find(worker);
-      if (it == waiting_.end() || it->second.empty()) return;
-      ids.swap(it->second);
-    }
+    if (count_.load(std::memory_order_relaxed) == 0) return;
+    std::vector<ContextId> ids = take(worker);
+    if (ids.empty()) return;
     std::string& out = (*ext)[kReleasedKey];
     if (!out.empty()) out += ',';
     absl::StrAppend(&out, absl::StrJoin(ids, ","));
   }
 
  private:
+  struct Waiting {
+    absl::Time since;  // when the oldest of `ids` was added
+    std::vector<ContextId> ids;
+  };
+
+  std::vector<ContextId> take(int worker) {
+    absl::MutexLock lock(&mu_);
+    auto it = waiting_.find(worker);
+    if (it == waiting_.end()) return {};
+    std::vector<ContextId> ids;
+    ids.swap(it->second.ids);
+    count_.fetch_sub(static_cast<int64_t>(ids.size()), std::memory_order_relaxed);
+    return ids;
+  }
+
   void flush_loop() {
     while (true) {
-      std::vector<int> due;
+      absl::Time due_at;
       {
         absl::MutexLock lock(&mu_);
         auto waiting = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          for (const auto& [w, ids] : waiting_) {
-            if (!ids.empty()) return true;
-          }
-          return false;
+          return count_.load(std::memory_order_relaxed) > 0;
         };
         mu_.Await(absl::Condition(&waiting));
+        absl::Time oldest = absl::InfiniteFuture();
+        for (const auto& [worker, w] : waiting_) {
+          if (!w.ids.empty()) oldest = std::min(oldest, w.since);
+        }
+        due_at = oldest + kReleaseDelay;
+      }
+      absl::SleepFor(due_at - absl::Now());  // meanwhile a message may carry them off
+      std::vector<int> due;
+      {
+        absl::MutexLock lock(&mu_);
         const absl::Time now = absl::Now();
-        for (const auto& [w, ids] : waiting_) {
-          if (!ids.empty() && now - since_[w] >= kReleaseDelay) due.push_back(w);
+        for (const auto& [worker, w] : waiting_) {
+          if (!w.ids.empty() && now - w.since >= kReleaseDelay) due.push_back(worker);
         }
       }
-      for (int w : due) send_notice(w);
-      absl::SleepFor(kReleaseDelay / 2);
+      for (int worker : due) send_notice(worker);
     }
   }
 
   // The notice's ext picks up the releases (DistAutogradHook::outgoing_request).
-  static void send_notice(int worker) {
+  // Without RPC (shut down) there is nobody left to tell: they are dropped.
+  void send_notice(int worker) {
     try {
       rpc::current_agent()->notify(worker, kFlushReleases, {});
     } catch (const std::exception& e) {
-      VLOG(1) << "dist_autograd: releases for worker " << worker << " not sent: " << e.what();
+      VLOG(1) << "dist_autograd: releases for worker " << worker << " dropped: " << e.what();
+      take(worker);
     }
   }
 
+  std::atomic<int64_t> count_{0};  // releases waiting, all workers
   absl::Mutex mu_;
   // State below is protected by mu_.
-  std::map<int, std::vector<ContextId>> waiting_ ABSL_GUARDED_BY(mu_);
-  std::map<int, absl::Time> since_ ABSL_GUARDED_BY(mu_);  // oldest wait per worker
+  std::map<int, Waiting> waiting_ ABSL_GUARDED_BY(mu_);
   bool flusher_started_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -415,6 +438,7 @@ void release_context(ContextId id, int from) {
 
 // Releases named in a message's ext (see PendingReleases).
 void release_attached(int src, const rpc::MessageExt& ext) {
+  if (ext.empty()) return;
   auto it = ext.find(kReleasedKey);
   if (it == ext.end()) return;
   for (absl::string_view s : absl::StrSplit(it->second, ',', absl::SkipEmpty())) {
@@ -426,8 +450,6 @@ void release_attached(int src, const rpc::MessageExt& ext) {
 // A notice that carries only releases in its ext (the hook handles them).
 int64_t flush_releases() { return 0; }
 DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_flush_releases, kFlushReleases, flush_releases);
-
-
 
 const bool kHookInstalled = [] {
   rpc::add_rpc_hook(std::make_shared<DistAutogradHook>());

@@ -20,6 +20,7 @@ using ddprpc::benchmarks::testing::Child;
 using ddprpc::benchmarks::testing::read_file;
 using ddprpc::benchmarks::testing::run_processes;
 using ddprpc::benchmarks::testing::tail;
+using ddprpc::benchmarks::testing::test_tmp;
 
 // A strict JSON syntax check (RFC 8259 grammar; no semantics).
 class JsonChecker {
@@ -112,7 +113,6 @@ TEST(JsonCheckerTest, AcceptsJsonRejectsGarbage) {
   }
 }
 
-std::string tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
 
 // Runs the benchmark to completion; its stdout, or "" after a failed assertion.
 std::string run(const std::vector<std::string>& args, const std::string& tag) {
@@ -132,7 +132,7 @@ double json_number(const std::string& j, const std::string& key, size_t from = 0
 }
 
 TEST(BatchRpcBenchmarkTest, ParameterServerAnswersEveryTrainerAndHoldsNoThread) {
-  const std::string json = tmp("ps.json");
+  const std::string json = test_tmp("ps.json");
   const int iters = 3, warmup = 1;
   const std::string out =
       run({"--mode=ps", "--trainers=2,3", absl::StrCat("--iters=", iters),
@@ -210,7 +210,7 @@ std::vector<CartPoleRow> cartpole_rows(const std::string& out) {
 }
 
 TEST(BatchRpcBenchmarkTest, CartPoleAnswersEveryObserverOnceWithAndWithoutBatching) {
-  const std::string json = tmp("cartpole.json");
+  const std::string json = test_tmp("cartpole.json");
   const int episodes = 2, steps = 30;
   const std::string out = run({"--mode=cartpole", "--world_sizes=3..4",
                                absl::StrCat("--episodes=", episodes), absl::StrCat("--steps=", steps),
@@ -256,7 +256,7 @@ TEST(BatchRpcBenchmarkTest, ReinforceRewardImprovesForTheDefaultSeed) {
   // Runs are reproducible for a seed (seeded environments, policy and
   // sampling generators), so this checks one fixed trajectory per mode.
   const std::string out = run({"--mode=cartpole", "--world_sizes=3", "--episodes=10", "--steps=100",
-                               "--seed=543", "--json=" + tmp("learning.json")},
+                               "--seed=543", "--json=" + test_tmp("learning.json")},
                               "learning");
   ASSERT_FALSE(out.empty());
   std::vector<CartPoleRow> rows = cartpole_rows(out);

@@ -25,10 +25,6 @@ using namespace ddprpc::benchmarks::testing;
 const std::string kBinary = "benchmarks/ddp_rpc";
 const std::vector<std::string> kSmall = {"--trainers=2", "--ps=2", "--pytorch=false"};
 
-std::string tmp_file(const std::string& name) {
-  return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name);
-}
-
 std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
   args.insert(args.end(), more.begin(), more.end());
   return args;
@@ -50,7 +46,7 @@ void expect_table_and_json(const std::string& out, const std::string& json_path)
 }
 
 TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
-  const std::string json = tmp_file("small.json");
+  const std::string json = test_tmp("small.json");
   Child c(binary(kBinary), with(kSmall, {"--iters=3", "--warmup=1", "--json=" + json}), "small");
   ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << c.err();
   const std::string out = c.out();
@@ -63,7 +59,7 @@ TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
 // As under a multi-host launcher: each rank its own process, told its place
 // by --rank, --world_size and --master_port instead of the local launch.
 TEST(DdpRpcBenchmarkTest, RolesStartedOnTheirOwnRunTheSameBenchmark) {
-  const std::string json = tmp_file("roles.json");
+  const std::string json = test_tmp("roles.json");
   const std::string port = absl::StrCat(ddprpc::rpc::pick_free_port());
   std::vector<std::unique_ptr<Child>> ranks;
   for (int rank = 0; rank < 5; ++rank) {  // trainers 0-1, ps 2-3, master 4
@@ -96,7 +92,7 @@ std::pair<double, double> first_and_last_loss(const std::string& out) {
 }
 
 TEST(DdpRpcBenchmarkTest, CheckConvergenceSeesTheLossFallAndTheTablesChange) {
-  const std::string json = tmp_file("converge.json");
+  const std::string json = test_tmp("converge.json");
   Child c(binary(kBinary),
           with(kSmall, {"--iters=10", "--warmup=0", "--check_convergence", "--json=" + json}),
           "converge");
@@ -119,7 +115,7 @@ TEST(DdpRpcBenchmarkTest, CheckConvergenceSeesTheLossFallAndTheTablesChange) {
 TEST(DdpRpcBenchmarkTest, CheckConvergenceFailsWhenNothingIsLearned) {
   Child c(binary(kBinary),
           with(kSmall, {"--iters=3", "--warmup=0", "--check_convergence", "--lr=0",
-                        "--json=" + tmp_file("frozen.json")}),
+                        "--json=" + test_tmp("frozen.json")}),
           "frozen");
   EXPECT_EQ(c.wait_for(absl::Minutes(3)), 3) << tail(c.err());
   const std::string out = c.out();
@@ -130,7 +126,7 @@ TEST(DdpRpcBenchmarkTest, CheckConvergenceFailsWhenNothingIsLearned) {
 
 TEST(DdpRpcBenchmarkTest, KilledParameterServerFailsTheRunCleanly) {
   Child c(binary(kBinary),
-          with(kSmall, {"--iters=500", "--warmup=0", "--json=" + tmp_file("killed.json")}),
+          with(kSmall, {"--iters=500", "--warmup=0", "--json=" + test_tmp("killed.json")}),
           "killed");
   // Wait until training runs, then kill ps0 (rank 2 = trainers + 0).
   absl::Time deadline = absl::Now() + absl::Minutes(2);

@@ -128,12 +128,11 @@ class RlAgent {
   RlAgent() = default;
 
   void set_world(int64_t batch_size, std::vector<int64_t> state_size, int64_t nlayers,
-                 int64_t out_features, bool batch) {
+                 int64_t out_features) {
     absl::MutexLock lock(&mu_);
     const int64_t in = std::accumulate(state_size.begin(), state_size.end(), int64_t{1},
                                        std::multiplies<int64_t>());
     policy_ = std::make_unique<Policy>(in, nlayers, out_features);
-    batch_ = batch;
     batch_size_ = batch_size;
     pending_ = batch_size;
     std::vector<int64_t> shape{batch_size};
@@ -222,7 +221,6 @@ class RlAgent {
   // State below is protected by mu_ (states_ rows are written by their
   // observer's request before it takes mu_, and read by the batch's last).
   std::unique_ptr<Policy> policy_ ABSL_GUARDED_BY(mu_);
-  bool batch_ ABSL_GUARDED_BY(mu_) = true;
   int64_t batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
   at::Tensor states_;
@@ -358,7 +356,7 @@ int coordinator(const Config& c) {
   const int observers = c.world_size - 2;
   auto agent = rpc::remote<RlAgent>("agent");
   agent.rpc_sync(&RlAgent::set_world, int64_t{observers}, c.state_size, c.nlayers,
-                 c.out_features, c.batch);
+                 c.out_features);
   std::vector<rpc::RRef<RlObserver>> obs;
   for (int rank = 2; rank < c.world_size; ++rank) {
     obs.push_back(rpc::remote<RlObserver>(worker_name(rank), int64_t{rank}, c.state_size, c.batch));

@@ -14,8 +14,6 @@ namespace {
 
 using namespace ddprpc::benchmarks::testing;
 
-std::string tmp(const std::string& name) { return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name); }
-
 // Rows of the table: "<x> <16 numbers>".
 int check_table(const std::string& out, const std::vector<std::string>& xs) {
   int rows = 0;
@@ -35,7 +33,7 @@ int check_table(const std::string& out, const std::vector<std::string>& xs) {
 
 void run(bool batch) {
   const std::string tag = batch ? "batch" : "nobatch";
-  const std::string json = tmp(tag + ".json");
+  const std::string json = test_tmp(tag + ".json");
   Child c(binary("benchmarks/rpc_rl"),
           {"--world_size=3,4", absl::StrCat("--batch=", batch ? "true" : "false"),
            "--episodes=2", "--episode_steps=5", "--pytorch=false", "--output_file_path=" + json},
@@ -50,9 +48,9 @@ void run(bool batch) {
   EXPECT_NE(j.find("\"pytorch\":null"), std::string::npos) << j;
   // The plot script reads it (skipped where matplotlib is missing).
   if (std::system("/usr/bin/python3 -c 'import matplotlib' 2>/dev/null") == 0) {
-    const std::string png = tmp(tag + ".png");
-    const std::string cmd = absl::StrCat("/usr/bin/python3 ", std::getenv("TEST_SRCDIR"),
-                                         "/ddprpc/benchmarks/reference/plot_rl.py ", json, " ", png);
+    const std::string png = test_tmp(tag + ".png");
+    const std::string cmd = absl::StrCat("/usr/bin/python3 ", binary("benchmarks/reference/plot_rl.py"),
+                                         " ", json, " ", png);
     EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
     EXPECT_GT(read_file(png).size(), 1000u);
   }

@@ -6,7 +6,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <optional>
-#include <tuple>
 #include <vector>
 
 namespace ddprpc::models {
@@ -29,67 +28,43 @@ const XnnOps* xnn_ops() {
 }
 
 // a [m, k] times b [n, k] transposed: a b^T, [m, n]. Packs b. (XNNPACK
-// refuses tensors that require grad: both are detached.)
+// refuses tensors that require grad: both are detached. Each op makes its
+// operand contiguous itself, the run into a padded buffer: no copies here.)
 at::Tensor matmul_bt(const XnnOps& ops, const at::Tensor& a, const at::Tensor& b) {
-  std::vector<c10::IValue> stack{b.detach().contiguous(), c10::IValue(), c10::IValue(),
-                                 c10::IValue()};
+  std::vector<c10::IValue> stack{b.detach(), c10::IValue(), c10::IValue(), c10::IValue()};
   ops.prepack.callBoxed(&stack);
   c10::IValue packed = std::move(stack[0]);
-  stack = {a.detach().contiguous(), std::move(packed)};
+  stack = {a.detach(), std::move(packed)};
   ops.run.callBoxed(&stack);
   return stack[0].toTensor();
 }
 
-// y = x W^T (+ b); the products arranged as in linear.h. Two autograd
-// Functions, with and without bias, because a Function's tensor arguments
-// must be defined.
-at::Tensor linear_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias) {
-  at::Tensor yt = matmul_bt(*xnn_ops(), weight, x);  // [out, batch]
-  if (bias) yt = yt + bias->detach().unsqueeze(1);
-  return yt.t().contiguous();
-}
-
-// Gradients for input and weight (undefined where not needed) and the
-// incoming gradient, contiguous.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
-    torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
-  at::NoGradGuard no_grad;
-  const auto saved = ctx->get_saved_variables();
-  const at::Tensor& x = saved[0];
-  const at::Tensor& weight = saved[1];
-  at::Tensor dy = grad.contiguous();  // [batch, out]
-  const XnnOps& ops = *xnn_ops();
-  at::Tensor dx, dw;
-  if (ctx->needs_input_grad(0)) dx = matmul_bt(ops, weight.t(), dy).t().contiguous();
-  if (ctx->needs_input_grad(1)) dw = matmul_bt(ops, dy.t(), x.t());
-  return {dx, dw, dy};
-}
-
+// y = x W^T (+ b), the products arranged as in linear.h. The bias is
+// optional (an empty optional is not an input of the autograd node).
 class XnnLinear : public torch::autograd::Function<XnnLinear> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight, const at::Tensor& bias) {
+                            const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
     ctx->save_for_backward({x, weight});
-    return linear_forward(x, weight, &bias);
+    ctx->saved_data["has_bias"] = bias.has_value();
+    at::Tensor yt = matmul_bt(*xnn_ops(), weight, x);  // [out, batch]
+    if (bias) yt = yt + bias->detach().unsqueeze(1);
+    return yt.t().contiguous();
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto [dx, dw, dy] = linear_backward(ctx, grads[0]);
-    return {dx, dw, ctx->needs_input_grad(2) ? dy.sum(0) : at::Tensor()};
-  }
-};
 
-class XnnLinearNoBias : public torch::autograd::Function<XnnLinearNoBias> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& weight) {
-    ctx->save_for_backward({x, weight});
-    return linear_forward(x, weight, nullptr);
-  }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto [dx, dw, dy] = linear_backward(ctx, grads[0]);
-    return {dx, dw};
+    at::NoGradGuard no_grad;  // no double backward
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor dy = grads[0].contiguous();  // [batch, out]
+    const XnnOps& ops = *xnn_ops();
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = matmul_bt(ops, weight.t(), dy).t().contiguous();
+    if (ctx->needs_input_grad(1)) dw = matmul_bt(ops, dy.t(), x.t());
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = dy.sum(0);
+    return {dx, dw, db};
   }
 };
 
@@ -131,7 +106,8 @@ bool xnnpack_linear_available() {
 
 at::Tensor fast_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (!xnnpack_takes(x, weight, bias)) return at::linear(x, weight, bias);
-  return bias.defined() ? XnnLinear::apply(x, weight, bias) : XnnLinearNoBias::apply(x, weight);
+  return XnnLinear::apply(x, weight,
+                          bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
 }
 
 }  // namespace ddprpc::models

@@ -10,7 +10,8 @@
 //   dx = dy W             computed as (W^T dy^T)^T (packs dy)
 //   dW = dy^T x           computed as dy^T (x^T)^T (packs x^T)
 // Autograd sees one node with the usual gradients for input, weight and
-// bias, so DDP hooks and dist autograd work as with torch::nn::Linear.
+// bias, so DDP hooks and dist autograd work as with torch::nn::Linear (but
+// the backward is not itself differentiable: no double backward).
 // Inputs XNNPACK cannot take (not 2-D float CPU, empty, or XNNPACK missing
 // from the build), and products too small to gain (under 32k multiply-adds,
 // where XNNPACK's per-call setup dominates), go through at::linear.

@@ -4,6 +4,7 @@
 #include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/nn/modules/container/sequential.h>
 
 #include <tuple>
@@ -19,6 +20,11 @@ std::vector<at::Tensor> run(bool fast, const at::Tensor& x0, const at::Tensor& w
   at::Tensor w = w0.clone().requires_grad_(true);
   at::Tensor b = b0.defined() ? b0.clone().requires_grad_(true) : at::Tensor();
   at::Tensor y = fast ? fast_linear(x, w, b) : at::linear(x, w, b);
+  if (fast) {
+    // The path taken: XNNPACK's node from 32k multiply-adds, at::linear's below.
+    const bool xnnpack = y.grad_fn()->name().find("XnnLinear") != std::string::npos;
+    EXPECT_EQ(xnnpack, x0.size(0) * w0.numel() >= 32 * 1024) << y.grad_fn()->name();
+  }
   std::vector<at::Tensor> inputs{x, w};
   if (b.defined()) inputs.push_back(b);
   std::vector<at::Tensor> out{y.detach()};

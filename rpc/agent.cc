@@ -346,15 +346,19 @@ void RpcAgent::on_reply(Frame frame) {
     fail_pending({call}, static_cast<ErrorCode>(header.error_code()), header.error());
     return;
   }
+  c10::IValue value;
   try {
-    c10::IValue value = internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to});
+    value = internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to});
     for (const auto& hook : rpc_hooks()) hook->incoming_response(call.to, value, header.ext());
-    end_hooks(call.hooks, &header.ext());
-    call.future.set_result(std::move(value));
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kMalformedMessage,
                  absl::StrCat("malformed response: ", e.what()));
+    return;
   }
+  // Outside the try: an exception from a future's callback must not fail
+  // (and end the hooks of) a call that has completed.
+  end_hooks(call.hooks, &header.ext());
+  call.future.set_result(std::move(value));
 }
 
 void RpcAgent::on_peer_closed(int peer, const std::string& why) {
@@ -555,8 +559,8 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   // Async execution: the thread that completes the future (for a batch, the
   // last caller, answering everyone) only queues the reply; reply_sender_
   // encodes and writes it, so that thread is free as soon as it returns.
-  result.add_done_callback([this, reply = std::move(reply)](const Future<c10::IValue>& f) {
-    reply_sender_->run([reply, f] { reply(f); });
+  result.add_done_callback([this, reply = std::move(reply)](const Future<c10::IValue>& f) mutable {
+    reply_sender_->run([reply = std::move(reply), f] { reply(f); });  // runs once
   });
 }
 

@@ -134,6 +134,10 @@ class Future {
   void set_error(std::exception_ptr error) const {
     complete(std::nullopt, std::move(error));
   }
+  // As set_error(), but does nothing and returns false when already completed.
+  bool try_set_error(std::exception_ptr error) const {
+    return complete(std::nullopt, std::move(error), /*once=*/false);
+  }
   void set_error(const RpcError& error) const {
     set_error(std::make_exception_ptr(error));
   }

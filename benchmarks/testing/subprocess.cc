@@ -7,9 +7,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -19,11 +21,8 @@ std::string binary(const std::string& path) {
   return absl::StrCat(std::getenv("TEST_SRCDIR"), "/ddprpc/", path);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+std::string test_tmp(const std::string& name) {
+  return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name);
 }
 
 std::string tail(const std::string& s) { return s.size() > 3000 ? s.substr(s.size() - 3000) : s; }
@@ -81,10 +80,10 @@ std::vector<std::string> environment(pid_t pid) {
 std::vector<pid_t> run_processes(const std::string& tag) {
   const std::string marker = absl::StrCat("DDPRPC_TEST_RUN=", getpid(), "-", tag);
   std::vector<pid_t> out;
-  for (int pid = 2; pid < 4194304; ++pid) {
-    char path[64];
-    std::snprintf(path, sizeof(path), "/proc/%d", pid);
-    if (access(path, F_OK) != 0) continue;
+  std::error_code ignored;  // processes come and go while we list them
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ignored)) {
+    pid_t pid;
+    if (!absl::SimpleAtoi(entry.path().filename().string(), &pid)) continue;
     for (const auto& var : environment(pid)) {
       if (var == marker) out.push_back(pid);
     }

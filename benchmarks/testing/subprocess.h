@@ -9,12 +9,16 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "benchmarks/common.h"
 
 namespace ddprpc::benchmarks::testing {
 
+using ::ddprpc::benchmarks::read_file;
+
 // $TEST_SRCDIR/ddprpc/<target path>, e.g. binary("benchmarks/ddp_rpc").
 std::string binary(const std::string& path);
-std::string read_file(const std::string& path);
+// $TEST_TMPDIR/<name>.
+std::string test_tmp(const std::string& name);
 // The last 3000 characters, for failure messages.
 std::string tail(const std::string& s);
 

@@ -149,7 +149,7 @@ std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& t
   Future<void> created = state->created;
   reply.add_done_callback([created](const Future<c10::IValue>& f) {
     if (auto e = f.error()) {
-      if (!created.completed()) created.set_error(e);  // no call on it can have succeeded
+      created.try_set_error(e);  // a call may have succeeded before the create timed out
     } else {
       created.try_set_result();  // a call's reply may have confirmed it first
     }
