@@ -12,6 +12,7 @@
 #include <atomic>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "tests/multiprocess.h"
 
@@ -83,6 +84,17 @@ DDPRPC_REGISTER_FUNCTION(update_and_fetch);
 std::atomic<int> g_busy_seen{0};
 int64_t busy_threads() { return rpc::current_agent()->busy_worker_threads(); }
 DDPRPC_REGISTER_FUNCTION(busy_threads);
+
+// A callee function that blocks until a later request of the same caller
+// arrives (on the same stream): true when signalled, false after 20 s.
+absl::Notification& signal_note() {
+  static auto* n = new absl::Notification();
+  return *n;
+}
+bool wait_for_signal() { return signal_note().WaitForNotificationWithTimeout(absl::Seconds(20)); }
+DDPRPC_REGISTER_FUNCTION(wait_for_signal);
+void send_signal() { signal_note().Notify(); }
+DDPRPC_REGISTER_FUNCTION(send_signal);
 
 void init(int world_size, rpc::RpcBackendOptions options = {}) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), world_size, std::move(options));
@@ -199,6 +211,19 @@ MULTIPROCESS_TEST(RpcTest, NumWorkerThreadsBoundsConcurrentRequests, 3) {
     const int64_t max = rpc::rpc_sync<int64_t>("worker0", "max_concurrency");
     EXPECT_GE(max, 1);
     EXPECT_LE(max, 2);  // 8 concurrent calls from two callers, 2 slots
+  }
+  rpc::shutdown();
+}
+
+// The stream's reader runs requests itself; one that blocks must not stop
+// the caller's next request from being read (the transport's watchdog hands
+// reading to the stream's other thread).
+MULTIPROCESS_TEST(RpcTest, BlockedRequestDoesNotStallTheCallersNextRequest, 2) {
+  init(2);
+  if (mp::rank() == 1) {
+    auto blocked = rpc::rpc_async<bool>("worker0", "wait_for_signal");
+    rpc::rpc_sync<void>("worker0", "send_signal");
+    EXPECT_TRUE(blocked.value()) << "the blocked request was not released by the next one";
   }
   rpc::shutdown();
 }

@@ -4,9 +4,11 @@
 #include <grpcpp/impl/rpc_service_method.h>
 #include <grpcpp/support/method_handler.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "rpc/errors.h"
@@ -157,6 +159,12 @@ class TransportServer::Service final : public grpc::Service {
               return service->run(ctx, stream);
             },
             this)));
+    watchdog_ = std::thread([this] { watchdog_loop(); });
+  }
+
+  ~Service() override {
+    stop();
+    watchdog_.join();
   }
 
   void stop() {
@@ -166,17 +174,29 @@ class TransportServer::Service final : public grpc::Service {
 
  private:
   // Two threads serve each stream, the gRPC handler thread and a helper.
-  // The one holding the read token reads the next request. If the other is
-  // idle, the token passes to it and the reader runs the request itself, so
-  // a request reaches its function without a thread hop; if the other is
-  // busy, the request goes to the worker pool and the reader keeps reading.
+  // The one holding the read token reads the next request and, if the other
+  // is idle, runs it itself, keeping the token: a request reaches its
+  // function without a thread hop, and the reply goes out before the next
+  // read with no other thread polling the stream (gRPC would wake it). If a
+  // request runs longer than a watchdog tick or two (it blocks, or waits for
+  // a later request of the same caller), the watchdog passes the token to
+  // the idle thread, which keeps reading and sends what it reads to the
+  // worker pool until the long request ends.
   struct Readers {
     absl::Mutex mu;
     bool token_free ABSL_GUARDED_BY(mu) = true;
     int idle ABSL_GUARDED_BY(mu) = 0;
     bool ended ABSL_GUARDED_BY(mu) = false;
     grpc::Status status ABSL_GUARDED_BY(mu);
+    // The token holder is running a request inline (and holds the token).
+    bool inline_holding ABSL_GUARDED_BY(mu) = false;
+    uint64_t inline_seq ABSL_GUARDED_BY(mu) = 0;    // inline requests started
+    uint64_t watchdog_seq ABSL_GUARDED_BY(mu) = 0;  // inline_seq at the last tick
   };
+
+  // How often the watchdog looks for requests that hold a read token; one
+  // found running at two ticks in a row loses the token.
+  static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
 
   void serve_loop(grpc::ServerContext* ctx, Stream* stream,
                   const std::shared_ptr<ServerStream>& self, Readers* r) {
@@ -192,31 +212,43 @@ class TransportServer::Service final : public grpc::Service {
         if (r->ended) return;
         r->token_free = false;
       }
-      grpc::ByteBuffer buffer;
-      const bool got = stream->Read(&buffer);
-      Frame frame;
-      absl::Status parsed = got ? parse_frame(buffer, &frame) : absl::OkStatus();
-      bool run_here;
-      {
-        absl::MutexLock lock(&r->mu);
-        r->token_free = true;
-        if (!got || !parsed.ok()) {
-          r->ended = true;
-          if (!parsed.ok()) {
-            LOG(ERROR) << "rpc transport: dropping stream from " << ctx->peer()
-                       << ": malformed frame: " << parsed.message();
-            r->status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                     absl::StrCat("malformed frame: ", parsed.message()));
+      // This thread holds the token until it ends the stream or the
+      // watchdog takes the token from a request it runs.
+      while (true) {
+        grpc::ByteBuffer buffer;
+        const bool got = stream->Read(&buffer);
+        Frame frame;
+        absl::Status parsed = got ? parse_frame(buffer, &frame) : absl::OkStatus();
+        bool run_here;
+        {
+          absl::MutexLock lock(&r->mu);
+          if (!got || !parsed.ok()) {
+            r->token_free = true;
+            r->ended = true;
+            if (!parsed.ok()) {
+              LOG(ERROR) << "rpc transport: dropping stream from " << ctx->peer()
+                         << ": malformed frame: " << parsed.message();
+              r->status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       absl::StrCat("malformed frame: ", parsed.message()));
+            }
+            return;
           }
-          return;
+          run_here = r->idle > 0;
+          if (run_here) {
+            r->inline_holding = true;
+            ++r->inline_seq;
+          }
         }
-        run_here = r->idle > 0;
-      }
-      auto responder = std::make_shared<Responder>(self);
-      if (run_here) {
+        auto responder = std::make_shared<Responder>(self);
+        if (!run_here) {
+          offload_(std::move(responder), std::move(frame));
+          continue;
+        }
+        wake_watchdog();
         run_inline_(std::move(responder), std::move(frame));
-      } else {
-        offload_(std::move(responder), std::move(frame));
+        absl::MutexLock lock(&r->mu);
+        if (!r->inline_holding) break;  // the watchdog passed the token on
+        r->inline_holding = false;
       }
     }
   }
@@ -224,18 +256,68 @@ class TransportServer::Service final : public grpc::Service {
   grpc::Status run(grpc::ServerContext* ctx, Stream* stream) {
     auto self = std::make_shared<ServerStream>(stream);
     Readers readers;
+    {
+      absl::MutexLock lock(&mu_);
+      streams_.insert(&readers);
+    }
     std::thread helper([&] { serve_loop(ctx, stream, self, &readers); });
     serve_loop(ctx, stream, self, &readers);
     helper.join();
+    {
+      absl::MutexLock lock(&mu_);
+      streams_.erase(&readers);
+    }
     self->drain(ctx, &stopping_, &mu_);
     absl::MutexLock lock(&readers.mu);
     return readers.status;
   }
 
+  void wake_watchdog() {
+    if (!watchdog_parked_.load(std::memory_order_relaxed)) return;
+    absl::MutexLock lock(&mu_);
+    watchdog_parked_.store(false, std::memory_order_relaxed);
+  }
+
+  // Ticks while requests run inline; parks after a tick that saw none.
+  void watchdog_loop() {
+    absl::MutexLock lock(&mu_);
+    while (!stopping_) {
+      auto stop_now = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stop_now), kWatchdogTick);
+      if (stopping_) return;
+      // Parked before the scan: a stream that starts a request inline after
+      // the scan looked at it finds the flag set and unparks us.
+      watchdog_parked_.store(true, std::memory_order_relaxed);
+      bool busy = false;
+      for (Readers* r : streams_) {
+        absl::MutexLock stream_lock(&r->mu);
+        if (!r->inline_holding) continue;
+        busy = true;
+        if (r->inline_seq == r->watchdog_seq) {  // the same request as last tick
+          r->inline_holding = false;
+          r->token_free = true;  // wakes the stream's idle thread
+        }
+        r->watchdog_seq = r->inline_seq;
+      }
+      if (busy) {
+        watchdog_parked_.store(false, std::memory_order_relaxed);
+      } else {
+        auto unparked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return stopping_ || !watchdog_parked_.load(std::memory_order_relaxed);
+        };
+        mu_.Await(absl::Condition(&unparked));
+      }
+    }
+  }
+
   const OnRequest run_inline_;
   const OnRequest offload_;
+  std::thread watchdog_;
+  std::atomic<bool> watchdog_parked_{false};
   absl::Mutex mu_;
+  // State below is protected by mu_.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<Readers*> streams_ ABSL_GUARDED_BY(mu_);
 };
 
 std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
