@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 #include <unordered_set>
@@ -178,50 +179,78 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
 }
 
 // Releases of finished contexts on other workers. Instead of a notice per
-// worker per context, they wait for the next message this process sends to
+// worker per context, they wait for the next call this process makes to
 // that worker (typically the next iteration's first call) and ride in its
-// ext; a flusher thread sends what waited longer than kReleaseDelay in one
-// notice per worker.
+// ext; a flusher thread makes one call per worker for what waited longer
+// than kReleaseDelay. Releases whose call fails are queued again (a release
+// that did arrive is harmless to repeat) and dropped after kReleaseAttempts
+// failed calls, when the worker is most likely gone.
 class PendingReleases {
  public:
-  void add(int worker, ContextId id) {
+  // Releases carried by one call, handed back if it fails.
+  struct Carried {
+    int worker;
+    std::vector<ContextId> ids;
+    int attempts;  // failed calls that carried them before this one
+  };
+
+  void add(int worker, ContextId id) { add(worker, {id}, 0); }
+
+  void requeue(const Carried& c) {
+    if (c.attempts + 1 >= kReleaseAttempts) {
+      VLOG(1) << "dist_autograd: " << c.ids.size() << " context release(s) for worker "
+                   << c.worker << " dropped after " << kReleaseAttempts << " failed calls";
+      return;
+    }
+    add(c.worker, c.ids, c.attempts + 1);
+  }
+
+  // Moves the releases waiting for `worker` into `ext` and returns them.
+  // Without any waiting (every message of a process that never used a
+  // context) it costs one atomic load.
+  std::optional<Carried> attach(int worker, rpc::MessageExt* ext) {
+    if (count_.load(std::memory_order_relaxed) == 0) return std::nullopt;
+    std::optional<Carried> taken = take(worker);
+    if (!taken) return std::nullopt;
+    std::string& out = (*ext)[kReleasedKey];
+    if (!out.empty()) out += ',';
+    absl::StrAppend(&out, absl::StrJoin(taken->ids, ","));
+    return taken;
+  }
+
+ private:
+  static constexpr int kReleaseAttempts = 3;
+
+  struct Waiting {
+    absl::Time since;  // when the oldest of `ids` was added
+    std::vector<ContextId> ids;
+    int attempts = 0;  // the most failed calls any of `ids` rode in
+  };
+
+  void add(int worker, const std::vector<ContextId>& ids, int attempts) {
     absl::MutexLock lock(&mu_);
     Waiting& w = waiting_[worker];
-    if (w.ids.empty()) w.since = absl::Now();
-    w.ids.push_back(id);
-    count_.fetch_add(1, std::memory_order_relaxed);
+    if (w.ids.empty()) {
+      w.since = absl::Now();
+      w.attempts = 0;
+    }
+    w.ids.insert(w.ids.end(), ids.begin(), ids.end());
+    w.attempts = std::max(w.attempts, attempts);
+    count_.fetch_add(static_cast<int64_t>(ids.size()), std::memory_order_relaxed);
     if (!flusher_started_) {
       flusher_started_ = true;
       std::thread([this] { flush_loop(); }).detach();  // lives as long as the process
     }
   }
 
-  // Moves the releases waiting for `worker` into `ext`. Without any waiting
-  // (every message of a process that never used a context) it costs one
-  // atomic load.
-  void attach(int worker, rpc::MessageExt* ext) {
-    if (count_.load(std::memory_order_relaxed) == 0) return;
-    std::vector<ContextId> ids = take(worker);
-    if (ids.empty()) return;
-    std::string& out = (*ext)[kReleasedKey];
-    if (!out.empty()) out += ',';
-    absl::StrAppend(&out, absl::StrJoin(ids, ","));
-  }
-
- private:
-  struct Waiting {
-    absl::Time since;  // when the oldest of `ids` was added
-    std::vector<ContextId> ids;
-  };
-
-  std::vector<ContextId> take(int worker) {
+  std::optional<Carried> take(int worker) {
     absl::MutexLock lock(&mu_);
     auto it = waiting_.find(worker);
-    if (it == waiting_.end()) return {};
-    std::vector<ContextId> ids;
-    ids.swap(it->second.ids);
-    count_.fetch_sub(static_cast<int64_t>(ids.size()), std::memory_order_relaxed);
-    return ids;
+    if (it == waiting_.end() || it->second.ids.empty()) return std::nullopt;
+    Carried c{worker, {}, it->second.attempts};
+    c.ids.swap(it->second.ids);
+    count_.fetch_sub(static_cast<int64_t>(c.ids.size()), std::memory_order_relaxed);
+    return c;
   }
 
   void flush_loop() {
@@ -239,7 +268,7 @@ class PendingReleases {
         }
         due_at = oldest + kReleaseDelay;
       }
-      absl::SleepFor(due_at - absl::Now());  // meanwhile a message may carry them off
+      absl::SleepFor(due_at - absl::Now());  // meanwhile a call may carry them off
       std::vector<int> due;
       {
         absl::MutexLock lock(&mu_);
@@ -248,20 +277,23 @@ class PendingReleases {
           if (!w.ids.empty() && now - w.since >= kReleaseDelay) due.push_back(worker);
         }
       }
-      for (int worker : due) send_notice(worker);
+      for (int worker : due) flush(worker);
     }
   }
 
-  // The notice's ext picks up the releases (DistAutogradHook::outgoing_request).
-  // Without RPC (shut down) there is nobody left to tell: they are dropped.
-  void send_notice(int worker) {
+  // The call's ext picks up the releases (DistAutogradHook::start_call),
+  // which come back here if it fails. Without RPC (shut down) there is
+  // nobody left to tell: they are dropped.
+  void flush(int worker) {
     try {
-      rpc::current_agent()->notify(worker, kFlushReleases, {});
+      rpc::current_agent()->call(worker, kFlushReleases, {}, kFlushTimeout, "rpc_async", "");
     } catch (const std::exception& e) {
       VLOG(1) << "dist_autograd: releases for worker " << worker << " dropped: " << e.what();
       take(worker);
     }
   }
+
+  static constexpr absl::Duration kFlushTimeout = absl::Seconds(30);
 
   std::atomic<int64_t> count_{0};  // releases waiting, all workers
   absl::Mutex mu_;
@@ -279,8 +311,19 @@ PendingReleases& pending_releases() {
 
 class DistAutogradHook : public rpc::RpcHook {
  public:
+  // Releases ride in calls (not one-way notices), whose failure comes back
+  // to end_call.
+  std::shared_ptr<void> start_call(const rpc::OutgoingCall& call, rpc::MessageExt* ext) override {
+    std::optional<PendingReleases::Carried> carried = pending_releases().attach(call.to.id, ext);
+    if (!carried) return nullptr;
+    return std::make_shared<PendingReleases::Carried>(std::move(*carried));
+  }
+  void end_call(const std::shared_ptr<void>& state, const rpc::MessageExt* reply) override {
+    if (reply == nullptr) {
+      pending_releases().requeue(*static_cast<const PendingReleases::Carried*>(state.get()));
+    }
+  }
   void outgoing_request(int dest, const c10::IValue& args, rpc::MessageExt* ext) override {
-    pending_releases().attach(dest, ext);
     if (t_current < 0) return;
     if (auto ctx = container().find(t_current)) attach_send(ctx, dest, args, ext);
   }
@@ -447,7 +490,7 @@ void release_attached(int src, const rpc::MessageExt& ext) {
   }
 }
 
-// A notice that carries only releases in its ext (the hook handles them).
+// A call that carries only releases in its ext (the hook handles them).
 int64_t flush_releases() { return 0; }
 DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_flush_releases, kFlushReleases, flush_releases);
 

@@ -179,6 +179,32 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(DistAutogradTest, ContextsDoNotGrowOverTenThousan
 
 namespace {
 
+// A context's release waits for the next call to the worker; when that call
+// fails before it leaves (here: over max_message_bytes), the release must
+// ride again instead of being lost with it.
+MULTIPROCESS_TEST(DistAutogradTest, ReleaseOutlivesAFailedCallThatCarriedIt, 2) {
+  rpc::RpcBackendOptions options;
+  options.max_message_bytes = 1 << 16;
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({2}).requires_grad_(true);
+    {
+      dist_autograd::Context context;
+      rpc::rpc_sync<at::Tensor>("worker1", "scale", x, 2.0);
+    }  // the release for worker1 now waits for the next call to it
+    EXPECT_THROW(rpc::rpc_sync<at::Tensor>("worker1", "scale", at::ones({1 << 16}), 2.0),
+                 rpc::RpcError);
+    int64_t remote = -1;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (absl::Now() < deadline &&
+           (remote = rpc::rpc_sync<int64_t>("worker1", "num_contexts")) != 0) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(remote, 0) << "worker1 still holds the context: its release was lost";
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(DistAutogradTest, TensorUsedTwiceAccumulatesBothGradients, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   if (mp::rank() == 0) {
