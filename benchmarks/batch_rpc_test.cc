@@ -3,18 +3,23 @@
 // trainer's gradients, an observer's state, batched or not) gets exactly one
 // answer, async execution holds no callee thread while trainers wait, and
 // REINFORCE's reward improves over episodes for the default seed.
-#include <cctype>
 #include <regex>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "benchmarks/common.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 
 namespace {
 
+using ddprpc::benchmarks::json_at;
+using ddprpc::benchmarks::json_number;
+using ddprpc::benchmarks::JsonValue;
+using ddprpc::benchmarks::parse_json;
+using ddprpc::benchmarks::to_json;
 using ddprpc::benchmarks::testing::binary;
 using ddprpc::benchmarks::testing::Child;
 using ddprpc::benchmarks::testing::read_file;
@@ -22,97 +27,21 @@ using ddprpc::benchmarks::testing::run_processes;
 using ddprpc::benchmarks::testing::tail;
 using ddprpc::benchmarks::testing::test_tmp;
 
-// A strict JSON syntax check (RFC 8259 grammar; no semantics).
-class JsonChecker {
- public:
-  explicit JsonChecker(const std::string& s) : s_(s) {}
-  bool valid() {
-    ws();
-    if (!value()) return false;
-    ws();
-    return i_ == s_.size();
-  }
-
- private:
-  void ws() {
-    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
-  }
-  bool eat(char c) {
-    ws();
-    if (i_ < s_.size() && s_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  bool literal(const char* w) {
-    const std::string word(w);
-    if (s_.compare(i_, word.size(), word) != 0) return false;
-    i_ += word.size();
-    return true;
-  }
-  bool string() {
-    if (!eat('"')) return false;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      if (static_cast<unsigned char>(s_[i_]) < 0x20) return false;
-      if (s_[i_] == '\\') ++i_;
-      ++i_;
-    }
-    return i_ < s_.size() && s_[i_++] == '"';
-  }
-  bool number() {
-    std::smatch m;
-    std::string rest = s_.substr(i_, 64);
-    static const std::regex re(R"(^-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?)");
-    if (!std::regex_search(rest, m, re) || m.length(0) == 0) return false;
-    i_ += m.length(0);
-    return true;
-  }
-  bool value() {
-    ws();
-    if (i_ >= s_.size()) return false;
-    switch (s_[i_]) {
-      case '{': {
-        ++i_;
-        if (eat('}')) return true;
-        do {
-          if (!string() || !eat(':') || !value()) return false;
-        } while (eat(','));
-        return eat('}');
-      }
-      case '[': {
-        ++i_;
-        if (eat(']')) return true;
-        do {
-          if (!value()) return false;
-        } while (eat(','));
-        return eat(']');
-      }
-      case '"':
-        return string();
-      case 't':
-        return literal("true");
-      case 'f':
-        return literal("false");
-      case 'n':
-        return literal("null");
-      default:
-        return number();
-    }
-  }
-  const std::string& s_;
-  size_t i_ = 0;
-};
-
-TEST(JsonCheckerTest, AcceptsJsonRejectsGarbage) {
-  for (const char* ok : {"{}", R"({"a":[1,2.5,-3e-2,true,null,"x\"y"],"b":{}})"}) {
-    EXPECT_TRUE(JsonChecker(ok).valid()) << ok;
-  }
-  for (const char* bad : {"", "{", R"({"a":})", "[1,]", R"({"a":nan})", "{} x", "[01]"}) {
-    EXPECT_FALSE(JsonChecker(bad).valid()) << bad;
-  }
+// The JSON file the benchmark wrote, parsed (a failed assertion if it is not JSON).
+JsonValue read_json(const std::string& path) {
+  JsonValue v;
+  std::string error;
+  const std::string text = read_file(path);
+  EXPECT_TRUE(parse_json(text, &v, &error)) << error << "\n" << text;
+  return v;
 }
 
+// The array at `key` of the top-level object (empty if missing).
+std::vector<JsonValue> json_array(const JsonValue& v, const std::string& key) {
+  const JsonValue* a = json_at(v, {key});
+  if (a == nullptr) return {};
+  return {a->list_value().values().begin(), a->list_value().values().end()};
+}
 
 // Runs the benchmark to completion; its stdout, or "" after a failed assertion.
 std::string run(const std::vector<std::string>& args, const std::string& tag) {
@@ -121,14 +50,6 @@ std::string run(const std::vector<std::string>& args, const std::string& tag) {
   EXPECT_EQ(code, 0) << "batch_rpc " << tag << " stderr:\n" << tail(c.err());
   EXPECT_TRUE(run_processes(tag).empty()) << "processes left behind";
   return code == 0 ? c.out() : "";
-}
-
-// A number after `"key":` in the JSON text, starting the search at `from`.
-double json_number(const std::string& j, const std::string& key, size_t from = 0) {
-  const std::string k = "\"" + key + "\":";
-  size_t p = j.find(k, from);
-  if (p == std::string::npos) return -1;
-  return std::stod(j.substr(p + k.size()));
 }
 
 TEST(BatchRpcBenchmarkTest, ParameterServerAnswersEveryTrainerAndHoldsNoThread) {
@@ -162,21 +83,18 @@ TEST(BatchRpcBenchmarkTest, ParameterServerAnswersEveryTrainerAndHoldsNoThread) 
     EXPECT_EQ(m[9].str(), m[10].str()) << m[0];
   }
   EXPECT_EQ(rows, 4) << out;
-  const std::string j = read_file(json);
-  EXPECT_TRUE(JsonChecker(j).valid()) << j;
-  size_t at = 0;
-  int entries = 0;
-  while ((at = j.find("\"trainers\":", at + 1)) != std::string::npos) {
-    ASSERT_EQ(j.compare(at - 1, 1, "{"), 0) << "\"trainers\" opens each ps entry";
-    ++entries;
-    const double expected = json_number(j, "expected", at);
-    EXPECT_GT(expected, 0);
-    EXPECT_EQ(json_number(j, "requests", at), expected) << j.substr(at, 400);
-    EXPECT_EQ(json_number(j, "answers", at), expected) << j.substr(at, 400);
-    EXPECT_EQ(json_number(j, "models_received", at), expected) << j.substr(at, 400);
-    EXPECT_EQ(json_number(j, "updates", at), iters + warmup) << j.substr(at, 400);
+  const std::vector<JsonValue> entries = json_array(read_json(json), "ps");
+  EXPECT_EQ(entries.size(), 4u);
+  for (const JsonValue& e : entries) {
+    const std::string where = to_json(e);
+    EXPECT_GT(json_number(e, {"trainers"}), 0) << where;
+    const double expected = json_number(e, {"expected"});
+    EXPECT_GT(expected, 0) << where;
+    EXPECT_EQ(json_number(e, {"requests"}), expected) << where;
+    EXPECT_EQ(json_number(e, {"answers"}), expected) << where;
+    EXPECT_EQ(json_number(e, {"models_received"}), expected) << where;
+    EXPECT_EQ(json_number(e, {"updates"}), iters + warmup) << where;
   }
-  EXPECT_EQ(entries, 4) << j;
 }
 
 struct CartPoleRow {
@@ -237,18 +155,17 @@ TEST(BatchRpcBenchmarkTest, CartPoleAnswersEveryObserverOnceWithAndWithoutBatchi
   // The seed's "world_size, batch, no-batch" lines.
   EXPECT_TRUE(std::regex_search(out, std::regex(R"(\n3, [0-9.]+, [0-9.]+\n4, [0-9.]+, [0-9.]+\n)")))
       << out;
-  const std::string j = read_file(json);
-  EXPECT_TRUE(JsonChecker(j).valid()) << j;
-  for (const char* mode : {"\"batch\":{", "\"nobatch\":{"}) {
-    int seen = 0;
-    for (size_t at = j.find(mode); at != std::string::npos; at = j.find(mode, at + 1), ++seen) {
-      const double expected = json_number(j, "expected", at);
-      EXPECT_GT(expected, 0);
-      EXPECT_EQ(json_number(j, "requests", at), expected) << j.substr(at, 300);
-      EXPECT_EQ(json_number(j, "answers", at), expected) << j.substr(at, 300);
-      EXPECT_EQ(json_number(j, "actions_received", at), expected) << j.substr(at, 300);
+  const std::vector<JsonValue> worlds = json_array(read_json(json), "cartpole");
+  EXPECT_EQ(worlds.size(), 2u);
+  for (const JsonValue& w : worlds) {
+    for (const char* mode : {"batch", "nobatch"}) {
+      const std::string where = std::string(mode) + " in " + to_json(w);
+      const double expected = json_number(w, {mode, "expected"});
+      EXPECT_GT(expected, 0) << where;
+      EXPECT_EQ(json_number(w, {mode, "requests"}), expected) << where;
+      EXPECT_EQ(json_number(w, {mode, "answers"}), expected) << where;
+      EXPECT_EQ(json_number(w, {mode, "actions_received"}), expected) << where;
     }
-    EXPECT_EQ(seen, 2) << mode;
   }
 }
 

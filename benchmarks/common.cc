@@ -1,5 +1,7 @@
 #include "benchmarks/common.h"
 
+#include <google/protobuf/util/json_util.h>
+
 #include <gflags/gflags.h>
 #include <malloc.h>
 #include <unistd.h>
@@ -229,6 +231,35 @@ bool Json::write(const std::string& path) const {
   std::ofstream f(path);
   f << out_ << "\n";
   return static_cast<bool>(f);
+}
+
+bool parse_json(const std::string& text, JsonValue* out, std::string* error) {
+  const auto status = google::protobuf::util::JsonStringToMessage(text, out);
+  if (!status.ok() && error != nullptr) *error = std::string(status.message());
+  return status.ok();
+}
+
+std::string to_json(const JsonValue& v) {
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(v, &out).ok()) return "null";
+  return out;
+}
+
+const JsonValue* json_at(const JsonValue& v, std::initializer_list<std::string> keys) {
+  const JsonValue* at = &v;
+  for (const std::string& key : keys) {
+    if (!at->has_struct_value()) return nullptr;
+    const auto& fields = at->struct_value().fields();
+    auto it = fields.find(key);
+    if (it == fields.end()) return nullptr;
+    at = &it->second;
+  }
+  return at;
+}
+
+double json_number(const JsonValue& v, std::initializer_list<std::string> keys, double fallback) {
+  const JsonValue* at = json_at(v, keys);
+  return at != nullptr && at->kind_case() == JsonValue::kNumberValue ? at->number_value() : fallback;
 }
 
 }  // namespace ddprpc::benchmarks

@@ -1,10 +1,13 @@
 // Shared pieces of the benchmark binaries: flags with a focused --help,
-// percentiles, a text table, a small JSON writer, and paths.
+// percentiles, a text table, a small JSON writer, JSON reading, and paths.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
+
+#include <google/protobuf/struct.pb.h>
 
 #include "rpc/launch.h"
 
@@ -79,5 +82,19 @@ class Json {
   std::vector<bool> first_{true};
   bool after_key_ = false;
 };
+
+// A parsed JSON document: protobuf's google.protobuf.Value holds any JSON
+// value, and protobuf's JSON parser and printer read and write it.
+using JsonValue = google::protobuf::Value;
+// Parses `text`; false (with *error, when given, saying why) if it is not JSON.
+bool parse_json(const std::string& text, JsonValue* out, std::string* error = nullptr);
+// Compact JSON text of `v` (an object's keys in no fixed order).
+std::string to_json(const JsonValue& v);
+// Follows object keys from `v`; nullptr where a key is missing or a value on
+// the way is not an object.
+const JsonValue* json_at(const JsonValue& v, std::initializer_list<std::string> keys);
+// json_at(...)->number_value(), or `fallback` when missing or not a number.
+double json_number(const JsonValue& v, std::initializer_list<std::string> keys,
+                   double fallback = -1);
 
 }  // namespace ddprpc::benchmarks

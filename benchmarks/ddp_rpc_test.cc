@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "benchmarks/common.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 #include "rpc/launch.h"
@@ -21,6 +22,11 @@
 namespace {
 
 using namespace ddprpc::benchmarks::testing;
+using ddprpc::benchmarks::json_at;
+using ddprpc::benchmarks::json_number;
+using ddprpc::benchmarks::JsonValue;
+using ddprpc::benchmarks::parse_json;
+using ddprpc::benchmarks::to_json;
 
 const std::string kBinary = "benchmarks/ddp_rpc";
 const std::vector<std::string> kSmall = {"--trainers=2", "--ps=2", "--pytorch=false"};
@@ -39,10 +45,18 @@ void expect_table_and_json(const std::string& out, const std::string& json_path)
     for (int g = 2; g <= 9; ++g) EXPECT_GT(std::stod((*it)[g].str()), 0) << (*it)[0];
   }
   EXPECT_EQ(rows, 3) << out;
+  JsonValue report;
+  std::string error;
   const std::string j = read_file(json_path);
-  for (const char* key : {"\"trainer0\"", "\"trainer1\"", "\"all\"", "\"config\"", "\"trainers\":2"}) {
-    EXPECT_NE(j.find(key), std::string::npos) << key << " missing from " << j;
+  ASSERT_TRUE(parse_json(j, &report, &error)) << error << "\n" << j;
+  for (const char* key : {"trainer0", "trainer1", "all"}) {
+    for (const char* p : {"p50", "p75", "p90", "p95"}) {
+      for (const char* figure : {"sec_per_iter", "ex_per_sec"}) {
+        EXPECT_GT(json_number(report, {"ddprpc", key, p, figure}), 0) << key << " " << p << ": " << j;
+      }
+    }
   }
+  EXPECT_EQ(json_number(report, {"config", "trainers"}), 2) << j;
 }
 
 TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {

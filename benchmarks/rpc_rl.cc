@@ -37,8 +37,6 @@
 #include <map>
 #include <memory>
 #include <numeric>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -418,37 +416,14 @@ int worker(const Config& c) {
   return rc;
 }
 
-// metric -> percentile -> value, from one result object's JSON text (ours
-// or the reference's, which share the shape).
+// metric -> percentile -> value, from one result object (ours or the
+// reference's, which share the shape).
 using Figures = std::map<std::string, std::map<int, double>>;
-Figures parse_figures(const std::string& json) {
+Figures parse_figures(const bench::JsonValue& result) {
   Figures out;
   for (const char* metric : kMetrics) {
-    const size_t at = json.find(std::string("\"") + metric + "\"");
-    if (at == std::string::npos) continue;
-    const size_t end = json.find('}', at);
-    const std::string body = json.substr(at, end - at);
-    for (int p : kPercentiles) {
-      std::smatch m;
-      std::regex re(absl::StrCat("\"p", p, "\"\\s*:\\s*([0-9.eE+-]+)"));
-      if (std::regex_search(body, m, re)) out[metric][p] = std::stod(m[1].str());
-    }
-  }
-  return out;
-}
-
-// The reference's "benchmark_results" entries, as JSON text each.
-std::vector<std::string> split_results(const std::string& json) {
-  std::vector<std::string> out;
-  size_t at = json.find("\"benchmark_results\"");
-  if (at == std::string::npos) return out;
-  at = json.find('[', at);
-  int depth = 0;
-  size_t start = 0;
-  for (size_t i = at + 1; i < json.size(); ++i) {
-    if (json[i] == '{' && depth++ == 0) start = i;
-    if (json[i] == '}' && --depth == 0) out.push_back(json.substr(start, i - start + 1));
-    if (json[i] == ']' && depth == 0) break;
+    if (bench::json_at(result, {metric}) == nullptr) continue;
+    for (int p : kPercentiles) out[metric][p] = bench::json_number(result, {metric, absl::StrCat("p", p)}, 0);
   }
   return out;
 }
@@ -515,7 +490,7 @@ int launcher(int argc, char** argv) {
   std::fflush(stdout);
 
   std::vector<Figures> ours;
-  std::vector<std::string> ours_json;
+  google::protobuf::ListValue ours_json;  // each result with its x value
   for (size_t i = 0; i < configs.size(); ++i) {
     const std::string tmp = bench::temp_path("rpc_rl");
     auto launch = bench::relaunch_self(configs[i].world_size, argc, argv);
@@ -528,7 +503,9 @@ int launcher(int argc, char** argv) {
     std::fprintf(stderr, "rpc_rl: %s%s%s: %d processes\n", x_name.c_str(), x_name.empty() ? "" : "=",
                  xs[i].c_str(), configs[i].world_size);
     rpc::LaunchResult r = rpc::launch(launch);
-    const std::string result = bench::read_file(tmp);
+    bench::JsonValue result;
+    std::string parse_error;
+    const bool parsed = bench::parse_json(bench::read_file(tmp), &result, &parse_error);
     std::remove(tmp.c_str());
     if (r.exit_code != 0) {
       std::fprintf(stderr, "rpc_rl: failed%s: %s\n",
@@ -537,13 +514,22 @@ int launcher(int argc, char** argv) {
                                     : r.message.c_str());
       return 1;
     }
+    if (!parsed || !result.has_struct_value()) {
+      std::fprintf(stderr, "rpc_rl: the coordinator's result is not a JSON object: %s\n",
+                   parse_error.c_str());
+      return 1;
+    }
     ours.push_back(parse_figures(result));
-    ours_json.push_back(result);
+    if (!x_name.empty()) {
+      (*result.mutable_struct_value()->mutable_fields())[x_name].set_string_value(xs[i]);
+    }
+    *ours_json.add_values() = std::move(result);
   }
   std::printf("\n");
   print_table(x_name, xs, ours);
 
-  std::string theirs_json;
+  bench::JsonValue theirs_json;  // PyTorch's report as its script wrote it; null if none
+  theirs_json.set_null_value(google::protobuf::NULL_VALUE);
   std::vector<Figures> theirs;
   const std::string script = bench::source_path("benchmarks/reference/rpc_rl.py");
   if (FLAGS_pytorch && !script.empty()) {
@@ -558,15 +544,20 @@ int launcher(int argc, char** argv) {
          "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
          "--output_file_path", tmp},
         &output);
-    theirs_json = bench::read_file(tmp);
+    std::string parse_error;
+    if (rc == 0 && !bench::parse_json(bench::read_file(tmp), &theirs_json, &parse_error)) {
+      output += "\nits report is not JSON: " + parse_error;
+    }
     std::remove(tmp.c_str());
-    for (const auto& r : split_results(theirs_json)) theirs.push_back(parse_figures(r));
+    if (const bench::JsonValue* results = bench::json_at(theirs_json, {"benchmark_results"})) {
+      for (const auto& r : results->list_value().values()) theirs.push_back(parse_figures(r));
+    }
     std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
     if (rc != 0 || theirs.size() != xs.size()) {
       std::printf("PyTorch's benchmark failed (exit %d):\n%s\n", rc,
                   output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
       theirs.clear();
-      theirs_json.clear();
+      theirs_json.set_null_value(google::protobuf::NULL_VALUE);
     } else {
       print_table(x_name, xs, theirs);
       std::printf("\nddprpc / PyTorch at p50:\n");
@@ -584,29 +575,25 @@ int launcher(int argc, char** argv) {
     std::printf("\nPyTorch's benchmark not run (--pytorch=false or reference script not found)\n");
   }
 
-  bench::Json json;
-  json.begin_object();
-  json.key("benchmark_args").begin_object();
-  json.key("world_size").value(FLAGS_world_size).key("batch").value(FLAGS_batch);
-  json.key("state_size").value(FLAGS_state_size).key("nlayers").value(FLAGS_nlayers);
-  json.key("out_features").value(FLAGS_out_features).key("episodes").value(FLAGS_episodes);
-  json.key("episode_steps").value(FLAGS_episode_steps).key("cpus").value(bench::cpu_count());
-  json.end_object();
-  json.key("x_axis_name").value(x_name);
-  std::string text = json.str();
-  // Our results, each with its x value, then PyTorch's as written by its script.
-  text += ",\"benchmark_results\":[";
-  for (size_t i = 0; i < ours_json.size(); ++i) {
-    std::string r = ours_json[i];
-    while (!r.empty() && r.back() != '}') r.pop_back();
-    r.pop_back();
-    if (!x_name.empty()) r += ",\"" + x_name + "\":\"" + xs[i] + "\"";
-    text += (i ? "," : "") + r + "}";
+  bench::JsonValue report;
+  auto& fields = *report.mutable_struct_value()->mutable_fields();
+  auto& args = *fields["benchmark_args"].mutable_struct_value()->mutable_fields();
+  for (const auto& [name, value] :
+       std::vector<std::pair<std::string, std::string>>{{"world_size", FLAGS_world_size},
+                                                        {"batch", FLAGS_batch},
+                                                        {"state_size", FLAGS_state_size},
+                                                        {"nlayers", FLAGS_nlayers},
+                                                        {"out_features", FLAGS_out_features},
+                                                        {"episodes", FLAGS_episodes},
+                                                        {"episode_steps", FLAGS_episode_steps}}) {
+    args[name].set_string_value(value);
   }
-  text += "],\"pytorch\":" + (theirs_json.empty() ? std::string("null") : theirs_json) + "}";
-  while (text.back() == '\n') text.pop_back();
+  args["cpus"].set_number_value(bench::cpu_count());
+  fields["x_axis_name"].set_string_value(x_name);
+  *fields["benchmark_results"].mutable_list_value() = std::move(ours_json);
+  fields["pytorch"] = std::move(theirs_json);
   const std::string path = bench::output_path(FLAGS_output_file_path);
-  std::ofstream(path) << text << "\n";
+  std::ofstream(path) << bench::to_json(report) << "\n";
   std::printf("\nwrote %s (chart it: ./bazelw run //benchmarks:plot -- %s)\n", path.c_str(),
               path.c_str());
   return 0;

@@ -7,12 +7,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "benchmarks/common.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 
 namespace {
 
 using namespace ddprpc::benchmarks::testing;
+using ddprpc::benchmarks::json_at;
+using ddprpc::benchmarks::json_number;
+using ddprpc::benchmarks::JsonValue;
+using ddprpc::benchmarks::parse_json;
+using ddprpc::benchmarks::to_json;
 
 // Rows of the table: "<x> <16 numbers>".
 int check_table(const std::string& out, const std::vector<std::string>& xs) {
@@ -40,12 +46,25 @@ void run(bool batch) {
           tag);
   ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.err());
   EXPECT_EQ(check_table(c.out(), {"3", "4"}), 2) << c.out();
-  const std::string j = read_file(json);
+  JsonValue report;
+  std::string error;
+  ASSERT_TRUE(parse_json(read_file(json), &report, &error)) << error;
+  const std::string j = to_json(report);
   // Every request answered, every action valid: (world_size - 2) * 2 * 5.
-  EXPECT_TRUE(std::regex_search(j, std::regex(R"("requests":10,"answered":10,"valid_actions":10)"))) << j;
-  EXPECT_TRUE(std::regex_search(j, std::regex(R"("requests":20,"answered":20,"valid_actions":20)"))) << j;
-  EXPECT_NE(j.find("\"x_axis_name\":\"world_size\""), std::string::npos) << j;
-  EXPECT_NE(j.find("\"pytorch\":null"), std::string::npos) << j;
+  const JsonValue* results = json_at(report, {"benchmark_results"});
+  ASSERT_NE(results, nullptr) << j;
+  ASSERT_EQ(results->list_value().values_size(), 2) << j;
+  for (int i = 0; i < 2; ++i) {
+    const JsonValue& r = results->list_value().values(i);
+    const double expected = (i + 1) * 2 * 5;
+    EXPECT_EQ(json_at(r, {"world_size"})->string_value(), i == 0 ? "3" : "4") << j;
+    EXPECT_EQ(json_number(r, {"requests"}), expected) << j;
+    EXPECT_EQ(json_number(r, {"answered"}), expected) << j;
+    EXPECT_EQ(json_number(r, {"valid_actions"}), expected) << j;
+    EXPECT_GT(json_number(r, {"agent throughput", "p50"}), 0) << j;
+  }
+  EXPECT_EQ(json_at(report, {"x_axis_name"})->string_value(), "world_size") << j;
+  EXPECT_EQ(json_at(report, {"pytorch"})->kind_case(), JsonValue::kNullValue) << j;
   // The plot script reads it (skipped where matplotlib is missing).
   if (std::system("/usr/bin/python3 -c 'import matplotlib' 2>/dev/null") == 0) {
     const std::string png = test_tmp(tag + ".png");
