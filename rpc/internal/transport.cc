@@ -163,7 +163,11 @@ class TransportServer::Service final : public grpc::Service {
   }
 
   ~Service() override {
-    stop();
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+      watchdog_stop_ = true;
+    }
     watchdog_.join();
   }
 
@@ -278,13 +282,15 @@ class TransportServer::Service final : public grpc::Service {
     watchdog_parked_.store(false, std::memory_order_relaxed);
   }
 
-  // Ticks while requests run inline; parks after a tick that saw none.
+  // Ticks while requests run inline; parks after a tick that saw none. It
+  // runs until the service is destroyed, so that streams still draining
+  // after stop() keep their second reader.
   void watchdog_loop() {
     absl::MutexLock lock(&mu_);
-    while (!stopping_) {
-      auto stop_now = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; };
+    while (!watchdog_stop_) {
+      auto stop_now = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return watchdog_stop_; };
       mu_.AwaitWithTimeout(absl::Condition(&stop_now), kWatchdogTick);
-      if (stopping_) return;
+      if (watchdog_stop_) return;
       // Parked before the scan: a stream that starts a request inline after
       // the scan looked at it finds the flag set and unparks us.
       watchdog_parked_.store(true, std::memory_order_relaxed);
@@ -303,7 +309,7 @@ class TransportServer::Service final : public grpc::Service {
         watchdog_parked_.store(false, std::memory_order_relaxed);
       } else {
         auto unparked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || !watchdog_parked_.load(std::memory_order_relaxed);
+          return watchdog_stop_ || !watchdog_parked_.load(std::memory_order_relaxed);
         };
         mu_.Await(absl::Condition(&unparked));
       }
@@ -316,7 +322,8 @@ class TransportServer::Service final : public grpc::Service {
   std::atomic<bool> watchdog_parked_{false};
   absl::Mutex mu_;
   // State below is protected by mu_.
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // stop(): streams drain and end
+  bool watchdog_stop_ ABSL_GUARDED_BY(mu_) = false;  // the service is going away
   absl::flat_hash_set<Readers*> streams_ ABSL_GUARDED_BY(mu_);
 };
 
