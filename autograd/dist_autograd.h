@@ -7,8 +7,9 @@
 //     auto grads = dist_autograd::get_gradients(context.id());
 //   }                                             // released on every worker
 //
-// (Other workers learn of the release with the next message this process
-// sends them, or in a notice of its own after 20 ms.)
+// (Other workers learn of the release with the next call this process makes
+// to them, or in a call of its own after 20 ms; a release whose call fails
+// rides again, up to 3 times.)
 //
 // Inside a context, every RPC that carries tensors requiring grad (arguments
 // or results, nested calls and RRef method calls included) records a send
