@@ -30,6 +30,7 @@
 #include <gflags/gflags.h>
 #include <torch/nn/modules/linear.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -136,6 +137,7 @@ class RlAgent {
     std::vector<int64_t> shape{batch_size};
     shape.insert(shape.end(), state_size.begin(), state_size.end());
     states_ = at::zeros(shape);
+    states_rows_ = batch_size;
     saved_log_probs_.clear();
   }
 
@@ -160,23 +162,24 @@ class RlAgent {
   rpc::Future<int64_t> select_action_batch(int64_t observer_id, at::Tensor state) {
     const int64_t row = observer_id - 2;
     rpc::Future<int64_t> mine;
-    rpc::Future<at::Tensor> full;  // set when this request completes the batch
+    rpc::Future<std::vector<int64_t>> full;  // set when this request completes the batch
     Policy* policy = nullptr;
+    if (row < 0 || row >= states_rows_.load()) {
+      throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument,
+                          absl::StrCat("select_action_batch: no observer ", observer_id));
+    }
+    // Outside the lock, as the seed: only this observer writes its row, and
+    // the batch's last request reads them all after taking the lock.
+    states_[row].copy_(state);
     {
       absl::MutexLock lock(&mu_);
-      if (row < 0 || row >= batch_size_) {
-        throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument,
-                            absl::StrCat("select_action_batch: no observer ", observer_id));
-      }
-      states_[row].copy_(state);
-      mine = future_actions_.then([row](const rpc::Future<at::Tensor>& f) {
-        return f.value()[row].item<int64_t>();
-      });
+      mine = future_actions_.then(
+          [row](const rpc::Future<std::vector<int64_t>>& f) { return f.value()[row]; });
       if (pending_ == batch_size_) batch_start_ = Clock::now();
       if (--pending_ == 0) {
         pending_ = batch_size_;
         full = future_actions_;
-        future_actions_ = rpc::Future<at::Tensor>();
+        future_actions_ = rpc::Future<std::vector<int64_t>>();
         policy = policy_.get();
       }
     }
@@ -185,7 +188,10 @@ class RlAgent {
       at::Tensor probs = policy->forward(states_);
       at::Tensor actions = at::multinomial(probs, 1);
       at::Tensor log_probs = probs.gather(1, actions).log().t();
-      full.set_result(actions.squeeze(1));
+      // Plain integers: every observer's answer is an index, not a tensor op.
+      at::Tensor flat = actions.squeeze(1).contiguous();
+      full.set_result(std::vector<int64_t>(flat.data_ptr<int64_t>(),
+                                           flat.data_ptr<int64_t>() + flat.numel()));
       absl::MutexLock lock(&mu_);
       saved_log_probs_.push_back(log_probs);
       const double latency = seconds_since(batch_start_);
@@ -221,8 +227,9 @@ class RlAgent {
   std::unique_ptr<Policy> policy_ ABSL_GUARDED_BY(mu_);
   int64_t batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
-  at::Tensor states_;
-  rpc::Future<at::Tensor> future_actions_ ABSL_GUARDED_BY(mu_);
+  at::Tensor states_;  // set by set_world before any request
+  std::atomic<int64_t> states_rows_{0};
+  rpc::Future<std::vector<int64_t>> future_actions_ ABSL_GUARDED_BY(mu_);
   Clock::time_point batch_start_ ABSL_GUARDED_BY(mu_);
   std::vector<at::Tensor> saved_log_probs_ ABSL_GUARDED_BY(mu_);
   std::vector<double> latency_ ABSL_GUARDED_BY(mu_);
