@@ -1,5 +1,6 @@
 #include "rpc/agent.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 
@@ -141,6 +142,10 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
         offload(std::move(responder), std::move(frame));
       });
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<PeerSlot>());
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_.assign(world_size, 0);
+  }
   try {
     rendezvous(name, world_size);
   } catch (...) {
@@ -285,7 +290,9 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
                                 options_.max_message_bytes, ")"));
       return future;
     }
+    header.set_more_in_flight(in_flight_[to] > 0);
     if (!one_way) {
+      ++in_flight_[to];
       pending_.emplace(id, call);
       if (call.deadline != absl::InfiniteFuture()) deadlines_.emplace(call.deadline, id);
     }
@@ -305,6 +312,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     auto it = pending_.find(id);
     if (it != pending_.end()) {
       deadlines_.erase({it->second.deadline, id});
+      --in_flight_[to];
       pending_.erase(it);
       fail_pending({call}, ErrorCode::kUnavailable, "the connection to the worker is broken");
     }
@@ -339,6 +347,7 @@ void RpcAgent::on_reply(Frame frame) {
     if (it == pending_.end()) return;  // timed out or failed already
     call = std::move(it->second);
     pending_.erase(it);
+    --in_flight_[call.to];
     deadlines_.erase({call.deadline, frame.header.id()});
   }
   const wire::Header& header = frame.header;
@@ -369,6 +378,7 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why) {
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (it->second.to == peer) {
         deadlines_.erase({it->second.deadline, it->first});
+        --in_flight_[peer];
         failed.push_back(std::move(it->second));
         pending_.erase(it++);
       } else {
@@ -395,6 +405,7 @@ void RpcAgent::timer_loop() {
         auto it = pending_.find(deadlines_.begin()->second);
         deadlines_.erase(deadlines_.begin());
         if (it == pending_.end()) continue;
+        --in_flight_[it->second.to];
         expired.push_back(std::move(it->second));
         pending_.erase(it);
       }
@@ -666,6 +677,7 @@ void RpcAgent::stop(bool graceful) {
     running_ = false;
     for (auto& [id, call] : pending_) failed.push_back(std::move(call));
     pending_.clear();
+    std::fill(in_flight_.begin(), in_flight_.end(), 0);
     deadlines_.clear();
   }
   fail_pending(failed, ErrorCode::kShutdown, "RPC was shut down before the reply arrived");

@@ -198,6 +198,23 @@ DDPRPC_REGISTER_FUNCTION(track_concurrency);
 int64_t max_concurrency() { return g_max_running.load(); }
 DDPRPC_REGISTER_FUNCTION(max_concurrency);
 
+// Short calls (well under the watchdog's ticks) that one caller has in
+// flight together still run side by side: the caller marks them, and the
+// callee's reader hands reading on instead of running them one by one.
+MULTIPROCESS_TEST(RpcTest, ConcurrentShortCallsOfOneCallerOverlap, 2) {
+  init(2);
+  if (mp::rank() == 1) {
+    std::vector<rpc::Future<int64_t>> futures;
+    for (int i = 0; i < 8; ++i) {
+      futures.push_back(rpc::rpc_async<int64_t>("worker0", "track_concurrency", 1));
+    }
+    rpc::wait_all(futures);
+    const int64_t max = rpc::rpc_sync<int64_t>("worker0", "max_concurrency");
+    EXPECT_GE(max, 2) << "the calls ran one at a time";
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(RpcTest, NumWorkerThreadsBoundsConcurrentRequests, 3) {
   rpc::RpcBackendOptions options;
   if (mp::rank() == 0) options.num_worker_threads = 2;

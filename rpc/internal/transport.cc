@@ -181,11 +181,12 @@ class TransportServer::Service final : public grpc::Service {
   // The one holding the read token reads the next request and, if the other
   // is idle, runs it itself, keeping the token: a request reaches its
   // function without a thread hop, and the reply goes out before the next
-  // read with no other thread polling the stream (gRPC would wake it). If a
-  // request runs longer than a watchdog tick or two (it blocks, or waits for
-  // a later request of the same caller), the watchdog passes the token to
-  // the idle thread, which keeps reading and sends what it reads to the
-  // worker pool until the long request ends.
+  // read with no other thread polling the stream (gRPC would wake it). When
+  // the caller says more of its requests are in flight, or a request runs
+  // longer than a watchdog tick or two (it blocks, or waits for a later
+  // request of the same caller), the token passes to the idle thread, which
+  // keeps reading and sends what it reads to the worker pool until the
+  // running request ends.
   struct Readers {
     absl::Mutex mu;
     bool token_free ABSL_GUARDED_BY(mu) = true;
@@ -223,7 +224,7 @@ class TransportServer::Service final : public grpc::Service {
         const bool got = stream->Read(&buffer);
         Frame frame;
         absl::Status parsed = got ? parse_frame(buffer, &frame) : absl::OkStatus();
-        bool run_here;
+        bool run_here, hand_on;
         {
           absl::MutexLock lock(&r->mu);
           if (!got || !parsed.ok()) {
@@ -238,7 +239,12 @@ class TransportServer::Service final : public grpc::Service {
             return;
           }
           run_here = r->idle > 0;
-          if (run_here) {
+          // The caller has more requests coming: the idle thread reads them
+          // while this one runs (as when the watchdog hands reading on).
+          hand_on = run_here && frame.header.more_in_flight();
+          if (hand_on) {
+            r->token_free = true;
+          } else if (run_here) {
             r->inline_holding = true;
             ++r->inline_seq;
           }
@@ -247,6 +253,10 @@ class TransportServer::Service final : public grpc::Service {
         if (!run_here) {
           offload_(std::move(responder), std::move(frame));
           continue;
+        }
+        if (hand_on) {
+          run_inline_(std::move(responder), std::move(frame));
+          break;
         }
         wake_watchdog();
         run_inline_(std::move(responder), std::move(frame));
