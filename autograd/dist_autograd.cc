@@ -187,22 +187,30 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
 // failed calls, when the worker is most likely gone.
 class PendingReleases {
  public:
+  // A release and the number of failed calls it rode in.
+  struct Release {
+    ContextId id;
+    int attempts;
+  };
   // Releases carried by one call, handed back if it fails.
   struct Carried {
     int worker;
-    std::vector<ContextId> ids;
-    int attempts;  // failed calls that carried them before this one
+    std::vector<Release> releases;
   };
 
-  void add(int worker, ContextId id) { add(worker, {id}, 0); }
+  void add(int worker, ContextId id) { add(worker, {Release{id, 0}}); }
 
   void requeue(const Carried& c) {
-    if (c.attempts + 1 >= kReleaseAttempts) {
-      VLOG(1) << "dist_autograd: " << c.ids.size() << " context release(s) for worker "
-                   << c.worker << " dropped after " << kReleaseAttempts << " failed calls";
-      return;
+    std::vector<Release> again;
+    for (const Release& r : c.releases) {
+      if (r.attempts + 1 < kReleaseAttempts) again.push_back({r.id, r.attempts + 1});
     }
-    add(c.worker, c.ids, c.attempts + 1);
+    if (again.size() < c.releases.size()) {
+      VLOG(1) << "dist_autograd: " << c.releases.size() - again.size()
+              << " context release(s) for worker " << c.worker << " dropped after "
+              << kReleaseAttempts << " failed calls";
+    }
+    if (!again.empty()) add(c.worker, again);
   }
 
   // Moves the releases waiting for `worker` into `ext` and returns them.
@@ -213,8 +221,10 @@ class PendingReleases {
     std::optional<Carried> taken = take(worker);
     if (!taken) return std::nullopt;
     std::string& out = (*ext)[kReleasedKey];
-    if (!out.empty()) out += ',';
-    absl::StrAppend(&out, absl::StrJoin(taken->ids, ","));
+    for (const Release& r : taken->releases) {
+      if (!out.empty()) out += ',';
+      absl::StrAppend(&out, r.id);
+    }
     return taken;
   }
 
@@ -222,21 +232,16 @@ class PendingReleases {
   static constexpr int kReleaseAttempts = 3;
 
   struct Waiting {
-    absl::Time since;  // when the oldest of `ids` was added
-    std::vector<ContextId> ids;
-    int attempts = 0;  // the most failed calls any of `ids` rode in
+    absl::Time since;  // when the oldest of `releases` was added
+    std::vector<Release> releases;
   };
 
-  void add(int worker, const std::vector<ContextId>& ids, int attempts) {
+  void add(int worker, const std::vector<Release>& releases) {
     absl::MutexLock lock(&mu_);
     Waiting& w = waiting_[worker];
-    if (w.ids.empty()) {
-      w.since = absl::Now();
-      w.attempts = 0;
-    }
-    w.ids.insert(w.ids.end(), ids.begin(), ids.end());
-    w.attempts = std::max(w.attempts, attempts);
-    count_.fetch_add(static_cast<int64_t>(ids.size()), std::memory_order_relaxed);
+    if (w.releases.empty()) w.since = absl::Now();
+    w.releases.insert(w.releases.end(), releases.begin(), releases.end());
+    count_.fetch_add(static_cast<int64_t>(releases.size()), std::memory_order_relaxed);
     if (!flusher_started_) {
       flusher_started_ = true;
       std::thread([this] { flush_loop(); }).detach();  // lives as long as the process
@@ -246,10 +251,10 @@ class PendingReleases {
   std::optional<Carried> take(int worker) {
     absl::MutexLock lock(&mu_);
     auto it = waiting_.find(worker);
-    if (it == waiting_.end() || it->second.ids.empty()) return std::nullopt;
-    Carried c{worker, {}, it->second.attempts};
-    c.ids.swap(it->second.ids);
-    count_.fetch_sub(static_cast<int64_t>(c.ids.size()), std::memory_order_relaxed);
+    if (it == waiting_.end() || it->second.releases.empty()) return std::nullopt;
+    Carried c{worker, {}};
+    c.releases.swap(it->second.releases);
+    count_.fetch_sub(static_cast<int64_t>(c.releases.size()), std::memory_order_relaxed);
     return c;
   }
 
@@ -264,7 +269,7 @@ class PendingReleases {
         mu_.Await(absl::Condition(&waiting));
         absl::Time oldest = absl::InfiniteFuture();
         for (const auto& [worker, w] : waiting_) {
-          if (!w.ids.empty()) oldest = std::min(oldest, w.since);
+          if (!w.releases.empty()) oldest = std::min(oldest, w.since);
         }
         due_at = oldest + kReleaseDelay;
       }
@@ -274,7 +279,7 @@ class PendingReleases {
         absl::MutexLock lock(&mu_);
         const absl::Time now = absl::Now();
         for (const auto& [worker, w] : waiting_) {
-          if (!w.ids.empty() && now - w.since >= kReleaseDelay) due.push_back(worker);
+          if (!w.releases.empty() && now - w.since >= kReleaseDelay) due.push_back(worker);
         }
       }
       for (int worker : due) flush(worker);
