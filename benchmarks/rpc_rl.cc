@@ -429,8 +429,12 @@ using Figures = std::map<std::string, std::map<int, double>>;
 Figures parse_figures(const bench::JsonValue& result) {
   Figures out;
   for (const char* metric : kMetrics) {
-    if (bench::json_at(result, {metric}) == nullptr) continue;
-    for (int p : kPercentiles) out[metric][p] = bench::json_number(result, {metric, absl::StrCat("p", p)}, 0);
+    for (int p : kPercentiles) {
+      const bench::JsonValue* v = bench::json_at(result, {metric, absl::StrCat("p", p)});
+      if (v != nullptr && v->kind_case() == bench::JsonValue::kNumberValue) {
+        out[metric][p] = v->number_value();
+      }
+    }
   }
   return out;
 }
@@ -456,8 +460,8 @@ void print_table(const std::string& x_name, const std::vector<std::string>& xs,
     for (int m = 0; m < 4; ++m) {
       for (int p : kPercentiles) {
         auto it = rows[i].find(kMetrics[m]);
-        line += absl::StrFormat("%-*s", w,
-                                it == rows[i].end() ? "-" : format_value(m, it->second.at(p)));
+        const bool has = it != rows[i].end() && it->second.count(p) > 0;
+        line += absl::StrFormat("%-*s", w, has ? format_value(m, it->second.at(p)) : "-");
       }
     }
     std::printf("%s\n", line.c_str());

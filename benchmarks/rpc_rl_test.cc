@@ -57,13 +57,16 @@ void run(bool batch) {
   for (int i = 0; i < 2; ++i) {
     const JsonValue& r = results->list_value().values(i);
     const double expected = (i + 1) * 2 * 5;
+    ASSERT_NE(json_at(r, {"world_size"}), nullptr) << j;
     EXPECT_EQ(json_at(r, {"world_size"})->string_value(), i == 0 ? "3" : "4") << j;
     EXPECT_EQ(json_number(r, {"requests"}), expected) << j;
     EXPECT_EQ(json_number(r, {"answered"}), expected) << j;
     EXPECT_EQ(json_number(r, {"valid_actions"}), expected) << j;
     EXPECT_GT(json_number(r, {"agent throughput", "p50"}), 0) << j;
   }
+  ASSERT_NE(json_at(report, {"x_axis_name"}), nullptr) << j;
   EXPECT_EQ(json_at(report, {"x_axis_name"})->string_value(), "world_size") << j;
+  ASSERT_NE(json_at(report, {"pytorch"}), nullptr) << j;
   EXPECT_EQ(json_at(report, {"pytorch"})->kind_case(), JsonValue::kNullValue) << j;
   // The plot script reads it (skipped where matplotlib is missing).
   if (std::system("/usr/bin/python3 -c 'import matplotlib' 2>/dev/null") == 0) {
