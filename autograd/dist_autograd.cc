@@ -18,7 +18,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "autograd/internal/functions.h"
@@ -39,8 +38,8 @@ constexpr char kMessageKey[] = "dist_autograd.message";
 constexpr char kPropagate[] = "__dist_autograd.propagate";
 constexpr char kReleasedKey[] = "dist_autograd.released";
 constexpr char kFlushReleases[] = "__dist_autograd.flush_releases";
-// How long a release may wait for another message to its worker before it
-// goes out in a notice of its own.
+// How long a release may wait for another call to its worker before it
+// goes out in a call of its own.
 constexpr absl::Duration kReleaseDelay = absl::Milliseconds(20);
 
 thread_local ContextId t_current = -1;

@@ -9,22 +9,21 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "benchmarks/common.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 
 namespace {
 
-using ddprpc::benchmarks::json_at;
-using ddprpc::benchmarks::json_number;
-using ddprpc::benchmarks::JsonValue;
-using ddprpc::benchmarks::parse_json;
-using ddprpc::benchmarks::to_json;
 using ddprpc::benchmarks::testing::binary;
+using ddprpc::benchmarks::testing::json_at;
+using ddprpc::benchmarks::testing::json_number;
+using ddprpc::benchmarks::testing::JsonValue;
+using ddprpc::benchmarks::testing::parse_json;
 using ddprpc::benchmarks::testing::Child;
 using ddprpc::benchmarks::testing::read_file;
 using ddprpc::benchmarks::testing::run_processes;
 using ddprpc::benchmarks::testing::tail;
+using ddprpc::benchmarks::testing::to_json;
 using ddprpc::benchmarks::testing::test_tmp;
 
 // The JSON file the benchmark wrote, parsed (a failed assertion if it is not JSON).

@@ -14,7 +14,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "benchmarks/common.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 #include "rpc/launch.h"
@@ -22,11 +21,6 @@
 namespace {
 
 using namespace ddprpc::benchmarks::testing;
-using ddprpc::benchmarks::json_at;
-using ddprpc::benchmarks::json_number;
-using ddprpc::benchmarks::JsonValue;
-using ddprpc::benchmarks::parse_json;
-using ddprpc::benchmarks::to_json;
 
 const std::string kBinary = "benchmarks/ddp_rpc";
 const std::vector<std::string> kSmall = {"--trainers=2", "--ps=2", "--pytorch=false"};

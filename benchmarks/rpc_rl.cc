@@ -30,7 +30,6 @@
 #include <gflags/gflags.h>
 #include <torch/nn/modules/linear.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -137,7 +136,6 @@ class RlAgent {
     std::vector<int64_t> shape{batch_size};
     shape.insert(shape.end(), state_size.begin(), state_size.end());
     states_ = at::zeros(shape);
-    states_rows_ = batch_size;
     saved_log_probs_.clear();
   }
 
@@ -164,7 +162,7 @@ class RlAgent {
     rpc::Future<int64_t> mine;
     rpc::Future<std::vector<int64_t>> full;  // set when this request completes the batch
     Policy* policy = nullptr;
-    if (row < 0 || row >= states_rows_.load()) {
+    if (!states_.defined() || row < 0 || row >= states_.size(0)) {
       throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument,
                           absl::StrCat("select_action_batch: no observer ", observer_id));
     }
@@ -227,8 +225,7 @@ class RlAgent {
   std::unique_ptr<Policy> policy_ ABSL_GUARDED_BY(mu_);
   int64_t batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
-  at::Tensor states_;  // set by set_world before any request
-  std::atomic<int64_t> states_rows_{0};
+  at::Tensor states_;  // [observers, state...], set by set_world before any request
   rpc::Future<std::vector<int64_t>> future_actions_ ABSL_GUARDED_BY(mu_);
   Clock::time_point batch_start_ ABSL_GUARDED_BY(mu_);
   std::vector<at::Tensor> saved_log_probs_ ABSL_GUARDED_BY(mu_);

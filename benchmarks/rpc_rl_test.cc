@@ -7,18 +7,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "benchmarks/common.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 
 namespace {
 
 using namespace ddprpc::benchmarks::testing;
-using ddprpc::benchmarks::json_at;
-using ddprpc::benchmarks::json_number;
-using ddprpc::benchmarks::JsonValue;
-using ddprpc::benchmarks::parse_json;
-using ddprpc::benchmarks::to_json;
 
 // Rows of the table: "<x> <16 numbers>".
 int check_table(const std::string& out, const std::vector<std::string>& xs) {

@@ -311,9 +311,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(id);
     if (it != pending_.end()) {
-      deadlines_.erase({it->second.deadline, id});
-      --in_flight_[to];
-      pending_.erase(it);
+      take_pending(it);
       fail_pending({call}, ErrorCode::kUnavailable, "the connection to the worker is broken");
     }
   }
@@ -345,10 +343,7 @@ void RpcAgent::on_reply(Frame frame) {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(frame.header.id());
     if (it == pending_.end()) return;  // timed out or failed already
-    call = std::move(it->second);
-    pending_.erase(it);
-    --in_flight_[call.to];
-    deadlines_.erase({call.deadline, frame.header.id()});
+    call = take_pending(it);
   }
   const wire::Header& header = frame.header;
   if (header.kind() == wire::ERROR) {
@@ -370,6 +365,15 @@ void RpcAgent::on_reply(Frame frame) {
   call.future.set_result(std::move(value));
 }
 
+RpcAgent::PendingCall RpcAgent::take_pending(
+    absl::flat_hash_map<uint64_t, PendingCall>::iterator it) {
+  PendingCall call = std::move(it->second);
+  deadlines_.erase({call.deadline, it->first});
+  --in_flight_[call.to];
+  pending_.erase(it);
+  return call;
+}
+
 void RpcAgent::on_peer_closed(int peer, const std::string& why) {
   std::vector<PendingCall> failed;
   {
@@ -377,10 +381,7 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why) {
     if (stopped_) return;
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (it->second.to == peer) {
-        deadlines_.erase({it->second.deadline, it->first});
-        --in_flight_[peer];
-        failed.push_back(std::move(it->second));
-        pending_.erase(it++);
+        failed.push_back(take_pending(it++));
       } else {
         ++it;
       }
@@ -405,9 +406,7 @@ void RpcAgent::timer_loop() {
         auto it = pending_.find(deadlines_.begin()->second);
         deadlines_.erase(deadlines_.begin());
         if (it == pending_.end()) continue;
-        --in_flight_[it->second.to];
-        expired.push_back(std::move(it->second));
-        pending_.erase(it);
+        expired.push_back(take_pending(it));
       }
     }
     for (const auto& call : expired) {

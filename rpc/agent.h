@@ -157,6 +157,9 @@ class RpcAgent {
   void on_reply(internal::Frame frame);
   void on_peer_closed(int peer, const std::string& why);
   void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);
+  // Removes the call at `it` from pending_, deadlines_ and in_flight_.
+  PendingCall take_pending(absl::flat_hash_map<uint64_t, PendingCall>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string describe(const PendingCall& call) const;
   void timer_loop();
   // Slots bounding concurrent requests to num_worker_threads.

@@ -13,7 +13,12 @@
 
 namespace ddprpc::benchmarks::testing {
 
+using ::ddprpc::benchmarks::json_at;
+using ::ddprpc::benchmarks::json_number;
+using ::ddprpc::benchmarks::JsonValue;
+using ::ddprpc::benchmarks::parse_json;
 using ::ddprpc::benchmarks::read_file;
+using ::ddprpc::benchmarks::to_json;
 
 // $TEST_SRCDIR/ddprpc/<target path>, e.g. binary("benchmarks/ddp_rpc").
 std::string binary(const std::string& path);
