@@ -1,8 +1,10 @@
 #include "rpc/agent.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <map>
+#include <utility>
 
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/match.h"
@@ -23,6 +25,25 @@ using internal::Frame;
 using HookStates = absl::InlinedVector<std::shared_ptr<void>, 2>;
 
 thread_local const CallContext* t_current_call = nullptr;
+// Set by SyncCallScope; taken by the next call this thread sends.
+thread_local bool t_caller_waits = false;
+
+// A caller_drives reservation on a stream, given back by the caller's
+// drive(), or when the call's future goes away without one.
+class Reservation {
+ public:
+  explicit Reservation(std::weak_ptr<internal::PeerStream> stream) : stream_(std::move(stream)) {}
+  ~Reservation() {
+    if (held_.exchange(false)) {
+      if (auto s = stream_.lock()) s->unreserve();
+    }
+  }
+  bool take() { return held_.exchange(false); }
+
+ private:
+  const std::weak_ptr<internal::PeerStream> stream_;
+  std::atomic<bool> held_{true};
+};
 
 class CallScope {
  public:
@@ -96,6 +117,9 @@ void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& ho
 }  // namespace
 
 const CallContext* current_call() { return t_current_call; }
+
+SyncCallScope::SyncCallScope() : saved_(t_caller_waits) { t_caller_waits = true; }
+SyncCallScope::~SyncCallScope() { t_caller_waits = saved_; }
 
 namespace {
 // Debian builds abseil with Mutex deadlock detection on; it tracks every
@@ -244,6 +268,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
                                            const char* api, const std::string& display,
                                            bool one_way) {
   Future<c10::IValue> future;
+  const bool caller_waits = !one_way && std::exchange(t_caller_waits, false);
   if (to < 0 || to >= static_cast<int>(workers_.size())) {
     future.set_error(RpcError(ErrorCode::kInvalidArgument,
                               absl::StrCat(api, "('", function, "'): unknown worker id ", to)));
@@ -298,7 +323,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     }
   }
   std::shared_ptr<internal::PeerStream> stream = peer(to);
-  const bool sent = stream->send(internal::serialize_frame(frame));
+  const bool sent = stream->send(internal::serialize_frame(frame), !one_way, caller_waits);
   if (one_way) {
     if (sent) {
       future.set_result(c10::IValue());
@@ -314,7 +339,17 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
       take_pending(it);
       fail_pending({call}, ErrorCode::kUnavailable, "the connection to the worker is broken");
     }
+    return future;
   }
+  // A waiter reads the stream itself when no other thread does.
+  std::weak_ptr<internal::PeerStream> weak = stream;
+  auto reservation = caller_waits ? std::make_shared<Reservation>(weak) : nullptr;
+  const absl::Time deadline = call.deadline;
+  future.set_driver(std::make_shared<const internal::FutureDriver>(
+      [weak, reservation, deadline](const std::function<bool()>& done) {
+        const bool reserved = reservation && reservation->take();
+        if (auto s = weak.lock()) s->drive(done, deadline, reserved);
+      }));
   return future;
 }
 

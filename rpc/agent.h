@@ -78,6 +78,20 @@ struct CallContext {
 // The request being served on this thread, or nullptr outside a request.
 const CallContext* current_call();
 
+// Within its scope, the next call this thread makes is one it waits for at
+// once (rpc_sync, RRef::rpc_sync, RRef::to_here): the waiting thread reads
+// the reply itself instead of being woken by the stream's reader.
+class SyncCallScope {
+ public:
+  SyncCallScope();
+  ~SyncCallScope();
+  SyncCallScope(const SyncCallScope&) = delete;
+  SyncCallScope& operator=(const SyncCallScope&) = delete;
+
+ private:
+  const bool saved_;
+};
+
 class RpcAgent {
  public:
   // Rendezvous with world_size workers; throws RpcError on failure (for

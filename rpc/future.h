@@ -46,11 +46,19 @@ struct IsFuture : std::false_type {};
 template <typename T>
 struct IsFuture<Future<T>> : std::true_type {};
 
+// Lets a waiter make progress on what a future waits for on its own thread
+// (e.g. read the reply itself) instead of sleeping until another thread
+// completes it. It returns when it stops; done() says whether the future has
+// completed. It must not throw.
+using FutureDriver = std::function<void(const std::function<bool()>& done)>;
+
 template <typename T>
 struct FutureState {
   using Callback = std::function<void(const Future<T>&)>;
   absl::Mutex mu;
   bool done ABSL_GUARDED_BY(mu) = false;
+  // Run by wait() before it sleeps; dropped on completion.
+  std::shared_ptr<const FutureDriver> driver ABSL_GUARDED_BY(mu);
   // Written once before `done` becomes true; read-only afterwards.
   std::optional<typename Stored<T>::type> value;
   std::exception_ptr error;
@@ -142,6 +150,17 @@ class Future {
     set_error(std::make_exception_ptr(error));
   }
 
+  // Installs what wait() runs before it sleeps (see internal::FutureDriver);
+  // futures chained with then() inherit it. Ignored once completed.
+  void set_driver(std::shared_ptr<const internal::FutureDriver> driver) const {
+    absl::MutexLock lock(&state_->mu);
+    if (!state_->done) state_->driver = std::move(driver);
+  }
+  std::shared_ptr<const internal::FutureDriver> driver() const {
+    absl::MutexLock lock(&state_->mu);
+    return state_->driver;
+  }
+
   // Runs `callback(*this)` once the future completes.
   void add_done_callback(std::function<void(const Future<T>&)> callback) const {
     {
@@ -163,6 +182,7 @@ class Future {
     if constexpr (internal::IsFuture<R>::value) {
       using U = typename R::value_type;
       Future<U> out;
+      out.set_driver(driver());
       add_done_callback([fn = std::move(fn), out](const Future<T>& f) mutable {
         try {
           R inner = fn(f);
@@ -175,6 +195,7 @@ class Future {
       return out;
     } else {
       Future<R> out;
+      out.set_driver(driver());
       add_done_callback([fn = std::move(fn), out](const Future<T>& f) mutable {
         try {
           if constexpr (std::is_void_v<R>) {
@@ -206,6 +227,18 @@ class Future {
   using State = internal::FutureState<T>;
 
   void wait_done() const {
+    std::shared_ptr<const internal::FutureDriver> driver;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->done) return;
+      driver = state_->driver;
+    }
+    if (driver) {
+      (*driver)([state = state_.get()] {
+        absl::MutexLock lock(&state->mu);
+        return state->done;
+      });
+    }
     absl::MutexLock lock(&state_->mu);
     state_->mu.Await(absl::Condition(&state_->done));
   }
@@ -215,6 +248,7 @@ class Future {
   bool complete(std::optional<stored_type> value, std::exception_ptr error,
                 bool once = true) const {
     std::vector<typename State::Callback> callbacks;
+    std::shared_ptr<const internal::FutureDriver> driver;  // released after the lock
     {
       absl::MutexLock lock(&state_->mu);
       if (state_->done) {
@@ -225,6 +259,7 @@ class Future {
       state_->error = std::move(error);
       state_->done = true;
       callbacks.swap(state_->callbacks);
+      driver.swap(state_->driver);
     }
     for (auto& cb : callbacks) cb(*this);
     return true;

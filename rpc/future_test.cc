@@ -1,5 +1,6 @@
 #include "rpc/future.h"
 
+#include <memory>
 #include <thread>
 
 #include "gtest/gtest.h"
@@ -113,6 +114,45 @@ TEST(FutureTest, CollectAllAndWaitAll) {
 
   std::vector<Future<int>> ok = {make_ready_future(1), make_ready_future(2)};
   EXPECT_EQ(wait_all(ok), (std::vector<int>{1, 2}));
+}
+
+// wait() runs the driver on the waiting thread before sleeping; a future
+// chained with then() runs its parent's; completion drops the driver.
+TEST(FutureTest, WaitRunsTheDriverAndThenInheritsIt) {
+  Future<int> f;
+  int calls = 0;
+  auto token = std::make_shared<int>(0);
+  std::weak_ptr<int> alive = token;
+  f.set_driver(std::make_shared<const internal::FutureDriver>(
+      [f, &calls, token](const std::function<bool()>& done) {
+        ++calls;
+        EXPECT_FALSE(done());
+        f.set_result(7);  // the waiter made the progress itself
+        EXPECT_TRUE(done());
+      }));
+  token.reset();
+  Future<int> doubled = f.then([](const Future<int>& g) { return 2 * g.value(); });
+  EXPECT_EQ(doubled.value(), 14);  // drives f, whose callback completes doubled
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(f.value(), 7);  // completed: no second drive
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(f.driver(), nullptr);
+  EXPECT_EQ(doubled.driver(), nullptr);
+  EXPECT_TRUE(alive.expired()) << "completion must release the driver";
+}
+
+// A driver that stops before completion leaves wait() sleeping for another
+// thread to complete the future.
+TEST(FutureTest, WaitSleepsWhenTheDriverGivesUp) {
+  Future<int> f;
+  f.set_driver(std::make_shared<const internal::FutureDriver>(
+      [](const std::function<bool()>&) {}));
+  std::thread t([f] {
+    absl::SleepFor(absl::Milliseconds(20));
+    f.set_result(3);
+  });
+  EXPECT_EQ(f.value(), 3);
+  t.join();
 }
 
 }  // namespace

@@ -185,6 +185,9 @@ MULTIPROCESS_TEST(ProfilerTest, TableCountsAndSorts, 2) {
   init(2);
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({4});
+    // Connect first: the first call's connection setup (several ms, more on
+    // a loaded machine) would otherwise compete with the 20 ms call below.
+    rpc::rpc_sync<at::Tensor>("worker1", "add", x, x);
     prof::Profile p;
     for (int i = 0; i < 3; ++i) rpc::rpc_sync<at::Tensor>("worker1", "add", x, x);
     rpc::rpc_sync<at::Tensor>("worker1", "slow_ops", int64_t{20});

@@ -10,6 +10,7 @@
 #include <ATen/ops/randn.h>
 
 #include <atomic>
+#include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -119,6 +120,52 @@ MULTIPROCESS_TEST(RpcTest, SyncAndAsyncAmongThreeWorkers, 3) {
     EXPECT_EQ(sum, 6);
     EXPECT_EQ(doubles, (std::vector<double>{0.5, 3.0}));
     EXPECT_FALSE(empty);
+  }
+  rpc::shutdown();
+}
+
+// A call waited for at once (SyncCallScope, as rpc_sync) has its reply read
+// by the waiting thread: callbacks chained on it run there, not on a reader.
+// (The stream's reader takes over from a caller descheduled for over 5 ms,
+// so a loaded machine may see a few exceptions.)
+MULTIPROCESS_TEST(RpcTest, WaitingCallerReadsItsOwnReply, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    int on_caller = 0;
+    for (int i = 0; i < 20; ++i) {
+      std::thread::id ran_on;
+      rpc::Future<int64_t> sum;
+      {
+        rpc::SyncCallScope waits_at_once;
+        sum = rpc::rpc_async<int64_t>("worker1", "add_ints", i, 1);
+      }
+      rpc::Future<int64_t> chained = sum.then([&ran_on](const rpc::Future<int64_t>& f) {
+        ran_on = std::this_thread::get_id();
+        return f.value();
+      });
+      EXPECT_EQ(chained.value(), i + 1);
+      if (ran_on == std::this_thread::get_id()) ++on_caller;
+    }
+    EXPECT_GE(on_caller, 15);
+  }
+  rpc::shutdown();
+}
+
+// A caller that says it will wait and then drops the future must not keep
+// the stream's background reader asleep: later calls still complete for
+// waiters that do not read themselves (wait_for never drives).
+MULTIPROCESS_TEST(RpcTest, DroppedWaitDoesNotStallTheStream, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    {
+      rpc::SyncCallScope waits_at_once;
+      rpc::rpc_async<int64_t>("worker1", "add_ints", 1, 2);  // dropped unwaited
+    }
+    for (int i = 0; i < 5; ++i) {
+      rpc::Future<int64_t> f = rpc::rpc_async<int64_t>("worker1", "add_ints", i, 10);
+      ASSERT_TRUE(f.wait_for(absl::Seconds(10))) << "call " << i << " never completed";
+      EXPECT_EQ(f.value(), i + 10);
+    }
   }
   rpc::shutdown();
 }

@@ -75,6 +75,7 @@ class RRef {
   U to_here(absl::Duration timeout = kDefaultTimeout) const {
     auto agent = current_agent();
     if (is_owner()) return from_value(internal::rref_context(agent).local_value(state()).value());
+    SyncCallScope waits_at_once;
     return from_value(internal::rref_context(agent).fetch(state(), timeout).value());
   }
 
@@ -114,6 +115,7 @@ class RRef {
 
   template <typename M, typename... A>
   auto rpc_sync(M method, A&&... args) const {
+    SyncCallScope waits_at_once;
     return rpc_async(method, std::forward<A>(args)...).value();
   }
 

@@ -1,9 +1,11 @@
 #include "rpc/internal/transport.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/impl/rpc_service_method.h>
 #include <grpcpp/support/method_handler.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -377,69 +379,230 @@ PeerStream::PeerStream(const std::string& address, OnFrame on_frame, OnClose on_
     : on_frame_(std::move(on_frame)),
       on_close_(std::move(on_close)),
       channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                         channel_arguments())),
-      writer_([this](const grpc::ByteBuffer& b, grpc::WriteOptions o) {
-        return stream_->Write(b, o);
-      }) {
+                                         channel_arguments())) {
   // Initial metadata goes out with the first frame, so opening never blocks.
   ctx_.set_initial_metadata_corked(true);
-  static const grpc::internal::RpcMethod method(kStreamMethod,
-                                                grpc::internal::RpcMethod::BIDI_STREAMING);
-  stream_.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-      channel_.get(), method, &ctx_));
-  reader_ = std::thread([this] { read_loop(); });
+  grpc::GenericStub stub(channel_);
+  call_ = stub.PrepareCall(&ctx_, kStreamMethod, &cq_);
+  call_->StartCall(tag(kStart));
+  call_->Read(&read_buffer_, tag(kRead));
+  background_ = std::thread([this] { background_loop(); });
 }
 
 PeerStream::~PeerStream() { close(/*graceful=*/false); }
 
 bool PeerStream::broken() const {
   absl::MutexLock lock(&mu_);
-  return broken_;
+  return finished_ || read_failed_ || (writes_closed_ && !closing_);
 }
 
-void PeerStream::read_loop() {
-  grpc::ByteBuffer buffer;
-  grpc::Status status = grpc::Status::OK;
-  while (stream_->Read(&buffer)) {
-    Frame frame;
-    absl::Status parsed = parse_frame(buffer, &frame);
-    if (!parsed.ok()) {
-      status = grpc::Status(grpc::StatusCode::DATA_LOSS,
-                            absl::StrCat("malformed reply frame: ", parsed.message()));
-      ctx_.TryCancel();
-      break;
+bool PeerStream::has_work() const {
+  if (drained_) return false;
+  return expecting_ > 0 || write_in_flight_ || closing_ || read_failed_ || finished_;
+}
+
+bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives) {
+  absl::MutexLock lock(&mu_);
+  if (writes_closed_ || closing_ || finished_) return false;
+  if (expects_reply) ++expecting_;
+  if (caller_drives) ++reserved_;
+  if (write_in_flight_) {
+    queue_.push_back(std::move(frame));
+  } else {
+    start_write(std::move(frame), /*more=*/false);
+  }
+  return true;
+}
+
+void PeerStream::start_write(grpc::ByteBuffer frame, bool more) {
+  write_in_flight_ = true;
+  writing_ = std::move(frame);
+  grpc::WriteOptions options;
+  // Frames queued behind this one follow at once: let gRPC coalesce them.
+  if (more) options.set_buffer_hint();
+  call_->Write(writing_, options, tag(kWrite));
+}
+
+void PeerStream::unreserve() {
+  absl::MutexLock lock(&mu_);
+  if (reserved_ > 0) --reserved_;
+}
+
+void PeerStream::drive(const std::function<bool()>& done, absl::Time deadline, bool reserved) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (reserved && reserved_ > 0) --reserved_;
+    if (driving_ || drained_) return;
+    driving_ = true;
+  }
+  run_events(done, deadline);
+  absl::MutexLock lock(&mu_);
+  driving_ = false;
+}
+
+void PeerStream::run_events(const std::function<bool()>& done, absl::Time deadline) {
+  // Slices bound how long a completion from elsewhere (a timeout, shutdown)
+  // goes unnoticed by a waiting caller.
+  constexpr absl::Duration kSlice = absl::Milliseconds(50);
+  while (!done()) {
+    void* got = nullptr;
+    bool ok = false;
+    const absl::Time until = std::min(deadline, absl::Now() + kSlice);
+    switch (cq_.AsyncNext(&got, &ok, absl::ToChronoTime(until))) {
+      case grpc::CompletionQueue::SHUTDOWN: {
+        absl::MutexLock lock(&mu_);
+        drained_ = true;
+        return;
+      }
+      case grpc::CompletionQueue::TIMEOUT:
+        if (absl::Now() >= deadline) return;
+        break;
+      case grpc::CompletionQueue::GOT_EVENT:
+        handle(static_cast<Op>(static_cast<char*>(got) - tags_), ok);
+        break;
     }
-    on_frame_(std::move(frame));
   }
-  writer_.close();  // no Write may race with Finish
-  {
+}
+
+void PeerStream::handle(Op op, bool ok) {
+  switch (op) {
+    case kStart:
+    case kWritesDone:
+    case kNumOps:
+      return;  // a failed start shows up as a failed read
+    case kWrite: {
+      absl::MutexLock lock(&mu_);
+      write_in_flight_ = false;
+      writing_.Clear();
+      if (!ok) {
+        writes_closed_ = true;  // the read side reports why
+        queue_.clear();
+      } else if (!queue_.empty() && !writes_closed_) {
+        grpc::ByteBuffer next = std::move(queue_.front());
+        queue_.pop_front();
+        start_write(std::move(next), /*more=*/!queue_.empty());
+      } else if (half_close_ && !writes_closed_) {
+        writes_closed_ = true;
+        call_->WritesDone(tag(kWritesDone));
+      }
+      maybe_finish();
+      return;
+    }
+    case kRead: {
+      if (!ok) {
+        read_failed(grpc::Status::OK);
+        return;
+      }
+      Frame frame;
+      absl::Status parsed = parse_frame(read_buffer_, &frame);
+      read_buffer_.Clear();
+      if (!parsed.ok()) {
+        ctx_.TryCancel();
+        read_failed(grpc::Status(grpc::StatusCode::DATA_LOSS,
+                                 absl::StrCat("malformed reply frame: ", parsed.message())));
+        return;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        if (expecting_ > 0) --expecting_;
+      }
+      call_->Read(&read_buffer_, tag(kRead));
+      on_frame_(std::move(frame));
+      return;
+    }
+    case kFinish: {
+      grpc::Status status;
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+        writes_closed_ = true;
+        queue_.clear();
+        status = read_status_.ok() ? finish_status_ : read_status_;
+      }
+      cq_.Shutdown();  // the queue drains the remaining completions, then ends
+      on_close_(status);
+      return;
+    }
+  }
+}
+
+void PeerStream::read_failed(const grpc::Status& why) {
+  absl::MutexLock lock(&mu_);
+  read_failed_ = true;
+  writes_closed_ = true;
+  queue_.clear();
+  if (read_status_.ok()) read_status_ = why;
+  maybe_finish();
+}
+
+void PeerStream::maybe_finish() {
+  // Finish once reading has stopped and no write is in flight.
+  if (!read_failed_ || write_in_flight_ || finish_started_) return;
+  finish_started_ = true;
+  call_->Finish(&finish_status_, tag(kFinish));
+}
+
+void PeerStream::background_loop() {
+  // A caller that said it would read but has not started within this long
+  // (it dropped its future, or is descheduled) is not waited for.
+  constexpr absl::Duration kReservationGrace = absl::Milliseconds(5);
+  while (true) {
+    bool take_over = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return drained_ || (!driving_ && has_work() && (reserved_ == 0 || closing_));
+      };
+      auto reserved_idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !driving_ && has_work() && reserved_ > 0 && !closing_;
+      };
+      auto ready_or_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return ready() || reserved_idle();
+      };
+      auto ready_or_not_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return ready() || !reserved_idle();
+      };
+      while (!ready()) {
+        mu_.Await(absl::Condition(&ready_or_reserved));
+        if (ready()) break;
+        if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_not_reserved), kReservationGrace)) {
+          take_over = true;
+          break;
+        }
+      }
+      if (drained_) return;
+      driving_ = true;
+    }
+    run_events(
+        [this, take_over] {
+          absl::MutexLock lock(&mu_);
+          return !has_work() || (!take_over && reserved_ > 0 && !closing_);
+        },
+        absl::InfiniteFuture());
     absl::MutexLock lock(&mu_);
-    finishing_ = true;  // close() must not call WritesDone from now on
+    driving_ = false;
   }
-  grpc::Status finished = stream_->Finish();
-  if (status.ok()) status = finished;
-  {
-    absl::MutexLock lock(&mu_);
-    broken_ = true;
-  }
-  on_close_(status);
 }
 
 void PeerStream::close(bool graceful) {
   {
     absl::MutexLock lock(&mu_);
-    if (closed_) return;
-    closed_ = true;
-  }
-  writer_.close();
-  if (graceful) {
-    absl::MutexLock lock(&mu_);
-    if (!finishing_) stream_->WritesDone();
-    // The peer ends the stream once it has answered everything it received.
-    mu_.AwaitWithTimeout(absl::Condition(&broken_), absl::Seconds(5));
+    if (closing_) return;
+    closing_ = true;
+    if (graceful && !writes_closed_) {
+      if (write_in_flight_) {
+        half_close_ = true;
+      } else {
+        writes_closed_ = true;
+        call_->WritesDone(tag(kWritesDone));
+      }
+      // The peer ends the stream once it has answered everything it received.
+      mu_.AwaitWithTimeout(absl::Condition(&finished_), absl::Seconds(5));
+    }
+    writes_closed_ = true;
   }
   ctx_.TryCancel();
-  if (reader_.joinable()) reader_.join();
+  if (background_.joinable()) background_.join();
 }
 
 }  // namespace ddprpc::rpc::internal

@@ -3,11 +3,14 @@
 //
 // - TransportServer: accepts streams; each request frame is handed to the
 //   agent with a Responder that sends exactly one reply on the same stream.
-// - PeerStream: the caller's side of a stream; replies go to a callback.
-// Writes to a stream are serialized by FrameWriter without a writer thread.
+// - PeerStream: the caller's side of a stream; replies go to a callback,
+//   run by a waiting caller or the stream's background thread.
+// Writes to a server stream are serialized by FrameWriter without a writer
+// thread.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/async_stream.h>
 #include <grpcpp/support/sync_stream.h>
 
 #include <deque>
@@ -18,6 +21,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "rpc/internal/codec.h"
 
 namespace ddprpc::rpc::internal {
@@ -86,7 +90,11 @@ class TransportServer {
   int port_ = 0;
 };
 
-// The caller's end of a stream to one peer.
+// The caller's end of a stream to one peer, on gRPC's asynchronous API.
+// One thread at a time reads its completion queue (replies and write
+// completions): a caller waiting for its own reply (drive()), so that the
+// reply needs no thread hop, or else the stream's background thread, which
+// reads while replies or writes are outstanding and no caller does.
 class PeerStream {
  public:
   using OnFrame = std::function<void(Frame)>;
@@ -96,27 +104,63 @@ class PeerStream {
   PeerStream(const std::string& address, OnFrame on_frame, OnClose on_close);
   ~PeerStream();
 
-  // False when the stream is already closed or broken.
-  bool send(grpc::ByteBuffer frame) { return writer_.send(std::move(frame)); }
+  // Queues a frame; false when the stream is closed or broken.
+  // `expects_reply`: the peer answers it with one frame. `caller_drives`:
+  // the sender drive()s for that reply at once, so the background thread
+  // is not woken for it; every such send must be followed by one drive()
+  // with `reserved` or by one unreserve().
+  bool send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives);
+  // Reads the stream on this thread, running on_frame for what arrives,
+  // until done() or `deadline`; returns at once when another thread reads.
+  void drive(const std::function<bool()>& done, absl::Time deadline, bool reserved);
+  // Gives back a send's caller_drives reservation without driving.
+  void unreserve();
   bool broken() const;
-  // graceful: half-close and wait for the peer to end the stream;
-  // otherwise cancel at once. Joins the reader thread.
+  // graceful: half-close and wait (at most 5 s) for the peer to end the
+  // stream; otherwise cancel at once. Joins the background thread.
   void close(bool graceful);
 
  private:
-  void read_loop();
+  enum Op { kStart, kRead, kWrite, kWritesDone, kFinish, kNumOps };
+  void* tag(Op op) { return &tags_[op]; }
+  // Runs completion-queue events until done() or `deadline` (or the queue
+  // is drained). The caller holds the reading role (driving_).
+  void run_events(const std::function<bool()>& done, absl::Time deadline);
+  void handle(Op op, bool ok);
+  void read_failed(const grpc::Status& why);
+  void start_write(grpc::ByteBuffer frame, bool more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool has_work() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void background_loop();
 
   const OnFrame on_frame_;
   const OnClose on_close_;
   grpc::ClientContext ctx_;
   std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
-  FrameWriter writer_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call_;
+  char tags_[kNumOps] = {};
+  // Used only by the thread holding the reading role.
+  grpc::ByteBuffer read_buffer_;
+  grpc::Status finish_status_;
+
   mutable absl::Mutex mu_;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool finishing_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread reader_;
+  // State below is protected by mu_.
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);  // waiting to be written
+  grpc::ByteBuffer writing_ ABSL_GUARDED_BY(mu_);  // the frame gRPC is writing
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool writes_closed_ ABSL_GUARDED_BY(mu_) = false;  // no new writes start
+  bool half_close_ ABSL_GUARDED_BY(mu_) = false;     // WritesDone once the queue drains
+  bool read_failed_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status read_status_ ABSL_GUARDED_BY(mu_);    // why reading stopped, if not the peer
+  bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;       // the stream has ended
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;        // the queue returned SHUTDOWN
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;        // close() was called
+  int64_t expecting_ ABSL_GUARDED_BY(mu_) = 0;       // replies not yet read
+  int reserved_ ABSL_GUARDED_BY(mu_) = 0;            // callers about to drive()
+  bool driving_ ABSL_GUARDED_BY(mu_) = false;        // a thread holds the reading role
+  std::thread background_;
 };
 
 // Channel arguments tuned for large tensors on fast links.
