@@ -22,7 +22,7 @@
 // value is run in turn and becomes the table's x axis. --output_file_path
 // writes the JSON that `bazel run //benchmarks:plot -- FILE` charts.
 #include <ATen/Parallel.h>
-#include <ATen/ops/multinomial.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/softmax.h>
@@ -37,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -48,6 +49,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "benchmarks/common.h"
+#include "models/categorical.h"
 #include "models/linear.h"
 #include "rpc/launch.h"
 #include "rpc/rref.h"
@@ -102,6 +104,13 @@ std::string worker_name(int rank) {
   return absl::StrCat("observer", rank);
 }
 
+// One action from row `row` of `probs` ([rows, actions], contiguous float).
+int64_t sample_row(const at::Tensor& probs, int64_t row) {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  const int64_t n = probs.size(1);
+  return ddprpc::models::sample_categorical(probs.data_ptr<float>() + row * n, n, rng);
+}
+
 // The dummy policy of PyTorch's benchmark.
 class Policy {
  public:
@@ -143,9 +152,8 @@ class RlAgent {
   int64_t select_action(int64_t observer_id, at::Tensor state) {
     const auto start = Clock::now();
     at::Tensor probs = policy()->forward(state.to(at::kFloat).unsqueeze(0));
-    at::Tensor action = at::multinomial(probs, 1);
-    at::Tensor log_prob = probs.gather(1, action).log();
-    const int64_t a = action.item<int64_t>();
+    const int64_t a = sample_row(probs, 0);
+    at::Tensor log_prob = probs.select(0, 0).select(0, a).log();
     absl::MutexLock lock(&mu_);
     saved_log_probs_.push_back(log_prob);
     const double latency = seconds_since(start);
@@ -184,12 +192,12 @@ class RlAgent {
     if (policy != nullptr) {
       // No other request of this step can arrive before `full` completes.
       at::Tensor probs = policy->forward(states_);
-      at::Tensor actions = at::multinomial(probs, 1);
-      at::Tensor log_probs = probs.gather(1, actions).log().t();
       // Plain integers: every observer's answer is an index, not a tensor op.
-      at::Tensor flat = actions.squeeze(1).contiguous();
-      full.set_result(std::vector<int64_t>(flat.data_ptr<int64_t>(),
-                                           flat.data_ptr<int64_t>() + flat.numel()));
+      std::vector<int64_t> actions(probs.size(0));
+      for (int64_t r = 0; r < probs.size(0); ++r) actions[r] = sample_row(probs, r);
+      at::Tensor index = at::from_blob(actions.data(), {probs.size(0), 1}, at::kLong).clone();
+      at::Tensor log_probs = probs.gather(1, index).log().t();
+      full.set_result(std::move(actions));
       absl::MutexLock lock(&mu_);
       saved_log_probs_.push_back(log_probs);
       const double latency = seconds_since(batch_start_);
