@@ -385,7 +385,6 @@ PeerStream::PeerStream(const std::string& address, OnFrame on_frame, OnClose on_
   grpc::GenericStub stub(channel_);
   call_ = stub.PrepareCall(&ctx_, kStreamMethod, &cq_);
   call_->StartCall(tag(kStart));
-  call_->Read(&read_buffer_, tag(kRead));
   background_ = std::thread([this] { background_loop(); });
 }
 
@@ -411,7 +410,16 @@ bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply, bool caller_dr
   } else {
     start_write(std::move(frame), /*more=*/false);
   }
+  // After the write: the read's WINDOW_UPDATE follows the request at once
+  // instead of waking the idle peer on its own.
+  if (expecting_ > 0) start_read();
   return true;
+}
+
+void PeerStream::start_read() {
+  if (read_pending_ || read_failed_) return;
+  read_pending_ = true;
+  call_->Read(&read_buffer_, tag(kRead));
 }
 
 void PeerStream::start_write(grpc::ByteBuffer frame, bool more) {
@@ -489,6 +497,8 @@ void PeerStream::handle(Op op, bool ok) {
       return;
     }
     case kRead: {
+      // read_pending_ stays set until read_buffer_ is parsed: a send that
+      // posted the next read now would have it overwritten.
       if (!ok) {
         read_failed(grpc::Status::OK);
         return;
@@ -504,9 +514,13 @@ void PeerStream::handle(Op op, bool ok) {
       }
       {
         absl::MutexLock lock(&mu_);
+        read_pending_ = false;
         if (expecting_ > 0) --expecting_;
+        // Reading on only while replies are due (or the stream is closing and
+        // its end must be seen): a read posted on an idle stream sends a
+        // WINDOW_UPDATE that wakes the peer for nothing.
+        if (expecting_ > 0 || closing_) start_read();
       }
-      call_->Read(&read_buffer_, tag(kRead));
       on_frame_(std::move(frame));
       return;
     }
@@ -528,6 +542,7 @@ void PeerStream::handle(Op op, bool ok) {
 
 void PeerStream::read_failed(const grpc::Status& why) {
   absl::MutexLock lock(&mu_);
+  read_pending_ = false;
   read_failed_ = true;
   writes_closed_ = true;
   queue_.clear();
@@ -589,6 +604,9 @@ void PeerStream::close(bool graceful) {
     absl::MutexLock lock(&mu_);
     if (closing_) return;
     closing_ = true;
+    // The stream's end (the peer's, or our cancel below) arrives as a failed
+    // read, which starts Finish.
+    start_read();
     if (graceful && !writes_closed_) {
       if (write_in_flight_) {
         half_close_ = true;

@@ -128,6 +128,7 @@ class PeerStream {
   void run_events(const std::function<bool()>& done, absl::Time deadline);
   void handle(Op op, bool ok);
   void read_failed(const grpc::Status& why);
+  void start_read() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void start_write(grpc::ByteBuffer frame, bool more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool has_work() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -151,6 +152,7 @@ class PeerStream {
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool writes_closed_ ABSL_GUARDED_BY(mu_) = false;  // no new writes start
   bool half_close_ ABSL_GUARDED_BY(mu_) = false;     // WritesDone once the queue drains
+  bool read_pending_ ABSL_GUARDED_BY(mu_) = false;  // a Read is posted
   bool read_failed_ ABSL_GUARDED_BY(mu_) = false;
   grpc::Status read_status_ ABSL_GUARDED_BY(mu_);    // why reading stopped, if not the peer
   bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
