@@ -211,7 +211,8 @@ class RpcAgent {
   absl::flat_hash_map<uint64_t, PendingCall> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<int> in_flight_ ABSL_GUARDED_BY(mu_);  // entries of pending_ per peer
   std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
-  // Streams that broke; kept until shutdown so no reader thread joins itself.
+  // Streams that broke; kept until shutdown so no stream's background thread
+  // joins itself.
   std::vector<std::shared_ptr<internal::PeerStream>> broken_ ABSL_GUARDED_BY(mu_);
 };
 

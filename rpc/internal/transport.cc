@@ -392,43 +392,52 @@ PeerStream::~PeerStream() { close(/*graceful=*/false); }
 
 bool PeerStream::broken() const {
   absl::MutexLock lock(&mu_);
-  return finished_ || read_failed_ || (writes_closed_ && !closing_);
+  return read_failed_ || (writes_closed_ && !closing_);
 }
 
 bool PeerStream::has_work() const {
+  // A failed read leads to Finish and the queue's shutdown, which must be
+  // driven until the queue is drained.
   if (drained_) return false;
-  return expecting_ > 0 || write_in_flight_ || closing_ || read_failed_ || finished_;
+  return expecting_ > 0 || write_in_flight_ || closing_ || read_failed_;
 }
 
 bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives) {
-  absl::MutexLock lock(&mu_);
-  if (writes_closed_ || closing_ || finished_) return false;
-  if (expects_reply) ++expecting_;
-  if (caller_drives) ++reserved_;
-  if (write_in_flight_) {
-    queue_.push_back(std::move(frame));
-  } else {
-    start_write(std::move(frame), /*more=*/false);
+  bool write_now, read_now;
+  {
+    absl::MutexLock lock(&mu_);
+    if (writes_closed_ || closing_) return false;
+    if (expects_reply) ++expecting_;
+    if (caller_drives) ++reserved_;
+    write_now = !write_in_flight_;
+    if (write_now) {
+      write_in_flight_ = true;  // this thread writes it, below
+    } else {
+      queue_.push_back(std::move(frame));
+    }
+    read_now = expecting_ > 0 && claim_read();
   }
+  // Outside the lock: gRPC may write to the socket here. With
+  // write_in_flight_ set, no other write, WritesDone or Finish starts
+  // meanwhile; with read_pending_ set, no other read.
+  if (write_now) write(frame, /*more=*/false);
   // After the write: the read's WINDOW_UPDATE follows the request at once
   // instead of waking the idle peer on its own.
-  if (expecting_ > 0) start_read();
+  if (read_now) call_->Read(&read_buffer_, tag(kRead));
   return true;
 }
 
-void PeerStream::start_read() {
-  if (read_pending_ || read_failed_) return;
+bool PeerStream::claim_read() {
+  if (read_pending_ || read_failed_) return false;
   read_pending_ = true;
-  call_->Read(&read_buffer_, tag(kRead));
+  return true;
 }
 
-void PeerStream::start_write(grpc::ByteBuffer frame, bool more) {
-  write_in_flight_ = true;
-  writing_ = std::move(frame);
+void PeerStream::write(const grpc::ByteBuffer& frame, bool more) {
   grpc::WriteOptions options;
   // Frames queued behind this one follow at once: let gRPC coalesce them.
   if (more) options.set_buffer_hint();
-  call_->Write(writing_, options, tag(kWrite));
+  call_->Write(frame, options, tag(kWrite));  // gRPC keeps its own reference
 }
 
 void PeerStream::unreserve() {
@@ -479,21 +488,26 @@ void PeerStream::handle(Op op, bool ok) {
     case kNumOps:
       return;  // a failed start shows up as a failed read
     case kWrite: {
-      absl::MutexLock lock(&mu_);
-      write_in_flight_ = false;
-      writing_.Clear();
-      if (!ok) {
-        writes_closed_ = true;  // the read side reports why
-        queue_.clear();
-      } else if (!queue_.empty() && !writes_closed_) {
-        grpc::ByteBuffer next = std::move(queue_.front());
-        queue_.pop_front();
-        start_write(std::move(next), /*more=*/!queue_.empty());
-      } else if (half_close_ && !writes_closed_) {
-        writes_closed_ = true;
-        call_->WritesDone(tag(kWritesDone));
+      grpc::ByteBuffer next;
+      bool more = false;
+      {
+        absl::MutexLock lock(&mu_);
+        write_in_flight_ = false;
+        if (!ok) {
+          writes_closed_ = true;  // the read side reports why
+          queue_.clear();
+        } else if (!queue_.empty() && !writes_closed_) {
+          next = std::move(queue_.front());
+          queue_.pop_front();
+          more = !queue_.empty();
+          write_in_flight_ = true;  // written below, outside the lock
+        } else if (half_close_ && !writes_closed_) {
+          writes_closed_ = true;
+          call_->WritesDone(tag(kWritesDone));
+        }
+        maybe_finish();  // once no write is in flight
       }
-      maybe_finish();
+      if (next.Valid()) write(next, more);
       return;
     }
     case kRead: {
@@ -519,7 +533,9 @@ void PeerStream::handle(Op op, bool ok) {
         // Reading on only while replies are due (or the stream is closing and
         // its end must be seen): a read posted on an idle stream sends a
         // WINDOW_UPDATE that wakes the peer for nothing.
-        if (expecting_ > 0 || closing_) start_read();
+        if ((expecting_ > 0 || closing_) && claim_read()) {
+          call_->Read(&read_buffer_, tag(kRead));
+        }
       }
       on_frame_(std::move(frame));
       return;
@@ -528,9 +544,7 @@ void PeerStream::handle(Op op, bool ok) {
       grpc::Status status;
       {
         absl::MutexLock lock(&mu_);
-        finished_ = true;
-        writes_closed_ = true;
-        queue_.clear();
+        finished_ = true;  // writes closed and queue cleared when the read failed
         status = read_status_.ok() ? finish_status_ : read_status_;
       }
       cq_.Shutdown();  // the queue drains the remaining completions, then ends
@@ -606,7 +620,7 @@ void PeerStream::close(bool graceful) {
     closing_ = true;
     // The stream's end (the peer's, or our cancel below) arrives as a failed
     // read, which starts Finish.
-    start_read();
+    if (claim_read()) call_->Read(&read_buffer_, tag(kRead));
     if (graceful && !writes_closed_) {
       if (write_in_flight_) {
         half_close_ = true;

@@ -128,8 +128,11 @@ class PeerStream {
   void run_events(const std::function<bool()>& done, absl::Time deadline);
   void handle(Op op, bool ok);
   void read_failed(const grpc::Status& why);
-  void start_read() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void start_write(grpc::ByteBuffer frame, bool more) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks a read as posted, unless one is or reading has failed; the caller
+  // then posts it (it may do so after releasing mu_).
+  bool claim_read() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts the write of `frame`; write_in_flight_ was set for it.
+  void write(const grpc::ByteBuffer& frame, bool more);
   void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool has_work() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void background_loop();
@@ -148,7 +151,6 @@ class PeerStream {
   mutable absl::Mutex mu_;
   // State below is protected by mu_.
   std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);  // waiting to be written
-  grpc::ByteBuffer writing_ ABSL_GUARDED_BY(mu_);  // the frame gRPC is writing
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool writes_closed_ ABSL_GUARDED_BY(mu_) = false;  // no new writes start
   bool half_close_ ABSL_GUARDED_BY(mu_) = false;     // WritesDone once the queue drains
