@@ -1,16 +1,14 @@
 #include "rpc/internal/transport.h"
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/impl/rpc_method.h>
-#include <grpcpp/impl/rpc_service_method.h>
-#include <grpcpp/support/method_handler.h>
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "rpc/errors.h"
@@ -51,57 +49,57 @@ grpc::ChannelArguments channel_arguments() {
   return args;
 }
 
-// ---------------------------------------------------------------- FrameWriter
-
-bool FrameWriter::send(grpc::ByteBuffer buffer) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (closed_) return false;
-    queue_.push_back(std::move(buffer));
-    if (writing_) return true;  // the active writer will send it
-    writing_ = true;
-  }
-  while (true) {
-    grpc::ByteBuffer next;
-    grpc::WriteOptions options;
-    {
-      absl::MutexLock lock(&mu_);
-      if (queue_.empty()) {
-        writing_ = false;
-        return true;
-      }
-      next = std::move(queue_.front());
-      queue_.pop_front();
-      if (!queue_.empty()) options.set_buffer_hint();
-    }
-    if (!write_(next, options)) {
-      absl::MutexLock lock(&mu_);
-      closed_ = true;
-      queue_.clear();
-      writing_ = false;
-      return true;  // the stream's reader reports the failure
-    }
-  }
-}
-
-void FrameWriter::close() {
-  absl::MutexLock lock(&mu_);
-  closed_ = true;
-  queue_.clear();
-  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; };
-  mu_.Await(absl::Condition(&idle));
-}
-
 // ------------------------------------------------------------- server side
 
-// One accepted stream: its writer plus the count of requests not yet
-// answered, so the handler does not return while replies are pending.
+// One accepted stream. The gRPC call (context + reader-writer) lives until
+// the stream has finished and no operation of it is pending; Responders may
+// keep this object longer, and what they send after the end is dropped.
 class ServerStream {
  public:
-  explicit ServerStream(Stream* stream)
-      : writer_([stream](const grpc::ByteBuffer& b, grpc::WriteOptions o) {
-          return stream->Write(b, o);
-        }) {}
+  enum Op { kAccept, kRead, kWrite, kFinish, kNumOps };
+  struct Tag {
+    ServerStream* stream;
+    Op op;
+  };
+
+  ServerStream() : call_(std::make_unique<Call>()) {
+    for (int i = 0; i < kNumOps; ++i) tags_[i] = Tag{this, static_cast<Op>(i)};
+  }
+
+  void* tag(Op op) { return &tags_[op]; }
+  grpc::GenericServerContext* context() { return &call_->ctx; }
+  grpc::GenericServerAsyncReaderWriter* rw() { return &call_->rw; }
+
+  // Posts a read unless one is pending or reading has ended.
+  void read_next() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_ || read_posted_ || read_ended_ || finish_started_) return;
+      read_posted_ = true;
+      ++ops_pending_;
+      ++posting_;
+    }
+    call_->rw.Read(&read_buffer_, tag(kRead));
+    posted();
+  }
+
+  // A completed read: the frame in `buffer`, or false once reading ended.
+  bool take_read(bool ok, grpc::ByteBuffer* buffer) {
+    if (ok) *buffer = std::move(read_buffer_);
+    read_buffer_.Clear();
+    absl::MutexLock lock(&mu_);
+    read_posted_ = false;
+    --ops_pending_;
+    if (!ok) read_ended_ = true;
+    return ok;
+  }
+
+  // Ends reading with `status` sent to the caller (e.g. a malformed frame).
+  void fail(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    read_ended_ = true;
+    if (status_.ok()) status_ = status;
+  }
 
   void begin_request() {
     absl::MutexLock lock(&mu_);
@@ -111,28 +109,135 @@ class ServerStream {
     absl::MutexLock lock(&mu_);
     --in_flight_;
   }
-  void send(grpc::ByteBuffer b) { writer_.send(std::move(b)); }
 
-  // Waits until every request is answered, or the call is cancelled, or
-  // the server is stopping; then closes the writer.
-  void drain(grpc::ServerContext* ctx, const bool* stopping, absl::Mutex* stop_mu) {
-    while (true) {
-      {
-        absl::MutexLock lock(&mu_);
-        auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
-        if (mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Milliseconds(50))) break;
+  void send(grpc::ByteBuffer frame) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_ || finish_started_ || write_failed_) return;  // the stream has ended
+      if (write_in_flight_) {
+        queue_.push_back(std::move(frame));
+        return;
       }
-      if (ctx->IsCancelled()) break;
-      absl::MutexLock lock(stop_mu);
-      if (*stopping) break;
+      write_in_flight_ = true;
+      ++ops_pending_;
+      ++posting_;
     }
-    writer_.close();
+    call_->rw.Write(frame, tag(kWrite));  // gRPC keeps its own reference
+    posted();
+  }
+
+  void write_done(bool ok) {
+    grpc::ByteBuffer next;
+    grpc::WriteOptions options;
+    {
+      absl::MutexLock lock(&mu_);
+      --ops_pending_;
+      write_in_flight_ = false;
+      if (!ok) {
+        write_failed_ = true;
+        queue_.clear();
+        return;
+      }
+      if (queue_.empty() || closed_) return;
+      next = std::move(queue_.front());
+      queue_.pop_front();
+      // Frames queued behind this one follow at once: let gRPC coalesce them.
+      if (!queue_.empty()) options.set_buffer_hint();
+      write_in_flight_ = true;
+      ++ops_pending_;
+      ++posting_;
+    }
+    call_->rw.Write(next, options, tag(kWrite));
+    posted();
+  }
+
+  // Starts Finish once reading has ended and every request is answered (or
+  // the server is stopping); true once the stream is over and its call can
+  // be released.
+  bool advance(bool stopping) {
+    bool finish_now = false;
+    grpc::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return ops_pending_ == 0;
+      if (!closed_ && !finish_started_ && read_ended_ && !read_posted_ && !write_in_flight_ &&
+          (queue_.empty() || write_failed_) && (in_flight_ == 0 || stopping || write_failed_)) {
+        finish_started_ = true;
+        finish_now = true;
+        status = status_;
+        ++ops_pending_;
+        ++posting_;
+      }
+    }
+    if (finish_now) {
+      call_->rw.Finish(status, tag(kFinish));
+      posted();
+    }
+    return false;
+  }
+
+  void finish_done() {
+    absl::MutexLock lock(&mu_);
+    --ops_pending_;
+    finished_ = true;
+    queue_.clear();
+  }
+
+  void accept_done() {
+    absl::MutexLock lock(&mu_);
+    --ops_pending_;
+  }
+  void accept_posted() {
+    absl::MutexLock lock(&mu_);
+    ++ops_pending_;
   }
 
  private:
-  FrameWriter writer_;
+  void posted() {
+    absl::MutexLock lock(&mu_);
+    --posting_;
+  }
+
+ public:
+
+  // No operation is posted from here on; waits for those being posted.
+  void close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    auto quiet = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return posting_ == 0; };
+    mu_.Await(absl::Condition(&quiet));
+  }
+
+  // Frees the gRPC call: the stream is over (advance() returned true) or
+  // closed with the queue drained.
+  void release() {
+    close();
+    call_.reset();
+  }
+
+ private:
+  struct Call {
+    grpc::GenericServerContext ctx;
+    grpc::GenericServerAsyncReaderWriter rw{&ctx};
+  };
+  std::unique_ptr<Call> call_;
+  Tag tags_[kNumOps];
+  // Used only by the thread handling the read's completion.
+  grpc::ByteBuffer read_buffer_;
   absl::Mutex mu_;
-  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // State below is protected by mu_.
+  int ops_pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted to gRPC, not completed
+  bool read_posted_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // requests not yet answered
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;  // the server's queue is shutting down
+  int posting_ ABSL_GUARDED_BY(mu_) = 0;      // operations being posted outside mu_
+  grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
 Responder::Responder(std::shared_ptr<ServerStream> stream) : stream_(std::move(stream)) {
@@ -150,142 +255,237 @@ void Responder::send(grpc::ByteBuffer reply) {
   stream_.reset();
 }
 
-class TransportServer::Service final : public grpc::Service {
+// The server's completion queue is read by one thread at a time, the one
+// holding the polling role. It runs a request it reads itself (unless the
+// caller said more of its requests are in flight: those go to `offload`),
+// so that a request reaches its function with no thread hop, its reply goes
+// out before the stream's next read is posted (whose WINDOW_UPDATE then
+// follows the reply instead of waking the caller on its own), and only one
+// thread in the process wakes for each segment that arrives. A request that
+// runs longer than a watchdog tick or two (it blocks, or waits for a later
+// request) loses the role: its stream's next read is posted and an idle
+// thread (started if none) takes over the queue.
+class TransportServer::Service {
  public:
   Service(OnRequest run_inline, OnRequest offload)
-      : run_inline_(std::move(run_inline)), offload_(std::move(offload)) {
-    AddMethod(new grpc::internal::RpcServiceMethod(
-        kStreamMethod, grpc::internal::RpcMethod::BIDI_STREAMING,
-        new grpc::internal::BidiStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
-            [](Service* service, grpc::ServerContext* ctx, Stream* stream) {
-              return service->run(ctx, stream);
-            },
-            this)));
+      : run_inline_(std::move(run_inline)), offload_(std::move(offload)) {}
+
+  ~Service() { stop_threads(); }
+
+  grpc::AsyncGenericService* generic() { return &generic_; }
+
+  void start(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
+    cq_ = std::move(cq);
+    accept_next();
+    absl::MutexLock lock(&mu_);
+    for (int i = 0; i < 2; ++i) spawn_thread();
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
-  ~Service() override {
+  void stop() {
+    std::vector<std::shared_ptr<ServerStream>> streams;
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
-      watchdog_stop_ = true;
+      for (auto& [ptr, s] : streams_) streams.push_back(s);
     }
-    watchdog_.join();
+    // Streams still waiting for their requests' replies finish now.
+    for (auto& s : streams) settle(s.get());
   }
 
-  void stop() {
+  // After the server has shut down: drains the queue and joins the threads.
+  void stop_threads() {
+    if (!cq_) return;
+    std::vector<std::shared_ptr<ServerStream>> streams;
+    {
+      absl::MutexLock lock(&mu_);
+      if (cq_shutdown_) return;
+      cq_shutdown_ = true;
+      watchdog_stop_ = true;
+      for (auto& [ptr, s] : streams_) streams.push_back(s);
+    }
+    // A queue that is shut down takes no new operations.
+    for (auto& s : streams) s->close();
+    cq_->Shutdown();
+    std::vector<std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
+      auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return drained_; };
+      mu_.Await(absl::Condition(&drained));
+      threads.swap(threads_);
+    }
+    for (auto& t : threads) t.join();
+    if (watchdog_.joinable()) watchdog_.join();
+    for (auto& s : streams) s->release();  // every operation has completed
     absl::MutexLock lock(&mu_);
-    stopping_ = true;
+    streams_.clear();
   }
 
  private:
-  // Two threads serve each stream, the gRPC handler thread and a helper.
-  // The one holding the read token reads the next request and, if the other
-  // is idle, runs it itself, keeping the token: a request reaches its
-  // function without a thread hop, and the reply goes out before the next
-  // read with no other thread polling the stream (gRPC would wake it). When
-  // the caller says more of its requests are in flight, or a request runs
-  // longer than a watchdog tick or two (it blocks, or waits for a later
-  // request of the same caller), the token passes to the idle thread, which
-  // keeps reading and sends what it reads to the worker pool until the
-  // running request ends.
-  struct Readers {
-    absl::Mutex mu;
-    bool token_free ABSL_GUARDED_BY(mu) = true;
-    int idle ABSL_GUARDED_BY(mu) = 0;
-    bool ended ABSL_GUARDED_BY(mu) = false;
-    grpc::Status status ABSL_GUARDED_BY(mu);
-    // The token holder is running a request inline (and holds the token).
-    bool inline_holding ABSL_GUARDED_BY(mu) = false;
-    uint64_t inline_seq ABSL_GUARDED_BY(mu) = 0;    // inline requests started
-    uint64_t watchdog_seq ABSL_GUARDED_BY(mu) = 0;  // inline_seq at the last tick
-  };
-
-  // How often the watchdog looks for requests that hold a read token; one
-  // found running at two ticks in a row loses the token.
+  // How often the watchdog looks at the request run by the polling thread;
+  // one found running at two ticks in a row loses the role.
   static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
+  // Threads blocked in long requests beyond this many stop requests from
+  // running inline: the rest go to `offload`.
+  static constexpr int kMaxThreads = 64;
 
-  void serve_loop(grpc::ServerContext* ctx, Stream* stream,
-                  const std::shared_ptr<ServerStream>& self, Readers* r) {
+  void accept_next() {
+    auto s = std::make_shared<ServerStream>();
+    // Under mu_: the queue is not shut down meanwhile.
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || cq_shutdown_) return;
+    streams_.emplace(s.get(), s);
+    s->accept_posted();
+    generic_.RequestCall(s->context(), s->rw(), cq_.get(), cq_.get(), s->tag(ServerStream::kAccept));
+  }
+
+  std::shared_ptr<ServerStream> find(ServerStream* s) {
+    absl::MutexLock lock(&mu_);
+    auto it = streams_.find(s);
+    return it == streams_.end() ? nullptr : it->second;
+  }
+
+  // Finishes the stream when it can; forgets it once it is over.
+  void settle(ServerStream* s) {
+    bool stopping;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stopping_;
+    }
+    if (!s->advance(stopping)) return;
+    std::shared_ptr<ServerStream> keep;
+    absl::MutexLock lock(&mu_);
+    auto it = streams_.find(s);
+    if (it == streams_.end()) return;
+    keep = std::move(it->second);
+    streams_.erase(it);
+    s->release();
+  }
+
+  void spawn_thread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    threads_.emplace_back([this] { poll_loop(); });
+  }
+
+  void poll_loop() {
     while (true) {
       {
-        absl::MutexLock lock(&r->mu);
-        ++r->idle;
-        auto can_read = [r]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) {
-          return r->token_free || r->ended;
+        absl::MutexLock lock(&mu_);
+        ++idle_;
+        auto can_poll = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return role_free_ || drained_;
         };
-        r->mu.Await(absl::Condition(&can_read));
-        --r->idle;
-        if (r->ended) return;
-        r->token_free = false;
+        mu_.Await(absl::Condition(&can_poll));
+        --idle_;
+        if (drained_) return;
+        role_free_ = false;
       }
-      // This thread holds the token until it ends the stream or the
-      // watchdog takes the token from a request it runs.
+      // This thread holds the role until the queue is drained or the
+      // watchdog takes the role from a request it runs.
       while (true) {
-        grpc::ByteBuffer buffer;
-        const bool got = stream->Read(&buffer);
-        Frame frame;
-        absl::Status parsed = got ? parse_frame(buffer, &frame) : absl::OkStatus();
-        bool run_here, hand_on;
-        {
-          absl::MutexLock lock(&r->mu);
-          if (!got || !parsed.ok()) {
-            r->token_free = true;
-            r->ended = true;
-            if (!parsed.ok()) {
-              LOG(ERROR) << "rpc transport: dropping stream from " << ctx->peer()
-                         << ": malformed frame: " << parsed.message();
-              r->status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                       absl::StrCat("malformed frame: ", parsed.message()));
-            }
-            return;
-          }
-          run_here = r->idle > 0;
-          // The caller has more requests coming: the idle thread reads them
-          // while this one runs (as when the watchdog hands reading on).
-          hand_on = run_here && frame.header.more_in_flight();
-          if (hand_on) {
-            r->token_free = true;
-          } else if (run_here) {
-            r->inline_holding = true;
-            ++r->inline_seq;
-          }
+        void* got = nullptr;
+        bool ok = false;
+        if (!cq_->Next(&got, &ok)) {
+          absl::MutexLock lock(&mu_);
+          drained_ = true;
+          return;
         }
-        auto responder = std::make_shared<Responder>(self);
-        if (!run_here) {
-          offload_(std::move(responder), std::move(frame));
-          continue;
-        }
-        if (hand_on) {
-          run_inline_(std::move(responder), std::move(frame));
-          break;
-        }
-        wake_watchdog();
-        run_inline_(std::move(responder), std::move(frame));
-        absl::MutexLock lock(&r->mu);
-        if (!r->inline_holding) break;  // the watchdog passed the token on
-        r->inline_holding = false;
+        const auto* tag = static_cast<ServerStream::Tag*>(got);
+        if (!handle(tag->stream, tag->op, ok)) break;
       }
     }
   }
 
-  grpc::Status run(grpc::ServerContext* ctx, Stream* stream) {
-    auto self = std::make_shared<ServerStream>(stream);
-    Readers readers;
+  // Handles one completion; false when this thread lost the polling role.
+  bool handle(ServerStream* s, ServerStream::Op op, bool ok) {
+    switch (op) {
+      case ServerStream::kAccept: {
+        s->accept_done();
+        if (!ok) {  // the server is shutting down
+          settle_unaccepted(s);
+          return true;
+        }
+        accept_next();
+        if (s->context()->method() != kStreamMethod) {
+          s->fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method"));
+        } else {
+          s->read_next();
+        }
+        settle(s);
+        return true;
+      }
+      case ServerStream::kRead:
+        return on_read(s, ok);
+      case ServerStream::kWrite:
+        s->write_done(ok);
+        settle(s);
+        return true;
+      case ServerStream::kFinish:
+        s->finish_done();
+        settle(s);
+        return true;
+      case ServerStream::kNumOps:
+        break;
+    }
+    return true;
+  }
+
+  void settle_unaccepted(ServerStream* s) {
+    s->fail(grpc::Status::CANCELLED);
+    absl::MutexLock lock(&mu_);
+    auto it = streams_.find(s);
+    if (it == streams_.end()) return;
+    auto keep = std::move(it->second);
+    streams_.erase(it);
+    s->release();
+  }
+
+  bool on_read(ServerStream* s, bool ok) {
+    grpc::ByteBuffer buffer;
+    if (!s->take_read(ok, &buffer)) {  // the caller closed the stream, or it broke
+      settle(s);
+      return true;
+    }
+    Frame frame;
+    absl::Status parsed = parse_frame(buffer, &frame);
+    if (!parsed.ok()) {
+      LOG(ERROR) << "rpc transport: dropping stream from " << s->context()->peer()
+                 << ": malformed frame: " << parsed.message();
+      s->fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                           absl::StrCat("malformed frame: ", parsed.message())));
+      settle(s);
+      return true;
+    }
+    std::shared_ptr<ServerStream> self = find(s);
+    if (!self) return true;
+    auto responder = std::make_shared<Responder>(self);
+    uint64_t seq = 0;
     {
       absl::MutexLock lock(&mu_);
-      streams_.insert(&readers);
+      // The caller has more requests coming: keep reading while this runs.
+      if (!frame.header.more_in_flight() && static_cast<int>(threads_.size()) < kMaxThreads) {
+        seq = ++inline_seq_;
+        inline_active_ = true;
+        inline_stream_ = self;
+      }
     }
-    std::thread helper([&] { serve_loop(ctx, stream, self, &readers); });
-    serve_loop(ctx, stream, self, &readers);
-    helper.join();
+    if (seq == 0) {
+      s->read_next();
+      offload_(std::move(responder), std::move(frame));
+      return true;
+    }
+    wake_watchdog();
+    run_inline_(std::move(responder), std::move(frame));
+    bool kept;
     {
       absl::MutexLock lock(&mu_);
-      streams_.erase(&readers);
+      kept = inline_active_ && inline_seq_ == seq;
+      if (kept) {
+        inline_active_ = false;
+        inline_stream_.reset();
+      }
     }
-    self->drain(ctx, &stopping_, &mu_);
-    absl::MutexLock lock(&readers.mu);
-    return readers.status;
+    s->read_next();  // after the reply, if it is ready; a no-op if the watchdog posted it
+    return kept;
   }
 
   void wake_watchdog() {
@@ -294,31 +494,29 @@ class TransportServer::Service final : public grpc::Service {
     watchdog_parked_.store(false, std::memory_order_relaxed);
   }
 
-  // Ticks while requests run inline; parks after a tick that saw none. It
-  // runs until the service is destroyed, so that streams still draining
-  // after stop() keep their second reader.
+  // Ticks while a request runs inline; parks after a tick that saw none.
   void watchdog_loop() {
     absl::MutexLock lock(&mu_);
     while (!watchdog_stop_) {
       auto stop_now = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return watchdog_stop_; };
       mu_.AwaitWithTimeout(absl::Condition(&stop_now), kWatchdogTick);
       if (watchdog_stop_) return;
-      // Parked before the scan: a stream that starts a request inline after
-      // the scan looked at it finds the flag set and unparks us.
+      // Parked before the look: a request that starts inline after it finds
+      // the flag set and unparks us.
       watchdog_parked_.store(true, std::memory_order_relaxed);
-      bool busy = false;
-      for (Readers* r : streams_) {
-        absl::MutexLock stream_lock(&r->mu);
-        if (!r->inline_holding) continue;
-        busy = true;
-        if (r->inline_seq == r->watchdog_seq) {  // the same request as last tick
-          r->inline_holding = false;
-          r->token_free = true;  // wakes the stream's idle thread
-        }
-        r->watchdog_seq = r->inline_seq;
-      }
-      if (busy) {
+      if (inline_active_) {
         watchdog_parked_.store(false, std::memory_order_relaxed);
+        if (inline_seq_ == watchdog_seq_) {  // the same request as last tick
+          inline_active_ = false;
+          std::shared_ptr<ServerStream> stream = std::move(inline_stream_);
+          role_free_ = true;
+          if (idle_ == 0 && !cq_shutdown_) spawn_thread();
+          mu_.Unlock();
+          stream->read_next();
+          stream.reset();
+          mu_.Lock();
+        }
+        watchdog_seq_ = inline_seq_;
       } else {
         auto unparked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
           return watchdog_stop_ || !watchdog_parked_.load(std::memory_order_relaxed);
@@ -330,13 +528,24 @@ class TransportServer::Service final : public grpc::Service {
 
   const OnRequest run_inline_;
   const OnRequest offload_;
+  grpc::AsyncGenericService generic_;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq_;
   std::thread watchdog_;
   std::atomic<bool> watchdog_parked_{false};
   absl::Mutex mu_;
   // State below is protected by mu_.
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;       // stop(): streams drain and end
-  bool watchdog_stop_ ABSL_GUARDED_BY(mu_) = false;  // the service is going away
-  absl::flat_hash_set<Readers*> streams_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ServerStream*, std::shared_ptr<ServerStream>> streams_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;           // threads waiting for the role
+  bool role_free_ ABSL_GUARDED_BY(mu_) = true;  // no thread reads the queue
+  bool inline_active_ ABSL_GUARDED_BY(mu_) = false;  // the role holder runs a request
+  std::shared_ptr<ServerStream> inline_stream_ ABSL_GUARDED_BY(mu_);
+  uint64_t inline_seq_ ABSL_GUARDED_BY(mu_) = 0;    // inline requests started
+  uint64_t watchdog_seq_ ABSL_GUARDED_BY(mu_) = 0;  // inline_seq_ at the last tick
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;      // stop(): no new streams
+  bool cq_shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;       // the queue returned its end
+  bool watchdog_stop_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
@@ -351,23 +560,29 @@ std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
   builder.AddChannelArgument(GRPC_ARG_MINIMAL_STACK, 1);
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 1);
-  builder.RegisterService(s->service_.get());
+  builder.RegisterAsyncGenericService(s->service_->generic());
+  auto cq = builder.AddCompletionQueue();
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
+    cq->Shutdown();
+    void* tag;
+    bool ok;
+    while (cq->Next(&tag, &ok)) {
+    }
     throw RpcError(ErrorCode::kUnavailable,
                    absl::StrCat("rpc transport: cannot listen on ", host));
   }
+  s->service_->start(std::move(cq));
   return s;
 }
 
 void TransportServer::shutdown(absl::Duration grace) {
   if (!server_) return;
   service_->stop();
+  // Streams still open end with the server; calls not over by the deadline
+  // are cancelled. The service's threads keep draining the queue meanwhile.
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-  server_->Wait();
+  service_->stop_threads();
   server_.reset();
 }
 

@@ -3,15 +3,14 @@
 //
 // - TransportServer: accepts streams; each request frame is handed to the
 //   agent with a Responder that sends exactly one reply on the same stream.
+//   Both ends use gRPC's asynchronous API, each queue read by one thread at
+//   a time, so that a message wakes one thread.
 // - PeerStream: the caller's side of a stream; replies go to a callback,
 //   run by a waiting caller or the stream's background thread.
-// Writes to a server stream are serialized by FrameWriter without a writer
-// thread.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/async_stream.h>
-#include <grpcpp/support/sync_stream.h>
 
 #include <deque>
 #include <functional>
@@ -25,30 +24,6 @@
 #include "rpc/internal/codec.h"
 
 namespace ddprpc::rpc::internal {
-
-using Stream = grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
-
-// Serializes writes to one gRPC stream. Any thread may send; a sender that
-// finds the stream idle writes everything queued meanwhile (flat combining),
-// hinting gRPC to coalesce all but the last frame.
-class FrameWriter {
- public:
-  using WriteFn = std::function<bool(const grpc::ByteBuffer&, grpc::WriteOptions)>;
-  explicit FrameWriter(WriteFn write) : write_(std::move(write)) {}
-
-  // Queues a frame; false when the writer is closed (the frame is dropped).
-  bool send(grpc::ByteBuffer buffer);
-  // Rejects further frames and waits until no write is in progress.
-  void close();
-
- private:
-  const WriteFn write_;
-  absl::Mutex mu_;
-  // State below is protected by mu_.
-  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-};
 
 class ServerStream;
 
@@ -70,10 +45,10 @@ class TransportServer {
  public:
   using OnRequest = std::function<void(std::shared_ptr<Responder>, Frame)>;
   // Listens on host:0. Each request is passed either to `run_inline`, which
-  // serves it on the calling (stream) thread, or to `offload`, which must
-  // hand it to another thread (when both stream threads are busy). Frames
-  // that fail to parse end their stream with INVALID_ARGUMENT. Throws
-  // RpcError if it cannot listen.
+  // serves it on the calling (polling) thread, or to `offload`, which must
+  // hand it to another thread (when the caller has more requests in flight).
+  // Frames that fail to parse end their stream with INVALID_ARGUMENT.
+  // Throws RpcError if it cannot listen.
   static std::unique_ptr<TransportServer> start(const std::string& host, OnRequest run_inline,
                                                 OnRequest offload);
   ~TransportServer();
