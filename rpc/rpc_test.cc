@@ -82,6 +82,19 @@ rpc::Future<at::Tensor> update_and_fetch(at::Tensor grad, int64_t batch_size) {
 }
 DDPRPC_REGISTER_FUNCTION(update_and_fetch);
 
+// Async execution whose reply waits for a later request of the same caller:
+// `await_release` returns a future that `release_awaiting` completes.
+rpc::Future<bool>& awaited() {
+  static auto* f = new rpc::Future<bool>();
+  return *f;
+}
+rpc::Future<bool> await_release() { return awaited(); }
+DDPRPC_REGISTER_FUNCTION(await_release);
+void release_awaiting() { awaited().set_result(true); }
+DDPRPC_REGISTER_FUNCTION(release_awaiting);
+void reset_awaited() { awaited() = rpc::Future<bool>(); }
+DDPRPC_REGISTER_FUNCTION(reset_awaited);
+
 std::atomic<int> g_busy_seen{0};
 int64_t busy_threads() { return rpc::current_agent()->busy_worker_threads(); }
 DDPRPC_REGISTER_FUNCTION(busy_threads);
@@ -289,6 +302,23 @@ MULTIPROCESS_TEST(RpcTest, BlockedRequestDoesNotStallTheCallersNextRequest, 2) {
     auto blocked = rpc::rpc_async<bool>("worker0", "wait_for_signal");
     rpc::rpc_sync<void>("worker0", "send_signal");
     EXPECT_TRUE(blocked.value()) << "the blocked request was not released by the next one";
+  }
+  rpc::shutdown();
+}
+
+// The callee reads a stream's next request only once the reply to an async
+// request run on its polling thread is sent (see transport.cc), or after a
+// watchdog tick or two: here that reply needs the next request.
+MULTIPROCESS_TEST(RpcTest, AsyncReplyWaitingForTheCallersNextRequest, 2) {
+  init(2);
+  if (mp::rank() == 1) {
+    for (int i = 0; i < 3; ++i) {
+      auto waiting = rpc::rpc_async<bool>("worker0", "await_release");
+      rpc::rpc_sync<void>("worker0", "release_awaiting");
+      ASSERT_TRUE(waiting.wait_for(absl::Seconds(20))) << "round " << i;
+      EXPECT_TRUE(waiting.value());
+      rpc::rpc_sync<void>("worker0", "reset_awaited");
+    }
   }
   rpc::shutdown();
 }

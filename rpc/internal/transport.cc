@@ -106,8 +106,42 @@ class ServerStream {
     ++in_flight_;
   }
   void end_request() {
-    absl::MutexLock lock(&mu_);
-    --in_flight_;
+    bool resume;
+    {
+      absl::MutexLock lock(&mu_);
+      --in_flight_;
+      resume = in_flight_ == 0 && read_deferred_;
+      if (resume) read_deferred_ = false;
+    }
+    // After the reply's write: the read's WINDOW_UPDATE follows it.
+    if (resume) read_next();
+  }
+
+  // After a request ran inline: true if its reply is still due (async
+  // execution) and it is the stream's only request. The next read then waits
+  // for that reply, so that its WINDOW_UPDATE does not wake the caller while
+  // it waits, or for resume_read(). Otherwise reads on at once.
+  bool defer_read() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (in_flight_ == 1 && !read_posted_ && !read_ended_ && !closed_ && !finish_started_) {
+        read_deferred_ = true;
+        return true;
+      }
+    }
+    read_next();
+    return false;
+  }
+
+  // Posts a deferred read now; false if none was deferred.
+  bool resume_read() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!read_deferred_) return false;
+      read_deferred_ = false;
+    }
+    read_next();
+    return true;
   }
 
   void send(grpc::ByteBuffer frame) {
@@ -229,6 +263,7 @@ class ServerStream {
   int ops_pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted to gRPC, not completed
   bool read_posted_ ABSL_GUARDED_BY(mu_) = false;
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_deferred_ ABSL_GUARDED_BY(mu_) = false;  // see defer_read()
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // requests not yet answered
   std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
@@ -290,7 +325,10 @@ class TransportServer::Service {
       for (auto& [ptr, s] : streams_) streams.push_back(s);
     }
     // Streams still waiting for their requests' replies finish now.
-    for (auto& s : streams) settle(s.get());
+    for (auto& s : streams) {
+      s->resume_read();
+      settle(s.get());
+    }
   }
 
   // After the server has shut down: drains the queue and joins the threads.
@@ -484,7 +522,12 @@ class TransportServer::Service {
         inline_stream_.reset();
       }
     }
-    s->read_next();  // after the reply, if it is ready; a no-op if the watchdog posted it
+    // After the reply, if it is ready; a no-op if the watchdog posted it.
+    if (s->defer_read()) {
+      absl::MutexLock lock(&mu_);
+      deferred_.push_back({std::move(self), watchdog_ticks_});
+      watchdog_parked_.store(false, std::memory_order_relaxed);
+    }
     return kept;
   }
 
@@ -501,9 +544,27 @@ class TransportServer::Service {
       auto stop_now = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return watchdog_stop_; };
       mu_.AwaitWithTimeout(absl::Condition(&stop_now), kWatchdogTick);
       if (watchdog_stop_) return;
+      ++watchdog_ticks_;
+      // A read deferred for a reply that has not come for a tick or two is
+      // posted: that reply may wait for the caller's next request.
+      std::vector<std::shared_ptr<ServerStream>> resume;
+      for (auto it = deferred_.begin(); it != deferred_.end();) {
+        if (watchdog_ticks_ - it->since >= 2) {
+          resume.push_back(std::move(it->stream));
+          it = deferred_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (!resume.empty()) {
+        mu_.Unlock();
+        for (auto& stream : resume) stream->resume_read();
+        resume.clear();
+        mu_.Lock();
+      }
       // Parked before the look: a request that starts inline after it finds
       // the flag set and unparks us.
-      watchdog_parked_.store(true, std::memory_order_relaxed);
+      watchdog_parked_.store(deferred_.empty(), std::memory_order_relaxed);
       if (inline_active_) {
         watchdog_parked_.store(false, std::memory_order_relaxed);
         if (inline_seq_ == watchdog_seq_) {  // the same request as last tick
@@ -542,6 +603,12 @@ class TransportServer::Service {
   std::shared_ptr<ServerStream> inline_stream_ ABSL_GUARDED_BY(mu_);
   uint64_t inline_seq_ ABSL_GUARDED_BY(mu_) = 0;    // inline requests started
   uint64_t watchdog_seq_ ABSL_GUARDED_BY(mu_) = 0;  // inline_seq_ at the last tick
+  uint64_t watchdog_ticks_ ABSL_GUARDED_BY(mu_) = 0;
+  struct Deferred {
+    std::shared_ptr<ServerStream> stream;
+    uint64_t since;  // watchdog_ticks_ when deferred
+  };
+  std::vector<Deferred> deferred_ ABSL_GUARDED_BY(mu_);  // streams with a deferred read
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;      // stop(): no new streams
   bool cq_shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;       // the queue returned its end
