@@ -110,21 +110,27 @@ class ServerStream {
     {
       absl::MutexLock lock(&mu_);
       --in_flight_;
-      resume = in_flight_ == 0 && read_deferred_;
-      if (resume) read_deferred_ = false;
+      if (in_flight_ > 0) return;
+      resume = read_deferred_;
+      read_deferred_ = false;
     }
     // After the reply's write: the read's WINDOW_UPDATE follows it.
     if (resume) read_next();
+    // The last answer of a stream whose reading has ended finishes it (its
+    // completion then lets the service forget the stream).
+    advance(/*stopping=*/false);
   }
 
-  // After a request ran inline: true if its reply is still due (async
-  // execution) and it is the stream's only request. The next read then waits
-  // for that reply, so that its WINDOW_UPDATE does not wake the caller while
-  // it waits, or for resume_read(). Otherwise reads on at once.
-  bool defer_read() {
+  // After a request ran inline: true if its reply is still due
+  // (`reply_due`: async execution) and it is the stream's only request. The
+  // next read then waits for that reply, so that its WINDOW_UPDATE does not
+  // wake the caller while it waits, or for resume_read(). Otherwise reads on
+  // at once.
+  bool defer_read(bool reply_due) {
     {
       absl::MutexLock lock(&mu_);
-      if (in_flight_ == 1 && !read_posted_ && !read_ended_ && !closed_ && !finish_started_) {
+      if (reply_due && in_flight_ == 1 && !read_posted_ && !read_ended_ && !closed_ &&
+          !finish_started_) {
         read_deferred_ = true;
         return true;
       }
@@ -279,6 +285,8 @@ Responder::Responder(std::shared_ptr<ServerStream> stream) : stream_(std::move(s
   stream_->begin_request();
 }
 
+bool Responder::answered() const { return answered_.load(std::memory_order_acquire); }
+
 Responder::~Responder() {
   if (stream_) stream_->end_request();
 }
@@ -286,6 +294,7 @@ Responder::~Responder() {
 void Responder::send(grpc::ByteBuffer reply) {
   if (!stream_) return;
   stream_->send(std::move(reply));
+  answered_.store(true, std::memory_order_release);
   stream_->end_request();
   stream_.reset();
 }
@@ -339,21 +348,25 @@ class TransportServer::Service {
       absl::MutexLock lock(&mu_);
       if (cq_shutdown_) return;
       cq_shutdown_ = true;
-      watchdog_stop_ = true;
       for (auto& [ptr, s] : streams_) streams.push_back(s);
     }
     // A queue that is shut down takes no new operations.
     for (auto& s : streams) s->close();
     cq_->Shutdown();
-    std::vector<std::thread> threads;
     {
+      // The watchdog keeps handing the role on until the queue is drained.
       absl::MutexLock lock(&mu_);
       auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return drained_; };
       mu_.Await(absl::Condition(&drained));
+      watchdog_stop_ = true;
+    }
+    if (watchdog_.joinable()) watchdog_.join();
+    std::vector<std::thread> threads;
+    {
+      absl::MutexLock lock(&mu_);
       threads.swap(threads_);
     }
     for (auto& t : threads) t.join();
-    if (watchdog_.joinable()) watchdog_.join();
     for (auto& s : streams) s->release();  // every operation has completed
     absl::MutexLock lock(&mu_);
     streams_.clear();
@@ -365,7 +378,7 @@ class TransportServer::Service {
   static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
   // Threads blocked in long requests beyond this many stop requests from
   // running inline: the rest go to `offload`.
-  static constexpr int kMaxThreads = 64;
+  static constexpr int kMaxThreads = 64;  // busy ones: not waiting for the role
 
   void accept_next() {
     auto s = std::make_shared<ServerStream>();
@@ -428,13 +441,16 @@ class TransportServer::Service {
           return;
         }
         const auto* tag = static_cast<ServerStream::Tag*>(got);
-        if (!handle(tag->stream, tag->op, ok)) break;
+        // Held while handling: stop() may forget a finished stream meanwhile.
+        std::shared_ptr<ServerStream> stream = find(tag->stream);
+        if (stream && !handle(stream, tag->op, ok)) break;
       }
     }
   }
 
   // Handles one completion; false when this thread lost the polling role.
-  bool handle(ServerStream* s, ServerStream::Op op, bool ok) {
+  bool handle(const std::shared_ptr<ServerStream>& stream, ServerStream::Op op, bool ok) {
+    ServerStream* s = stream.get();
     switch (op) {
       case ServerStream::kAccept: {
         s->accept_done();
@@ -452,7 +468,7 @@ class TransportServer::Service {
         return true;
       }
       case ServerStream::kRead:
-        return on_read(s, ok);
+        return on_read(stream, ok);
       case ServerStream::kWrite:
         s->write_done(ok);
         settle(s);
@@ -477,7 +493,8 @@ class TransportServer::Service {
     s->release();
   }
 
-  bool on_read(ServerStream* s, bool ok) {
+  bool on_read(const std::shared_ptr<ServerStream>& self, bool ok) {
+    ServerStream* s = self.get();
     grpc::ByteBuffer buffer;
     if (!s->take_read(ok, &buffer)) {  // the caller closed the stream, or it broke
       settle(s);
@@ -493,14 +510,13 @@ class TransportServer::Service {
       settle(s);
       return true;
     }
-    std::shared_ptr<ServerStream> self = find(s);
-    if (!self) return true;
     auto responder = std::make_shared<Responder>(self);
     uint64_t seq = 0;
     {
       absl::MutexLock lock(&mu_);
       // The caller has more requests coming: keep reading while this runs.
-      if (!frame.header.more_in_flight() && static_cast<int>(threads_.size()) < kMaxThreads) {
+      if (!frame.header.more_in_flight() &&
+          static_cast<int>(threads_.size()) - idle_ < kMaxThreads) {
         seq = ++inline_seq_;
         inline_active_ = true;
         inline_stream_ = self;
@@ -512,6 +528,7 @@ class TransportServer::Service {
       return true;
     }
     wake_watchdog();
+    const std::weak_ptr<Responder> mine = responder;
     run_inline_(std::move(responder), std::move(frame));
     bool kept;
     {
@@ -523,9 +540,10 @@ class TransportServer::Service {
       }
     }
     // After the reply, if it is ready; a no-op if the watchdog posted it.
-    if (s->defer_read()) {
+    const std::shared_ptr<Responder> still_held = mine.lock();
+    if (s->defer_read(still_held && !still_held->answered())) {
       absl::MutexLock lock(&mu_);
-      deferred_.push_back({std::move(self), watchdog_ticks_});
+      deferred_.push_back({self, watchdog_ticks_});
       watchdog_parked_.store(false, std::memory_order_relaxed);
     }
     return kept;
@@ -571,7 +589,7 @@ class TransportServer::Service {
           inline_active_ = false;
           std::shared_ptr<ServerStream> stream = std::move(inline_stream_);
           role_free_ = true;
-          if (idle_ == 0 && !cq_shutdown_) spawn_thread();
+          if (idle_ == 0 && !drained_) spawn_thread();
           mu_.Unlock();
           stream->read_next();
           stream.reset();

@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/async_stream.h>
 
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -36,9 +37,12 @@ class Responder {
   Responder(const Responder&) = delete;
   Responder& operator=(const Responder&) = delete;
   void send(grpc::ByteBuffer reply);
+  // True once send() was called (from any thread).
+  bool answered() const;
 
  private:
   std::shared_ptr<ServerStream> stream_;
+  std::atomic<bool> answered_{false};
 };
 
 class TransportServer {
@@ -53,7 +57,9 @@ class TransportServer {
                                                 OnRequest offload);
   ~TransportServer();
   int port() const { return port_; }
-  // Ends all streams; waits at most `grace` for replies still in flight.
+  // Ends all streams. Those whose callers are still connected get at most
+  // `grace` to answer what they have read; replies due on streams their
+  // callers have closed are dropped.
   void shutdown(absl::Duration grace);
 
   class Service;
