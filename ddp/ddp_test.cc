@@ -3,6 +3,8 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/mse_loss.h>
 #include <ATen/ops/ones.h>
@@ -47,6 +49,27 @@ MULTIPROCESS_TEST(ProcessGroupTest, CollectivesGiveTheExpectedValues, 3) {
   pg->allgather(outs, at::full({2}, r))->wait();
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::allclose(outs[i], at::full({2}, double(i))));
   pg->barrier()->wait();
+}
+
+// Small allreduces run on cached per-shape algorithms (synchronous mesh),
+// large ones and those past the cache's size on Gloo's collective API: both
+// must give exact sums, however often a shape repeats and in any mix.
+MULTIPROCESS_TEST(ProcessGroupTest, RepeatedAndManyShapesGiveExactSums, 3) {
+  auto pg = group();
+  const double r = mp::rank();
+  for (int round = 0; round < 3; ++round) {
+    for (int64_t n : {1, 7, 1000, 40, 3, 2 << 20, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18}) {
+      at::Tensor t = at::full({n}, r + round + 1, at::kDouble);
+      pg->allreduce({t}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+      ASSERT_TRUE(at::equal(t, at::full({n}, 3.0 * (round + 2), at::kDouble)))
+          << "round " << round << ", " << n << " elements";
+    }
+    at::Tensor lo = at::full({64}, r), hi = at::full({64}, r);
+    pg->allreduce({lo}, ddp::ReduceOp::kMin)->wait(absl::Seconds(60));
+    pg->allreduce({hi}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+    EXPECT_TRUE(at::equal(lo, at::zeros({64})));
+    EXPECT_TRUE(at::equal(hi, at::full({64}, 2.0)));
+  }
 }
 
 MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
