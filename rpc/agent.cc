@@ -28,20 +28,20 @@ thread_local const CallContext* t_current_call = nullptr;
 // Set by SyncCallScope; taken by the next call this thread sends.
 thread_local bool t_caller_waits = false;
 
-// A caller_drives reservation on a stream, given back by the caller's
-// drive(), or when the call's future goes away without one.
+// A caller_drives reservation on the client queue, given back by the
+// caller's drive(), or when the call's future goes away without one.
 class Reservation {
  public:
-  explicit Reservation(std::weak_ptr<internal::PeerStream> stream) : stream_(std::move(stream)) {}
+  explicit Reservation(std::weak_ptr<internal::ClientQueue> queue) : queue_(std::move(queue)) {}
   ~Reservation() {
     if (held_.exchange(false)) {
-      if (auto s = stream_.lock()) s->unreserve();
+      if (auto q = queue_.lock()) q->unreserve();
     }
   }
   bool take() { return held_.exchange(false); }
 
  private:
-  const std::weak_ptr<internal::PeerStream> stream_;
+  const std::weak_ptr<internal::ClientQueue> queue_;
   std::atomic<bool> held_{true};
 };
 
@@ -165,6 +165,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
         offload(std::move(responder), std::move(frame));
       });
+  client_queue_ = std::make_shared<internal::ClientQueue>();
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<PeerSlot>());
   {
     absl::MutexLock lock(&mu_);
@@ -195,6 +196,7 @@ RpcAgent::~RpcAgent() {
   reply_sender_.reset();  // sends what is queued while rrefs_ still exists
   if (rrefs_) rrefs_->detach();
   peers_.clear();  // before mu_ goes: a stream's close callback takes it
+  client_queue_.reset();  // after its streams are closed
 }
 
 void RpcAgent::rendezvous(const std::string& name, int world_size) {
@@ -341,14 +343,14 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     }
     return future;
   }
-  // A waiter reads the stream itself when no other thread does.
-  std::weak_ptr<internal::PeerStream> weak = stream;
+  // A waiter reads the queue itself when no other thread does.
+  std::weak_ptr<internal::ClientQueue> weak = client_queue_;
   auto reservation = caller_waits ? std::make_shared<Reservation>(weak) : nullptr;
   const absl::Time deadline = call.deadline;
   future.set_driver(std::make_shared<const internal::FutureDriver>(
       [weak, reservation, deadline](const std::function<bool()>& done) {
         const bool reserved = reservation && reservation->take();
-        if (auto s = weak.lock()) s->drive(done, deadline, reserved);
+        if (auto q = weak.lock()) q->drive(done, deadline, reserved);
       }));
   return future;
 }
@@ -361,8 +363,9 @@ std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
       absl::MutexLock state_lock(&mu_);
       broken_.push_back(std::move(slot.stream));
     }
-    slot.stream = std::make_shared<internal::PeerStream>(
-        workers_[to].address, [this](Frame frame) { on_reply(std::move(frame)); },
+    slot.stream = internal::PeerStream::open(
+        workers_[to].address, client_queue_.get(),
+        [this](Frame frame) { on_reply(std::move(frame)); },
         [this, to](const grpc::Status& status) {
           on_peer_closed(to, status.ok() ? "the worker closed the connection"
                                          : absl::StrCat("the worker is unreachable (",
@@ -734,7 +737,7 @@ void RpcAgent::stop(bool graceful) {
     absl::MutexLock lock(&mu_);
     broken.swap(broken_);
   }
-  broken.clear();
+  for (auto& stream : broken) stream->close(/*graceful=*/false);
   if (server_) server_->shutdown(graceful ? absl::Seconds(5) : absl::ZeroDuration());
   pool_.reset();
   server_.reset();

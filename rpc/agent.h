@@ -33,6 +33,7 @@ class RpcHook;
 
 namespace internal {
 struct Frame;
+class ClientQueue;
 class PeerStream;
 class RRefContext;
 class Responder;
@@ -80,7 +81,8 @@ const CallContext* current_call();
 
 // Within its scope, the next call this thread makes is one it waits for at
 // once (rpc_sync, RRef::rpc_sync, RRef::to_here): the waiting thread reads
-// the reply itself instead of being woken by the stream's reader.
+// the reply itself (and any other that arrives meanwhile) instead of being
+// woken by the client queue's background reader.
 class SyncCallScope {
  public:
   SyncCallScope();
@@ -195,6 +197,9 @@ class RpcAgent {
   // returned (async execution). Lives as long as the agent.
   std::unique_ptr<internal::ThreadPool> reply_sender_;
   std::shared_ptr<internal::RRefContext> rrefs_;
+  // Completions of every stream to the peers; shared with the futures'
+  // drivers (weakly), which let a waiting caller read it.
+  std::shared_ptr<internal::ClientQueue> client_queue_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   std::thread timer_;
   std::atomic<int> executing_{0};
@@ -211,8 +216,7 @@ class RpcAgent {
   absl::flat_hash_map<uint64_t, PendingCall> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<int> in_flight_ ABSL_GUARDED_BY(mu_);  // entries of pending_ per peer
   std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
-  // Streams that broke; kept until shutdown so no stream's background thread
-  // joins itself.
+  // Streams that broke; closed at shutdown.
   std::vector<std::shared_ptr<internal::PeerStream>> broken_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -28,6 +28,12 @@ DDPRPC_REGISTER_FUNCTION(add);
 int64_t add_ints(int64_t a, int64_t b) { return a + b; }
 DDPRPC_REGISTER_FUNCTION(add_ints);
 
+int64_t sleep_then_add(int64_t ms, int64_t a, int64_t b) {
+  absl::SleepFor(absl::Milliseconds(ms));
+  return a + b;
+}
+DDPRPC_REGISTER_FUNCTION(sleep_then_add);
+
 at::Tensor identity(at::Tensor t) { return t; }
 DDPRPC_REGISTER_FUNCTION(identity);
 
@@ -179,6 +185,60 @@ MULTIPROCESS_TEST(RpcTest, DroppedWaitDoesNotStallTheStream, 2) {
       rpc::Future<int64_t> f = rpc::rpc_async<int64_t>("worker1", "add_ints", i, 10);
       ASSERT_TRUE(f.wait_for(absl::Seconds(10))) << "call " << i << " never completed";
       EXPECT_EQ(f.value(), i + 10);
+    }
+  }
+  rpc::shutdown();
+}
+
+// All of a process's streams share one completion queue: a caller waiting
+// for a slow reply from worker1 also reads worker2's quick reply, so the
+// callback chained on it runs on the caller's thread (with a queue per
+// stream, worker2's stream would be read by another thread).
+MULTIPROCESS_TEST(RpcTest, WaitingCallerReadsRepliesFromEveryPeer, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    int on_caller = 0;
+    for (int i = 0; i < 10; ++i) {
+      rpc::Future<int64_t> slow, quick;
+      {
+        rpc::SyncCallScope waits_at_once;
+        slow = rpc::rpc_async<int64_t>("worker1", "sleep_then_add", int64_t{100}, i, 1);
+      }
+      {
+        rpc::SyncCallScope waits_at_once;
+        quick = rpc::rpc_async<int64_t>("worker2", "add_ints", i, 2);
+      }
+      std::thread::id ran_on;
+      rpc::Future<int64_t> chained = quick.then([&ran_on](const rpc::Future<int64_t>& f) {
+        ran_on = std::this_thread::get_id();
+        return f.value();
+      });
+      EXPECT_EQ(slow.value(), i + 1);  // reads worker2's reply meanwhile
+      EXPECT_EQ(chained.value(), i + 2);
+      if (ran_on == std::this_thread::get_id()) ++on_caller;
+    }
+    EXPECT_GE(on_caller, 5);
+  }
+  rpc::shutdown();
+}
+
+// A callback run by the thread reading replies may itself wait for a call
+// to the same worker: that thread reads on (nested), instead of sleeping
+// while nobody else may read.
+MULTIPROCESS_TEST(RpcTest, CallbackOnTheReadingThreadWaitsForAnotherCall, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    for (int i = 0; i < 5; ++i) {
+      rpc::Future<int64_t> first;
+      {
+        rpc::SyncCallScope waits_at_once;
+        first = rpc::rpc_async<int64_t>("worker1", "add_ints", i, 1);
+      }
+      rpc::Future<int64_t> second = first.then([](const rpc::Future<int64_t>& f) {
+        return rpc::rpc_sync<int64_t>("worker1", "add_ints", f.value(), 10);
+      });
+      ASSERT_TRUE(second.wait_for(absl::Seconds(20))) << "nested call " << i << " hung";
+      EXPECT_EQ(second.value(), i + 11);
     }
   }
   rpc::shutdown();

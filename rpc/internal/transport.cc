@@ -675,89 +675,73 @@ TransportServer::~TransportServer() { shutdown(absl::ZeroDuration()); }
 
 // -------------------------------------------------------------- client side
 
-PeerStream::PeerStream(const std::string& address, OnFrame on_frame, OnClose on_close)
-    : on_frame_(std::move(on_frame)),
-      on_close_(std::move(on_close)),
-      channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                         channel_arguments())) {
-  // Initial metadata goes out with the first frame, so opening never blocks.
-  ctx_.set_initial_metadata_corked(true);
-  grpc::GenericStub stub(channel_);
-  call_ = stub.PrepareCall(&ctx_, kStreamMethod, &cq_);
-  call_->StartCall(tag(kStart));
-  background_ = std::thread([this] { background_loop(); });
-}
+namespace {
+// The ClientQueue whose reading role this thread holds, if any.
+thread_local const ClientQueue* t_reading = nullptr;
 
-PeerStream::~PeerStream() { close(/*graceful=*/false); }
+class ReadingScope {
+ public:
+  explicit ReadingScope(const ClientQueue* queue) : saved_(t_reading) { t_reading = queue; }
+  ~ReadingScope() { t_reading = saved_; }
 
-bool PeerStream::broken() const {
-  absl::MutexLock lock(&mu_);
-  return read_failed_ || (writes_closed_ && !closing_);
-}
+ private:
+  const ClientQueue* const saved_;
+};
+}  // namespace
 
-bool PeerStream::has_work() const {
-  // A failed read leads to Finish and the queue's shutdown, which must be
-  // driven until the queue is drained.
-  if (drained_) return false;
-  return expecting_ > 0 || write_in_flight_ || closing_ || read_failed_;
-}
+ClientQueue::ClientQueue() : background_([this] { background_loop(); }) {}
 
-bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives) {
-  bool write_now, read_now;
+ClientQueue::~ClientQueue() {
   {
     absl::MutexLock lock(&mu_);
-    if (writes_closed_ || closing_) return false;
-    if (expects_reply) ++expecting_;
-    if (caller_drives) ++reserved_;
-    write_now = !write_in_flight_;
-    if (write_now) {
-      write_in_flight_ = true;  // this thread writes it, below
-    } else {
-      queue_.push_back(std::move(frame));
-    }
-    read_now = expecting_ > 0 && claim_read();
+    shutting_down_ = true;
   }
-  // Outside the lock: gRPC may write to the socket here. With
-  // write_in_flight_ set, no other write, WritesDone or Finish starts
-  // meanwhile; with read_pending_ set, no other read.
-  if (write_now) write(frame, /*more=*/false);
-  // After the write: the read's WINDOW_UPDATE follows the request at once
-  // instead of waking the idle peer on its own.
-  if (read_now) call_->Read(&read_buffer_, tag(kRead));
-  return true;
+  cq_.Shutdown();  // the background thread drains it
+  background_.join();
 }
 
-bool PeerStream::claim_read() {
-  if (read_pending_ || read_failed_) return false;
-  read_pending_ = true;
-  return true;
+void ClientQueue::will_post() {
+  absl::MutexLock lock(&mu_);
+  ++pending_;
 }
 
-void PeerStream::write(const grpc::ByteBuffer& frame, bool more) {
-  grpc::WriteOptions options;
-  // Frames queued behind this one follow at once: let gRPC coalesce them.
-  if (more) options.set_buffer_hint();
-  call_->Write(frame, options, tag(kWrite));  // gRPC keeps its own reference
+void ClientQueue::reserve() {
+  absl::MutexLock lock(&mu_);
+  ++reserved_;
 }
 
-void PeerStream::unreserve() {
+void ClientQueue::unreserve() {
   absl::MutexLock lock(&mu_);
   if (reserved_ > 0) --reserved_;
 }
 
-void PeerStream::drive(const std::function<bool()>& done, absl::Time deadline, bool reserved) {
+bool ClientQueue::reading_here() const { return t_reading == this; }
+
+void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline, bool reserved) {
   {
     absl::MutexLock lock(&mu_);
     if (reserved && reserved_ > 0) --reserved_;
-    if (driving_ || drained_) return;
-    driving_ = true;
+    if (reading_here()) {
+      // Nested (a callback run by this thread waits): read on.
+    } else if (driving_ || drained_) {
+      return;
+    } else {
+      driving_ = true;
+    }
   }
-  run_events(done, deadline);
+  if (reading_here()) {
+    run_events(done, deadline);
+    return;
+  }
+  {
+    ReadingScope scope(this);
+    run_events(done, deadline);
+  }
   absl::MutexLock lock(&mu_);
   driving_ = false;
 }
 
-void PeerStream::run_events(const std::function<bool()>& done, absl::Time deadline) {
+void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadline) {
   // Slices bound how long a completion from elsewhere (a timeout, shutdown)
   // goes unnoticed by a waiting caller.
   constexpr absl::Duration kSlice = absl::Milliseconds(50);
@@ -774,11 +758,153 @@ void PeerStream::run_events(const std::function<bool()>& done, absl::Time deadli
       case grpc::CompletionQueue::TIMEOUT:
         if (absl::Now() >= deadline) return;
         break;
-      case grpc::CompletionQueue::GOT_EVENT:
-        handle(static_cast<Op>(static_cast<char*>(got) - tags_), ok);
+      case grpc::CompletionQueue::GOT_EVENT: {
+        const auto* tag = static_cast<const Tag*>(got);
+        // Dropped after the count: the stream may go with it.
+        std::shared_ptr<PeerStream> ended = tag->stream->on_event(tag->op, ok);
+        if (tag->op == PeerStream::kStart) break;  // not counted (see PeerStream::open)
+        absl::MutexLock lock(&mu_);
+        --pending_;
         break;
+      }
     }
   }
+}
+
+void ClientQueue::background_loop() {
+  // A caller that said it would read but has not started within this long
+  // (it dropped its future, or is descheduled) is not waited for.
+  constexpr absl::Duration kReservationGrace = absl::Milliseconds(5);
+  ReadingScope scope(this);
+  while (true) {
+    bool take_over = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return drained_ ||
+               (!driving_ && (shutting_down_ || (pending_ > 0 && reserved_ == 0)));
+      };
+      auto reserved_idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !driving_ && !shutting_down_ && pending_ > 0 && reserved_ > 0;
+      };
+      auto ready_or_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return ready() || reserved_idle();
+      };
+      auto ready_or_not_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return ready() || !reserved_idle();
+      };
+      while (!ready()) {
+        mu_.Await(absl::Condition(&ready_or_reserved));
+        if (ready()) break;
+        if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_not_reserved), kReservationGrace)) {
+          take_over = true;
+          break;
+        }
+      }
+      if (drained_) return;
+      driving_ = true;
+    }
+    run_events(
+        [this, take_over] {
+          absl::MutexLock lock(&mu_);
+          if (shutting_down_) return false;  // read until drained
+          return pending_ == 0 || (!take_over && reserved_ > 0);
+        },
+        absl::InfiniteFuture());
+    absl::MutexLock lock(&mu_);
+    driving_ = false;
+  }
+}
+
+std::shared_ptr<PeerStream> PeerStream::open(const std::string& address, ClientQueue* queue,
+                                             OnFrame on_frame, OnClose on_close) {
+  std::shared_ptr<PeerStream> s(
+      new PeerStream(address, queue, std::move(on_frame), std::move(on_close)));
+  grpc::GenericStub stub(s->channel_);
+  s->call_ = stub.PrepareCall(&s->ctx_, kStreamMethod, queue->cq());
+  {
+    absl::MutexLock lock(&s->mu_);
+    s->self_ = s;
+  }
+  // With initial metadata corked the start's tag never completes (the
+  // metadata goes with the first write), so it is not counted.
+  s->call_->StartCall(&s->tags_[kStart]);
+  return s;
+}
+
+PeerStream::PeerStream(const std::string& address, ClientQueue* queue, OnFrame on_frame,
+                       OnClose on_close)
+    : on_frame_(std::move(on_frame)),
+      on_close_(std::move(on_close)),
+      client_queue_(queue),
+      channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                         channel_arguments())) {
+  for (int i = 0; i < kNumOps; ++i) tags_[i] = ClientQueue::Tag{this, i};
+  // Initial metadata goes out with the first frame, so opening never blocks.
+  ctx_.set_initial_metadata_corked(true);
+}
+
+// Reached once the last operation has completed (or none was posted).
+PeerStream::~PeerStream() = default;
+
+void* PeerStream::post(Op op) {
+  ++ops_pending_;
+  client_queue_->will_post();
+  return &tags_[op];
+}
+
+bool PeerStream::broken() const {
+  absl::MutexLock lock(&mu_);
+  return read_failed_ || (writes_closed_ && !closing_);
+}
+
+bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives) {
+  void* write_tag = nullptr;
+  void* read_tag = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (writes_closed_ || closing_) return false;
+    if (expects_reply) ++expecting_;
+    // Before the operations count: the background thread leaves them to us.
+    if (caller_drives) client_queue_->reserve();
+    if (!write_in_flight_) {
+      write_in_flight_ = true;  // this thread writes it, below
+      write_tag = post(kWrite);
+    } else {
+      queue_.push_back(std::move(frame));
+    }
+    if (expecting_ > 0 && claim_read()) read_tag = post(kRead);
+  }
+  // Outside the lock: gRPC may write to the socket here. With
+  // write_in_flight_ set, no other write, WritesDone or Finish starts
+  // meanwhile; with read_pending_ set, no other read.
+  if (write_tag) write(frame, /*more=*/false, write_tag);
+  // After the write: the read's WINDOW_UPDATE follows the request at once
+  // instead of waking the idle peer on its own.
+  if (read_tag) call_->Read(&read_buffer_, read_tag);
+  return true;
+}
+
+bool PeerStream::claim_read() {
+  if (read_pending_ || read_failed_) return false;
+  read_pending_ = true;
+  return true;
+}
+
+void PeerStream::write(const grpc::ByteBuffer& frame, bool more, void* tag) {
+  grpc::WriteOptions options;
+  // Frames queued behind this one follow at once: let gRPC coalesce them.
+  if (more) options.set_buffer_hint();
+  call_->Write(frame, options, tag);  // gRPC keeps its own reference
+}
+
+std::shared_ptr<PeerStream> PeerStream::on_event(int op, bool ok) {
+  if (op == kStart) return nullptr;
+  handle(static_cast<Op>(op), ok);
+  absl::MutexLock lock(&mu_);
+  --ops_pending_;
+  if (finished_ && ops_pending_ == 0) return std::move(self_);
+  return nullptr;
 }
 
 void PeerStream::handle(Op op, bool ok) {
@@ -786,10 +912,11 @@ void PeerStream::handle(Op op, bool ok) {
     case kStart:
     case kWritesDone:
     case kNumOps:
-      return;  // a failed start shows up as a failed read
+      return;
     case kWrite: {
       grpc::ByteBuffer next;
       bool more = false;
+      void* next_tag = nullptr;
       {
         absl::MutexLock lock(&mu_);
         write_in_flight_ = false;
@@ -801,13 +928,14 @@ void PeerStream::handle(Op op, bool ok) {
           queue_.pop_front();
           more = !queue_.empty();
           write_in_flight_ = true;  // written below, outside the lock
+          next_tag = post(kWrite);
         } else if (half_close_ && !writes_closed_) {
           writes_closed_ = true;
-          call_->WritesDone(tag(kWritesDone));
+          call_->WritesDone(post(kWritesDone));
         }
         maybe_finish();  // once no write is in flight
       }
-      if (next.Valid()) write(next, more);
+      if (next_tag) write(next, more, next_tag);
       return;
     }
     case kRead: {
@@ -834,7 +962,7 @@ void PeerStream::handle(Op op, bool ok) {
         // its end must be seen): a read posted on an idle stream sends a
         // WINDOW_UPDATE that wakes the peer for nothing.
         if ((expecting_ > 0 || closing_) && claim_read()) {
-          call_->Read(&read_buffer_, tag(kRead));
+          call_->Read(&read_buffer_, post(kRead));
         }
       }
       on_frame_(std::move(frame));
@@ -847,7 +975,6 @@ void PeerStream::handle(Op op, bool ok) {
         finished_ = true;  // writes closed and queue cleared when the read failed
         status = read_status_.ok() ? finish_status_ : read_status_;
       }
-      cq_.Shutdown();  // the queue drains the remaining completions, then ends
       on_close_(status);
       return;
     }
@@ -868,73 +995,48 @@ void PeerStream::maybe_finish() {
   // Finish once reading has stopped and no write is in flight.
   if (!read_failed_ || write_in_flight_ || finish_started_) return;
   finish_started_ = true;
-  call_->Finish(&finish_status_, tag(kFinish));
-}
-
-void PeerStream::background_loop() {
-  // A caller that said it would read but has not started within this long
-  // (it dropped its future, or is descheduled) is not waited for.
-  constexpr absl::Duration kReservationGrace = absl::Milliseconds(5);
-  while (true) {
-    bool take_over = false;
-    {
-      absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return drained_ || (!driving_ && has_work() && (reserved_ == 0 || closing_));
-      };
-      auto reserved_idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !driving_ && has_work() && reserved_ > 0 && !closing_;
-      };
-      auto ready_or_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return ready() || reserved_idle();
-      };
-      auto ready_or_not_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return ready() || !reserved_idle();
-      };
-      while (!ready()) {
-        mu_.Await(absl::Condition(&ready_or_reserved));
-        if (ready()) break;
-        if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_not_reserved), kReservationGrace)) {
-          take_over = true;
-          break;
-        }
-      }
-      if (drained_) return;
-      driving_ = true;
-    }
-    run_events(
-        [this, take_over] {
-          absl::MutexLock lock(&mu_);
-          return !has_work() || (!take_over && reserved_ > 0 && !closing_);
-        },
-        absl::InfiniteFuture());
-    absl::MutexLock lock(&mu_);
-    driving_ = false;
-  }
+  call_->Finish(&finish_status_, post(kFinish));
 }
 
 void PeerStream::close(bool graceful) {
+  auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return finished_ && ops_pending_ == 0;
+  };
   {
     absl::MutexLock lock(&mu_);
     if (closing_) return;
     closing_ = true;
     // The stream's end (the peer's, or our cancel below) arrives as a failed
     // read, which starts Finish.
-    if (claim_read()) call_->Read(&read_buffer_, tag(kRead));
+    if (claim_read()) call_->Read(&read_buffer_, post(kRead));
     if (graceful && !writes_closed_) {
       if (write_in_flight_) {
         half_close_ = true;
       } else {
         writes_closed_ = true;
-        call_->WritesDone(tag(kWritesDone));
+        call_->WritesDone(post(kWritesDone));
       }
       // The peer ends the stream once it has answered everything it received.
-      mu_.AwaitWithTimeout(absl::Condition(&finished_), absl::Seconds(5));
+      if (!client_queue_->reading_here()) {
+        mu_.AwaitWithTimeout(absl::Condition(&finished_), absl::Seconds(5));
+      }
     }
     writes_closed_ = true;
   }
   ctx_.TryCancel();
-  if (background_.joinable()) background_.join();
+  // Every completion of this stream has run once the queue's reader (this
+  // thread, if it holds the role) has handled them.
+  if (client_queue_->reading_here()) {
+    client_queue_->drive(
+        [this, &over] {
+          absl::MutexLock lock(&mu_);
+          return over();
+        },
+        absl::InfiniteFuture(), /*reserved=*/false);
+  } else {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&over));
+  }
 }
 
 }  // namespace ddprpc::rpc::internal

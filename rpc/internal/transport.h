@@ -6,7 +6,8 @@
 //   Both ends use gRPC's asynchronous API, each queue read by one thread at
 //   a time, so that a message wakes one thread.
 // - PeerStream: the caller's side of a stream; replies go to a callback,
-//   run by a waiting caller or the stream's background thread.
+//   run by a waiting caller or the background thread of the ClientQueue
+//   that all of a process's streams share.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -71,66 +72,116 @@ class TransportServer {
   int port_ = 0;
 };
 
-// The caller's end of a stream to one peer, on gRPC's asynchronous API.
-// One thread at a time reads its completion queue (replies and write
-// completions): a caller waiting for its own reply (drive()), so that the
-// reply needs no thread hop, or else the stream's background thread, which
-// reads while replies or writes are outstanding and no caller does.
+class PeerStream;
+
+// The completion queue of all of a process's PeerStreams, read by one
+// thread at a time (the reading role): a caller waiting for a reply
+// (drive()), so that replies need no thread hop and one thread reads every
+// stream a fan-out of calls waits on, or else the queue's background
+// thread, which reads while operations are outstanding and no caller does.
+class ClientQueue {
+ public:
+  ClientQueue();
+  // Drains the queue and joins the background thread; every stream must
+  // have been closed.
+  ~ClientQueue();
+  ClientQueue(const ClientQueue&) = delete;
+  ClientQueue& operator=(const ClientQueue&) = delete;
+
+  // A caller will drive() for a reply at once (SyncCallScope): the
+  // background thread leaves the queue to it for a few milliseconds. Every
+  // reserve() is given back by one drive() with `reserved` or one
+  // unreserve().
+  void reserve();
+  void unreserve();
+  // Reads the queue on this thread, running the streams' events, until
+  // done() or `deadline`; returns at once when another thread reads it.
+  void drive(const std::function<bool()>& done, absl::Time deadline, bool reserved);
+
+ private:
+  friend class PeerStream;
+  struct Tag {
+    PeerStream* stream;
+    int op;
+  };
+  grpc::CompletionQueue* cq() { return &cq_; }
+  // Counts an operation about to be posted; its completion uncounts it.
+  void will_post();
+  // True when this thread holds the reading role.
+  bool reading_here() const;
+  void run_events(const std::function<bool()>& done, absl::Time deadline);
+  void background_loop();
+
+  grpc::CompletionQueue cq_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted operations not yet completed
+  int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // callers about to drive()
+  bool driving_ ABSL_GUARDED_BY(mu_) = false; // a thread holds the reading role
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the queue returned SHUTDOWN
+  std::thread background_;  // last: starts after the state above exists
+};
+
+// The caller's end of a stream to one peer, on gRPC's asynchronous API,
+// its completions read from a ClientQueue. The stream keeps itself alive
+// while it has operations posted; close() it before letting it go.
 class PeerStream {
  public:
   using OnFrame = std::function<void(Frame)>;
   // Called once when the stream ends, with why (OK after close()).
   using OnClose = std::function<void(const grpc::Status&)>;
 
-  PeerStream(const std::string& address, OnFrame on_frame, OnClose on_close);
+  // `queue` must outlive the stream's operations (close() waits for them).
+  static std::shared_ptr<PeerStream> open(const std::string& address, ClientQueue* queue,
+                                          OnFrame on_frame, OnClose on_close);
   ~PeerStream();
 
   // Queues a frame; false when the stream is closed or broken.
   // `expects_reply`: the peer answers it with one frame. `caller_drives`:
-  // the sender drive()s for that reply at once, so the background thread
-  // is not woken for it; every such send must be followed by one drive()
-  // with `reserved` or by one unreserve().
+  // the sender drive()s the queue for that reply at once (see
+  // ClientQueue::reserve(), which this call makes).
   bool send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives);
-  // Reads the stream on this thread, running on_frame for what arrives,
-  // until done() or `deadline`; returns at once when another thread reads.
-  void drive(const std::function<bool()>& done, absl::Time deadline, bool reserved);
-  // Gives back a send's caller_drives reservation without driving.
-  void unreserve();
   bool broken() const;
   // graceful: half-close and wait (at most 5 s) for the peer to end the
-  // stream; otherwise cancel at once. Joins the background thread.
+  // stream; otherwise cancel at once. Returns once every operation of the
+  // stream has completed: no callback runs after it.
   void close(bool graceful);
 
  private:
+  friend class ClientQueue;
   enum Op { kStart, kRead, kWrite, kWritesDone, kFinish, kNumOps };
-  void* tag(Op op) { return &tags_[op]; }
-  // Runs completion-queue events until done() or `deadline` (or the queue
-  // is drained). The caller holds the reading role (driving_).
-  void run_events(const std::function<bool()>& done, absl::Time deadline);
+  PeerStream(const std::string& address, ClientQueue* queue, OnFrame on_frame, OnClose on_close);
+  // Counts operation `op` and returns its tag; the caller posts it (it may
+  // do so after releasing mu_).
+  void* post(Op op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs one completion; returns the stream's own reference once its last
+  // operation has completed after the end, for the queue to drop.
+  std::shared_ptr<PeerStream> on_event(int op, bool ok);
   void handle(Op op, bool ok);
   void read_failed(const grpc::Status& why);
   // Marks a read as posted, unless one is or reading has failed; the caller
   // then posts it (it may do so after releasing mu_).
   bool claim_read() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts the write of `frame`; write_in_flight_ was set for it.
-  void write(const grpc::ByteBuffer& frame, bool more);
+  void write(const grpc::ByteBuffer& frame, bool more, void* tag);
   void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool has_work() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void background_loop();
 
   const OnFrame on_frame_;
   const OnClose on_close_;
+  ClientQueue* const client_queue_;
   grpc::ClientContext ctx_;
   std::shared_ptr<grpc::Channel> channel_;
-  grpc::CompletionQueue cq_;
   std::unique_ptr<grpc::ClientAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call_;
-  char tags_[kNumOps] = {};
-  // Used only by the thread holding the reading role.
+  ClientQueue::Tag tags_[kNumOps];
+  // Used only by the thread handling the read's completion.
   grpc::ByteBuffer read_buffer_;
   grpc::Status finish_status_;
 
   mutable absl::Mutex mu_;
   // State below is protected by mu_.
+  std::shared_ptr<PeerStream> self_ ABSL_GUARDED_BY(mu_);  // while operations are posted
+  int ops_pending_ ABSL_GUARDED_BY(mu_) = 0;
   std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);  // waiting to be written
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool writes_closed_ ABSL_GUARDED_BY(mu_) = false;  // no new writes start
@@ -140,12 +191,8 @@ class PeerStream {
   grpc::Status read_status_ ABSL_GUARDED_BY(mu_);    // why reading stopped, if not the peer
   bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;       // the stream has ended
-  bool drained_ ABSL_GUARDED_BY(mu_) = false;        // the queue returned SHUTDOWN
   bool closing_ ABSL_GUARDED_BY(mu_) = false;        // close() was called
   int64_t expecting_ ABSL_GUARDED_BY(mu_) = 0;       // replies not yet read
-  int reserved_ ABSL_GUARDED_BY(mu_) = 0;            // callers about to drive()
-  bool driving_ ABSL_GUARDED_BY(mu_) = false;        // a thread holds the reading role
-  std::thread background_;
 };
 
 // Channel arguments tuned for large tensors on fast links.
