@@ -40,6 +40,7 @@ at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& off
   std::vector<rpc::Future<at::Tensor>> lookups;
   lookups.reserve(tables_.size());
   for (const auto& table : tables_) {
+    rpc::SyncCallScope waited_at_once;  // this thread reads the replies
     lookups.push_back(table.rpc_async(&EmbeddingTable::forward, indices, offsets));
   }
   return dense_->forward(at::cat(rpc::wait_all(lookups), /*dim=*/1));

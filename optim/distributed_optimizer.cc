@@ -120,6 +120,7 @@ void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
     if (opt.is_owner()) {
       local = opt.local_value().get();  // this worker's parameters: no RPC
     } else {
+      rpc::SyncCallScope waited_at_once;  // this thread reads the replies
       steps.push_back(opt.rpc_async(&LocalOptimizer::step, context_id));
     }
   }

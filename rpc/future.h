@@ -285,6 +285,14 @@ Future<std::vector<Future<T>>> collect_all(std::vector<Future<T>> futures) {
     out.set_result({});
     return out;
   }
+  // Waiting on the result reads replies like waiting on an input would (the
+  // inputs' drivers all read the same process-wide queue).
+  for (const auto& f : futures) {
+    if (auto driver = f.driver()) {
+      out.set_driver(std::move(driver));
+      break;
+    }
+  }
   auto remaining = std::make_shared<std::atomic<size_t>>(futures.size());
   auto all = std::make_shared<std::vector<Future<T>>>(futures);
   for (const auto& f : futures) {
@@ -301,7 +309,11 @@ template <typename T>
 std::vector<typename Future<T>::stored_type> wait_all(
     const std::vector<Future<T>>& futures) {
   for (const auto& f : futures) {
-    f.wait_for(absl::InfiniteDuration());
+    try {
+      f.wait();  // reads replies itself when it can
+    } catch (...) {
+      // Rethrown below, in input order.
+    }
   }
   std::vector<typename Future<T>::stored_type> values;
   values.reserve(futures.size());
