@@ -357,12 +357,10 @@ class DistAutogradHook : public rpc::RpcHook {
 
 // Runs the local engine from `roots` and, for every recv function reached,
 // sends its gradients back to the sender. Returns those sends' futures.
-// `caller_waits`: this thread waits for them once the pass is done (the
-// root of backward()), so it reads their replies itself.
 std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextState>& ctx,
                                                const torch::autograd::edge_list& roots,
                                                const std::vector<at::Tensor>& grads,
-                                               bool retain_graph, bool caller_waits) {
+                                               bool retain_graph) {
   torch::autograd::edge_list outputs, recv_outputs;  // leaves first, then recv inputs
   std::vector<at::Tensor> leaves;
   std::vector<RecvRpcBackward*> recvs;
@@ -405,8 +403,6 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
     std::vector<at::Tensor> recv_grads(results.begin() + next,
                                        results.begin() + next + recv->num_inputs());
     next += recv->num_inputs();
-    std::optional<rpc::SyncCallScope> waited;
-    if (caller_waits) waited.emplace();
     sends.push_back(rpc::current_agent()->call(
         recv->src, kPropagate,
         {c10::IValue(ctx->id), c10::IValue(recv->message_id),
@@ -463,7 +459,7 @@ rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vec
   if (grads.size() != send->num_inputs()) {
     throw std::invalid_argument("dist_autograd: gradient count does not match the send function");
   }
-  return all_done(run_pass(ctx, roots, grads, retain_graph, /*caller_waits=*/false));
+  return all_done(run_pass(ctx, roots, grads, retain_graph));
 }
 DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_propagate, kPropagate, propagate);
 
@@ -536,7 +532,9 @@ void backward(ContextId context_id, const std::vector<at::Tensor>& roots, bool r
     edges.push_back(torch::autograd::impl::gradient_edge(root));
     grads.push_back(at::ones_like(root));
   }
-  all_done(run_pass(ctx, edges, grads, retain_graph, /*caller_waits=*/true)).value();
+  // This thread waits for the pass's sends: it reads their replies itself.
+  rpc::SyncCallScope waited_here;
+  all_done(run_pass(ctx, edges, grads, retain_graph)).value();
 }
 
 c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id) {

@@ -39,11 +39,12 @@ HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t 
 at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& offsets) {
   std::vector<rpc::Future<at::Tensor>> lookups;
   lookups.reserve(tables_.size());
+  rpc::SyncCallScope waited_here;  // this thread reads the replies
   for (const auto& table : tables_) {
-    rpc::SyncCallScope waited_at_once;  // this thread reads the replies
     lookups.push_back(table.rpc_async(&EmbeddingTable::forward, indices, offsets));
   }
-  return dense_->forward(at::cat(rpc::wait_all(lookups), /*dim=*/1));
+  at::Tensor embedded = at::cat(rpc::wait_all(lookups), /*dim=*/1);
+  return dense_->forward(embedded);
 }
 
 std::vector<rpc::RRef<at::Tensor>> HybridModel::parameter_rrefs() {

@@ -116,11 +116,11 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind,
 void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
   std::vector<rpc::Future<int64_t>> steps;
   const LocalOptimizer* local = nullptr;
+  rpc::SyncCallScope waited_here;  // this thread reads the replies
   for (const auto& opt : optimizers_) {
     if (opt.is_owner()) {
       local = opt.local_value().get();  // this worker's parameters: no RPC
     } else {
-      rpc::SyncCallScope waited_at_once;  // this thread reads the replies
       steps.push_back(opt.rpc_async(&LocalOptimizer::step, context_id));
     }
   }

@@ -25,25 +25,8 @@ using internal::Frame;
 using HookStates = absl::InlinedVector<std::shared_ptr<void>, 2>;
 
 thread_local const CallContext* t_current_call = nullptr;
-// Set by SyncCallScope; taken by the next call this thread sends.
-thread_local bool t_caller_waits = false;
-
-// A caller_drives reservation on the client queue, given back by the
-// caller's drive(), or when the call's future goes away without one.
-class Reservation {
- public:
-  explicit Reservation(std::weak_ptr<internal::ClientQueue> queue) : queue_(std::move(queue)) {}
-  ~Reservation() {
-    if (held_.exchange(false)) {
-      if (auto q = queue_.lock()) q->unreserve();
-    }
-  }
-  bool take() { return held_.exchange(false); }
-
- private:
-  const std::weak_ptr<internal::ClientQueue> queue_;
-  std::atomic<bool> held_{true};
-};
+// The innermost SyncCallScope of this thread, or nullptr.
+thread_local SyncCallScope* t_sync_scope = nullptr;
 
 class CallScope {
  public:
@@ -118,8 +101,11 @@ void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& ho
 
 const CallContext* current_call() { return t_current_call; }
 
-SyncCallScope::SyncCallScope() : saved_(t_caller_waits) { t_caller_waits = true; }
-SyncCallScope::~SyncCallScope() { t_caller_waits = saved_; }
+SyncCallScope::SyncCallScope() : saved_(t_sync_scope) { t_sync_scope = this; }
+SyncCallScope::~SyncCallScope() {
+  t_sync_scope = saved_;
+  if (auto queue = reserved_.lock()) queue->unreserve();
+}
 
 namespace {
 // Debian builds abseil with Mutex deadlock detection on; it tracks every
@@ -270,7 +256,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
                                            const char* api, const std::string& display,
                                            bool one_way) {
   Future<c10::IValue> future;
-  const bool caller_waits = !one_way && std::exchange(t_caller_waits, false);
+
   if (to < 0 || to >= static_cast<int>(workers_.size())) {
     future.set_error(RpcError(ErrorCode::kInvalidArgument,
                               absl::StrCat(api, "('", function, "'): unknown worker id ", to)));
@@ -324,8 +310,13 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
       if (call.deadline != absl::InfiniteFuture()) deadlines_.emplace(call.deadline, id);
     }
   }
+  // Before the request goes: the background reader leaves its reply to us.
+  if (!one_way && t_sync_scope && !t_sync_scope->reserved_.lock()) {
+    client_queue_->reserve();
+    t_sync_scope->reserved_ = client_queue_;
+  }
   std::shared_ptr<internal::PeerStream> stream = peer(to);
-  const bool sent = stream->send(internal::serialize_frame(frame), !one_way, caller_waits);
+  const bool sent = stream->send(internal::serialize_frame(frame), !one_way);
   if (one_way) {
     if (sent) {
       future.set_result(c10::IValue());
@@ -343,14 +334,12 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     }
     return future;
   }
-  // A waiter reads the queue itself when no other thread does.
+  // A waiter reads the queue itself.
   std::weak_ptr<internal::ClientQueue> weak = client_queue_;
-  auto reservation = caller_waits ? std::make_shared<Reservation>(weak) : nullptr;
   const absl::Time deadline = call.deadline;
   future.set_driver(std::make_shared<const internal::FutureDriver>(
-      [weak, reservation, deadline](const std::function<bool()>& done) {
-        const bool reserved = reservation && reservation->take();
-        if (auto q = weak.lock()) q->drive(done, deadline, reserved);
+      [weak, deadline](const std::function<bool()>& done, absl::Time until) {
+        if (auto q = weak.lock()) q->drive(done, std::min(deadline, until));
       }));
   return future;
 }

@@ -79,10 +79,12 @@ struct CallContext {
 // The request being served on this thread, or nullptr outside a request.
 const CallContext* current_call();
 
-// Within its scope, the next call this thread makes is one it waits for at
-// once (rpc_sync, RRef::rpc_sync, RRef::to_here): the waiting thread reads
-// the reply itself (and any other that arrives meanwhile) instead of being
-// woken by the client queue's background reader.
+// Within its scope, this thread waits (Future::wait, value, wait_for,
+// wait_all) for the calls it makes before the scope ends, as rpc_sync,
+// RRef::rpc_sync, RRef::to_here and fan-outs waited with wait_all do. The
+// waiting thread then reads the replies itself, and the client queue's
+// background reader is not woken for them; replies of calls nobody waits
+// for (callbacks only) are read once the scope ends or a thread waits.
 class SyncCallScope {
  public:
   SyncCallScope();
@@ -91,7 +93,10 @@ class SyncCallScope {
   SyncCallScope& operator=(const SyncCallScope&) = delete;
 
  private:
-  const bool saved_;
+  friend class RpcAgent;
+  SyncCallScope* const saved_;
+  // The queue this scope holds the background reader off (the first call's).
+  std::weak_ptr<internal::ClientQueue> reserved_;
 };
 
 class RpcAgent {

@@ -48,9 +48,10 @@ struct IsFuture<Future<T>> : std::true_type {};
 
 // Lets a waiter make progress on what a future waits for on its own thread
 // (e.g. read the reply itself) instead of sleeping until another thread
-// completes it. It returns when it stops; done() says whether the future has
-// completed. It must not throw.
-using FutureDriver = std::function<void(const std::function<bool()>& done)>;
+// completes it. It returns when done() (whether the future has completed)
+// or at `until` at the latest, or when it cannot help. It must not throw.
+using FutureDriver =
+    std::function<void(const std::function<bool()>& done, absl::Time until)>;
 
 template <typename T>
 struct FutureState {
@@ -90,14 +91,14 @@ class Future {
 
   // Blocks until completed; rethrows the error if there is one.
   void wait() const {
-    wait_done();
+    wait_done(absl::InfiniteFuture());
     if (state_->error) std::rethrow_exception(state_->error);
   }
 
   // Blocks at most `timeout`; true when the future has completed. Never throws.
   bool wait_for(absl::Duration timeout) const {
-    absl::MutexLock lock(&state_->mu);
-    return state_->mu.AwaitWithTimeout(absl::Condition(&state_->done), timeout);
+    return wait_done(timeout == absl::InfiniteDuration() ? absl::InfiniteFuture()
+                                                         : absl::Now() + timeout);
   }
 
   // Blocks until completed and returns the value, or rethrows the error.
@@ -226,21 +227,24 @@ class Future {
  private:
   using State = internal::FutureState<T>;
 
-  void wait_done() const {
+  // True once completed; false if `until` passed first.
+  bool wait_done(absl::Time until) const {
     std::shared_ptr<const internal::FutureDriver> driver;
     {
       absl::MutexLock lock(&state_->mu);
-      if (state_->done) return;
+      if (state_->done) return true;
       driver = state_->driver;
     }
     if (driver) {
-      (*driver)([state = state_.get()] {
-        absl::MutexLock lock(&state->mu);
-        return state->done;
-      });
+      (*driver)(
+          [state = state_.get()] {
+            absl::MutexLock lock(&state->mu);
+            return state->done;
+          },
+          until);
     }
     absl::MutexLock lock(&state_->mu);
-    state_->mu.Await(absl::Condition(&state_->done));
+    return state_->mu.AwaitWithDeadline(absl::Condition(&state_->done), until);
   }
 
   // With `once`, completing twice is a logic error; without, the second
@@ -308,13 +312,7 @@ Future<std::vector<Future<T>>> collect_all(std::vector<Future<T>> futures) {
 template <typename T>
 std::vector<typename Future<T>::stored_type> wait_all(
     const std::vector<Future<T>>& futures) {
-  for (const auto& f : futures) {
-    try {
-      f.wait();  // reads replies itself when it can
-    } catch (...) {
-      // Rethrown below, in input order.
-    }
-  }
+  for (const auto& f : futures) f.wait_for(absl::InfiniteDuration());
   std::vector<typename Future<T>::stored_type> values;
   values.reserve(futures.size());
   for (const auto& f : futures) values.push_back(f.value());

@@ -124,7 +124,7 @@ TEST(FutureTest, WaitRunsTheDriverAndThenInheritsIt) {
   auto token = std::make_shared<int>(0);
   std::weak_ptr<int> alive = token;
   f.set_driver(std::make_shared<const internal::FutureDriver>(
-      [f, &calls, token](const std::function<bool()>& done) {
+      [f, &calls, token](const std::function<bool()>& done, absl::Time) {
         ++calls;
         EXPECT_FALSE(done());
         f.set_result(7);  // the waiter made the progress itself
@@ -146,13 +146,28 @@ TEST(FutureTest, WaitRunsTheDriverAndThenInheritsIt) {
 TEST(FutureTest, WaitSleepsWhenTheDriverGivesUp) {
   Future<int> f;
   f.set_driver(std::make_shared<const internal::FutureDriver>(
-      [](const std::function<bool()>&) {}));
+      [](const std::function<bool()>&, absl::Time) {}));
   std::thread t([f] {
     absl::SleepFor(absl::Milliseconds(20));
     f.set_result(3);
   });
   EXPECT_EQ(f.value(), 3);
   t.join();
+}
+
+// wait_for() drives too, bounded by its own timeout.
+TEST(FutureTest, WaitForRunsTheDriverUntilItsTimeout) {
+  Future<int> f;
+  absl::Time until_seen;
+  f.set_driver(std::make_shared<const internal::FutureDriver>(
+      [&until_seen](const std::function<bool()>& done, absl::Time until) {
+        until_seen = until;
+        EXPECT_FALSE(done());
+      }));
+  const absl::Time before = absl::Now();
+  EXPECT_FALSE(f.wait_for(absl::Milliseconds(30)));
+  EXPECT_GE(until_seen, before + absl::Milliseconds(30));
+  EXPECT_LE(until_seen, absl::Now());
 }
 
 }  // namespace

@@ -109,13 +109,10 @@ template <typename R = c10::IValue, typename... Args>
 R rpc_sync(const CallOptions& options, const std::string& to, const std::string& function,
            Args&&... args) {
   std::shared_ptr<RpcAgent> agent = current_agent();
-  Future<c10::IValue> raw;
-  {
-    SyncCallScope waits_at_once;
-    raw = agent->call(agent->worker(to).id, function,
-                      internal::pack_args(std::forward<Args>(args)...), options.timeout,
-                      "rpc_sync");
-  }
+  SyncCallScope waits_at_once;
+  Future<c10::IValue> raw = agent->call(agent->worker(to).id, function,
+                                        internal::pack_args(std::forward<Args>(args)...),
+                                        options.timeout, "rpc_sync");
   const c10::IValue& value = raw.value();
   if constexpr (std::is_void_v<R>) {
     return;

@@ -717,21 +717,26 @@ void ClientQueue::unreserve() {
 
 bool ClientQueue::reading_here() const { return t_reading == this; }
 
-void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline, bool reserved) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (reserved && reserved_ > 0) --reserved_;
-    if (reading_here()) {
-      // Nested (a callback run by this thread waits): read on.
-    } else if (driving_ || drained_) {
-      return;
-    } else {
-      driving_ = true;
-    }
-  }
-  if (reading_here()) {
+void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline) {
+  if (reading_here()) {  // nested: a callback run by this thread waits
     run_events(done, deadline);
     return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    // done() is evaluated under mu_: the reader takes mu_ after each event.
+    auto role_or_done = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !driving_ || drained_ || done();
+    };
+    while (driving_ && !drained_) {
+      ++want_role_;
+      const bool woken = mu_.AwaitWithDeadline(absl::Condition(&role_or_done), deadline);
+      --want_role_;
+      if (!woken) return;
+      if (done()) return;
+    }
+    if (drained_) return;
+    driving_ = true;
   }
   {
     ReadingScope scope(this);
@@ -772,43 +777,25 @@ void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadl
 }
 
 void ClientQueue::background_loop() {
-  // A caller that said it would read but has not started within this long
-  // (it dropped its future, or is descheduled) is not waited for.
-  constexpr absl::Duration kReservationGrace = absl::Milliseconds(5);
   ReadingScope scope(this);
   while (true) {
-    bool take_over = false;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return drained_ ||
                (!driving_ && (shutting_down_ || (pending_ > 0 && reserved_ == 0)));
       };
-      auto reserved_idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return !driving_ && !shutting_down_ && pending_ > 0 && reserved_ > 0;
-      };
-      auto ready_or_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return ready() || reserved_idle();
-      };
-      auto ready_or_not_reserved = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return ready() || !reserved_idle();
-      };
-      while (!ready()) {
-        mu_.Await(absl::Condition(&ready_or_reserved));
-        if (ready()) break;
-        if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_not_reserved), kReservationGrace)) {
-          take_over = true;
-          break;
-        }
-      }
+      mu_.Await(absl::Condition(&ready));
       if (drained_) return;
       driving_ = true;
     }
+    // Until nothing is outstanding, a caller reserves the queue or wants
+    // the role (it reads from here on).
     run_events(
-        [this, take_over] {
+        [this] {
           absl::MutexLock lock(&mu_);
           if (shutting_down_) return false;  // read until drained
-          return pending_ == 0 || (!take_over && reserved_ > 0);
+          return pending_ == 0 || reserved_ > 0 || want_role_ > 0;
         },
         absl::InfiniteFuture());
     absl::MutexLock lock(&mu_);
@@ -858,15 +845,13 @@ bool PeerStream::broken() const {
   return read_failed_ || (writes_closed_ && !closing_);
 }
 
-bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives) {
+bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply) {
   void* write_tag = nullptr;
   void* read_tag = nullptr;
   {
     absl::MutexLock lock(&mu_);
     if (writes_closed_ || closing_) return false;
     if (expects_reply) ++expecting_;
-    // Before the operations count: the background thread leaves them to us.
-    if (caller_drives) client_queue_->reserve();
     if (!write_in_flight_) {
       write_in_flight_ = true;  // this thread writes it, below
       write_tag = post(kWrite);
@@ -1032,7 +1017,7 @@ void PeerStream::close(bool graceful) {
           absl::MutexLock lock(&mu_);
           return over();
         },
-        absl::InfiniteFuture(), /*reserved=*/false);
+        absl::InfiniteFuture());
   } else {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(&over));

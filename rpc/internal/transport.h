@@ -88,15 +88,14 @@ class ClientQueue {
   ClientQueue(const ClientQueue&) = delete;
   ClientQueue& operator=(const ClientQueue&) = delete;
 
-  // A caller will drive() for a reply at once (SyncCallScope): the
-  // background thread leaves the queue to it for a few milliseconds. Every
-  // reserve() is given back by one drive() with `reserved` or one
-  // unreserve().
+  // While reservations are held (SyncCallScope: callers that will wait for
+  // their calls), the background thread leaves the queue to those callers.
   void reserve();
   void unreserve();
   // Reads the queue on this thread, running the streams' events, until
-  // done() or `deadline`; returns at once when another thread reads it.
-  void drive(const std::function<bool()>& done, absl::Time deadline, bool reserved);
+  // done() or `deadline`. While another thread reads, waits for done() or
+  // for the role (which that thread then hands over after its event).
+  void drive(const std::function<bool()>& done, absl::Time deadline);
 
  private:
   friend class PeerStream;
@@ -116,8 +115,9 @@ class ClientQueue {
   absl::Mutex mu_;
   // State below is protected by mu_.
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted operations not yet completed
-  int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // callers about to drive()
+  int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // see reserve()
   bool driving_ ABSL_GUARDED_BY(mu_) = false; // a thread holds the reading role
+  int want_role_ ABSL_GUARDED_BY(mu_) = 0;    // drive()rs waiting for it
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the queue returned SHUTDOWN
   std::thread background_;  // last: starts after the state above exists
@@ -138,10 +138,8 @@ class PeerStream {
   ~PeerStream();
 
   // Queues a frame; false when the stream is closed or broken.
-  // `expects_reply`: the peer answers it with one frame. `caller_drives`:
-  // the sender drive()s the queue for that reply at once (see
-  // ClientQueue::reserve(), which this call makes).
-  bool send(grpc::ByteBuffer frame, bool expects_reply, bool caller_drives);
+  // `expects_reply`: the peer answers it with one frame.
+  bool send(grpc::ByteBuffer frame, bool expects_reply);
   bool broken() const;
   // graceful: half-close and wait (at most 5 s) for the peer to end the
   // stream; otherwise cancel at once. Returns once every operation of the
