@@ -723,25 +723,14 @@ void ClientQueue::unreserve() {
 
 bool ClientQueue::reading_here() const { return t_reading == this; }
 
-void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline) {
+bool ClientQueue::read_if_free(const std::function<bool()>& done, absl::Time deadline) {
   if (reading_here()) {  // nested: a callback run by this thread waits
     run_events(done, deadline);
-    return;
+    return true;
   }
   {
     absl::MutexLock lock(&mu_);
-    // done() is evaluated under mu_: the reader takes mu_ after each event.
-    auto role_or_done = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return !driving_ || drained_ || done();
-    };
-    while (driving_ && !drained_) {
-      ++want_role_;
-      const bool woken = mu_.AwaitWithDeadline(absl::Condition(&role_or_done), deadline);
-      --want_role_;
-      if (!woken) return;
-      if (done()) return;
-    }
-    if (drained_) return;
+    if (driving_ || drained_) return false;
     driving_ = true;
   }
   {
@@ -750,6 +739,21 @@ void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline) 
   }
   absl::MutexLock lock(&mu_);
   driving_ = false;
+  return true;
+}
+
+void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline) {
+  while (!read_if_free(done, deadline)) {
+    absl::MutexLock lock(&mu_);
+    // done() is evaluated under mu_: the reader takes mu_ after each event.
+    auto role_or_done = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !driving_ || drained_ || done();
+    };
+    ++want_role_;
+    const bool woken = mu_.AwaitWithDeadline(absl::Condition(&role_or_done), deadline);
+    --want_role_;
+    if (!woken || drained_ || done()) return;
+  }
 }
 
 void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadline) {
@@ -990,7 +994,7 @@ void PeerStream::maybe_finish() {
 }
 
 void PeerStream::close(bool graceful) {
-  auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  const std::function<bool()> over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return finished_ && ops_pending_ == 0;
   };
   {
@@ -1008,26 +1012,36 @@ void PeerStream::close(bool graceful) {
         call_->WritesDone(post(kWritesDone));
       }
       // The peer ends the stream once it has answered everything it received.
-      if (!client_queue_->reading_here()) {
-        mu_.AwaitWithTimeout(absl::Condition(&finished_), absl::Seconds(5));
-      }
+      wait_reading([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_; },
+                   absl::Now() + absl::Seconds(5));
     }
     writes_closed_ = true;
   }
   ctx_.TryCancel();
-  // Every completion of this stream has run once the queue's reader (this
-  // thread, if it holds the role) has handled them.
-  if (client_queue_->reading_here()) {
-    client_queue_->drive(
-        [this, &over] {
-          absl::MutexLock lock(&mu_);
-          return over();
-        },
-        absl::InfiniteFuture());
-  } else {
+  // Every completion of this stream has run once the queue's reader has
+  // handled them.
+  absl::MutexLock lock(&mu_);
+  wait_reading(over, absl::InfiniteFuture());
+}
+
+bool PeerStream::wait_reading(const std::function<bool()>& cond, absl::Time deadline) {
+  // Read on this thread whenever no other does: the background reader
+  // stays off while a SyncCallScope is open anywhere in the process.
+  constexpr absl::Duration kSlice = absl::Milliseconds(20);
+  const std::function<bool()> cond_unlocked = [this, &cond] {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(&over));
+    return cond();
+  };
+  while (!cond()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) return false;
+    const absl::Time until = std::min(deadline, now + kSlice);
+    mu_.Unlock();
+    const bool read = client_queue_->read_if_free(cond_unlocked, until);
+    mu_.Lock();
+    if (!read) mu_.AwaitWithDeadline(absl::Condition(&cond), until);
   }
+  return true;
 }
 
 }  // namespace ddprpc::rpc::internal

@@ -108,6 +108,8 @@ class ClientQueue {
   void will_post();
   // True when this thread holds the reading role.
   bool reading_here() const;
+  // Reads (as drive()) if no other thread does; false if one does.
+  bool read_if_free(const std::function<bool()>& done, absl::Time deadline);
   void run_events(const std::function<bool()>& done, absl::Time deadline);
   void background_loop();
 
@@ -164,6 +166,10 @@ class PeerStream {
   // Starts the write of `frame`; write_in_flight_ was set for it.
   void write(const grpc::ByteBuffer& frame, bool more, void* tag);
   void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (mu_ held; released meanwhile) until cond() or `deadline`,
+  // reading the queue itself whenever no other thread does.
+  bool wait_reading(const std::function<bool()>& cond, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const OnFrame on_frame_;
   const OnClose on_close_;
