@@ -775,9 +775,10 @@ void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadl
         break;
       case grpc::CompletionQueue::GOT_EVENT: {
         const auto* tag = static_cast<const Tag*>(got);
+        const int op = tag->op;
         // Dropped after the count: the stream may go with it.
-        std::shared_ptr<PeerStream> ended = tag->stream->on_event(tag->op, ok);
-        if (tag->op == PeerStream::kStart) break;  // not counted (see PeerStream::open)
+        std::shared_ptr<PeerStream> ended = tag->stream->on_event(op, ok);
+        if (op == PeerStream::kStart) break;  // not counted (see PeerStream::open)
         absl::MutexLock lock(&mu_);
         --pending_;
         break;
@@ -787,7 +788,6 @@ void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadl
 }
 
 void ClientQueue::background_loop() {
-  ReadingScope scope(this);
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -799,15 +799,18 @@ void ClientQueue::background_loop() {
       if (drained_) return;
       driving_ = true;
     }
-    // Until nothing is outstanding, a caller reserves the queue or wants
-    // the role (it reads from here on).
-    run_events(
-        [this] {
-          absl::MutexLock lock(&mu_);
-          if (shutting_down_) return false;  // read until drained
-          return pending_ == 0 || reserved_ > 0 || want_role_ > 0;
-        },
-        absl::InfiniteFuture());
+    // Reads until nothing is outstanding, or a caller reserves the queue or
+    // waits for the role (that caller reads from here on).
+    {
+      ReadingScope scope(this);
+      run_events(
+          [this] {
+            absl::MutexLock lock(&mu_);
+            if (shutting_down_) return false;  // read until drained
+            return pending_ == 0 || reserved_ > 0 || want_role_ > 0;
+          },
+          absl::InfiniteFuture());
+    }
     absl::MutexLock lock(&mu_);
     driving_ = false;
   }
