@@ -46,6 +46,41 @@ struct IsFuture : std::false_type {};
 template <typename T>
 struct IsFuture<Future<T>> : std::true_type {};
 
+// Work a thread holds back until it finishes what it is doing: RpcAgent
+// writes the replies that a request's handler completes (async execution,
+// e.g. a batch answered by its last caller) when the handler returns, so
+// completing a future costs no socket writes inside the handler (nor under
+// a lock it holds). A thread that is about to wait for a future runs its
+// held work first, so nothing held back can wait for what the thread waits
+// for. Scopes nest; each runs what it holds when it ends. Work must not throw.
+class HeldWork {
+ public:
+  HeldWork() : saved_(current_) { current_ = this; }
+  ~HeldWork() {
+    run();
+    current_ = saved_;
+  }
+  HeldWork(const HeldWork&) = delete;
+  HeldWork& operator=(const HeldWork&) = delete;
+
+  // The innermost scope on this thread, or nullptr.
+  static HeldWork* current() { return current_; }
+  void add(std::function<void()> work) { work_.push_back(std::move(work)); }
+  // Runs what is held, in the order it was added (work may add more).
+  void run() {
+    while (!work_.empty()) {
+      std::vector<std::function<void()>> batch;
+      batch.swap(work_);
+      for (auto& work : batch) work();
+    }
+  }
+
+ private:
+  static inline thread_local HeldWork* current_ = nullptr;
+  HeldWork* const saved_;
+  std::vector<std::function<void()>> work_;
+};
+
 // Lets a waiter make progress on what a future waits for on its own thread
 // (e.g. read the reply itself) instead of sleeping until another thread
 // completes it. It returns when done() (whether the future has completed)
@@ -229,6 +264,12 @@ class Future {
 
   // True once completed; false if `until` passed first.
   bool wait_done(absl::Time until) const {
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (state_->done) return true;
+    }
+    // About to wait: held work first (it may be what completes this future).
+    if (internal::HeldWork* held = internal::HeldWork::current()) held->run();
     std::shared_ptr<const internal::FutureDriver> driver;
     {
       absl::MutexLock lock(&state_->mu);

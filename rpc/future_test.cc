@@ -2,6 +2,7 @@
 
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -168,6 +169,24 @@ TEST(FutureTest, WaitForRunsTheDriverUntilItsTimeout) {
   EXPECT_FALSE(f.wait_for(absl::Milliseconds(30)));
   EXPECT_GE(until_seen, before + absl::Milliseconds(30));
   EXPECT_LE(until_seen, absl::Now());
+}
+
+TEST(FutureTest, HeldWorkRunsWhenItsScopeEndsOrBeforeAWait) {
+  std::vector<int> order;
+  {
+    internal::HeldWork held;
+    EXPECT_EQ(internal::HeldWork::current(), &held);
+    held.add([&] { order.push_back(1); });
+    Future<int> done = make_ready_future(3);
+    EXPECT_EQ(done.value(), 3);  // completed: nothing to wait for, nothing run
+    EXPECT_TRUE(order.empty());
+    Future<int> pending;
+    EXPECT_FALSE(pending.wait_for(absl::Milliseconds(1)));  // about to wait: runs it
+    EXPECT_EQ(order, std::vector<int>({1}));
+    held.add([&] { order.push_back(2); });
+  }
+  EXPECT_EQ(order, std::vector<int>({1, 2}));
+  EXPECT_EQ(internal::HeldWork::current(), nullptr);
 }
 
 }  // namespace

@@ -101,6 +101,21 @@ DDPRPC_REGISTER_FUNCTION(release_awaiting);
 void reset_awaited() { awaited() = rpc::Future<bool>(); }
 DDPRPC_REGISTER_FUNCTION(reset_awaited);
 
+// Completes `await_release`'s future (its reply is held until this handler
+// returns or waits), then waits for `ack`, which the caller sends only once
+// that reply has reached it: true when acknowledged, false after 10 s.
+rpc::Future<void>& acked() {
+  static auto* f = new rpc::Future<void>();
+  return *f;
+}
+bool release_then_await_ack() {
+  awaited().set_result(true);
+  return acked().wait_for(absl::Seconds(10));
+}
+DDPRPC_REGISTER_FUNCTION(release_then_await_ack);
+void ack() { acked().set_result(); }
+DDPRPC_REGISTER_FUNCTION(ack);
+
 std::atomic<int> g_busy_seen{0};
 int64_t busy_threads() { return rpc::current_agent()->busy_worker_threads(); }
 DDPRPC_REGISTER_FUNCTION(busy_threads);
@@ -376,6 +391,22 @@ MULTIPROCESS_TEST(RpcTest, AsyncReplyWaitingForTheCallersNextRequest, 2) {
       EXPECT_TRUE(waiting.value());
       rpc::rpc_sync<void>("worker0", "reset_awaited");
     }
+  }
+  rpc::shutdown();
+}
+
+// A reply that a handler completes is written when the handler returns or,
+// as here, before it waits: the handler waits for what that reply's caller
+// does next.
+MULTIPROCESS_TEST(RpcTest, HeldReplyGoesOutBeforeTheHandlerWaits, 2) {
+  init(2);
+  if (mp::rank() == 1) {
+    auto waiting = rpc::rpc_async<bool>("worker0", "await_release");
+    auto releasing = rpc::rpc_async<bool>("worker0", "release_then_await_ack");
+    ASSERT_TRUE(waiting.wait_for(absl::Seconds(20))) << "the released reply never came";
+    EXPECT_TRUE(waiting.value());
+    rpc::rpc_sync<void>("worker0", "ack");
+    EXPECT_TRUE(releasing.value()) << "the handler waited with the reply held";
   }
   rpc::shutdown();
 }
