@@ -4,9 +4,14 @@
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace ddprpc::models {
 namespace {
@@ -39,6 +44,23 @@ at::Tensor matmul_bt(const XnnOps& ops, const at::Tensor& a, const at::Tensor& b
   return stack[0].toTensor();
 }
 
+// Gradients of y = x W^T (+ b) for input, weight and bias, the products
+// arranged as in linear.h (ctx saved x, W and whether there is a bias).
+torch::autograd::variable_list linear_backward(torch::autograd::AutogradContext* ctx,
+                                               const torch::autograd::variable_list& grads) {
+  at::NoGradGuard no_grad;  // no double backward
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor& x = saved[0];
+  const at::Tensor& weight = saved[1];
+  const at::Tensor dy = grads[0].contiguous();  // [batch, out]
+  const XnnOps& ops = *xnn_ops();
+  at::Tensor dx, dw, db;
+  if (ctx->needs_input_grad(0)) dx = matmul_bt(ops, weight.t(), dy).t().contiguous();
+  if (ctx->needs_input_grad(1)) dw = matmul_bt(ops, dy.t(), x.t());
+  if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = dy.sum(0);
+  return {dx, dw, db};
+}
+
 // y = x W^T (+ b), the products arranged as in linear.h. The bias is
 // optional (an empty optional is not an input of the autograd node).
 class XnnLinear : public torch::autograd::Function<XnnLinear> {
@@ -54,17 +76,28 @@ class XnnLinear : public torch::autograd::Function<XnnLinear> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    at::NoGradGuard no_grad;  // no double backward
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
-    const at::Tensor& weight = saved[1];
-    const at::Tensor dy = grads[0].contiguous();  // [batch, out]
-    const XnnOps& ops = *xnn_ops();
-    at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = matmul_bt(ops, weight.t(), dy).t().contiguous();
-    if (ctx->needs_input_grad(1)) dw = matmul_bt(ops, dy.t(), x.t());
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = dy.sum(0);
-    return {dx, dw, db};
+    return linear_backward(ctx, grads);
+  }
+};
+
+// The same with W and b already packed (`packed`, from linear_clamp_prepack).
+class XnnLinearPacked : public torch::autograd::Function<XnnLinearPacked> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                            c10::IValue packed) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.has_value();
+    std::vector<c10::IValue> stack{x.detach(), std::move(packed)};
+    xnn_ops()->run.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out = linear_backward(ctx, grads);
+    out.emplace_back();  // `packed` is not differentiable
+    return out;
   }
 };
 
@@ -108,6 +141,69 @@ at::Tensor fast_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   if (!xnnpack_takes(x, weight, bias)) return at::linear(x, weight, bias);
   return XnnLinear::apply(x, weight,
                           bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt);
+}
+
+namespace internal {
+
+// What identifies the weight and bias a packed copy was made from.
+struct PackedKey {
+  const void* weight_data = nullptr;
+  int64_t weight_version = 0;
+  const void* bias_data = nullptr;
+  int64_t bias_version = 0;
+  bool operator==(const PackedKey& o) const {
+    return weight_data == o.weight_data && weight_version == o.weight_version &&
+           bias_data == o.bias_data && bias_version == o.bias_version;
+  }
+};
+
+struct PackedWeightCache {
+  absl::Mutex mu;
+  // State below is protected by mu.
+  PackedKey key ABSL_GUARDED_BY(mu);
+  c10::IValue packed ABSL_GUARDED_BY(mu);  // None until packed for `key`
+};
+
+}  // namespace internal
+
+void LinearImpl::cache_packed_weight(bool on) {
+  std::atomic_store(&cache_, on ? std::make_shared<internal::PackedWeightCache>() : nullptr);
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& input) {
+  std::shared_ptr<internal::PackedWeightCache> cache = std::atomic_load(&cache_);
+  auto plain = [](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided;
+  };
+  if (!cache || input.dim() != 2 || input.size(0) == 0 || input.size(1) != weight.size(1) ||
+      !plain(input) || !plain(weight) || (bias.defined() && !plain(bias)) ||
+      !xnnpack_linear_available()) {
+    return fast_linear(input, weight, bias);
+  }
+  internal::PackedKey key{weight.data_ptr(), weight._version(),
+                          bias.defined() ? bias.data_ptr() : nullptr,
+                          bias.defined() ? bias._version() : 0};
+  c10::IValue packed;
+  {
+    absl::MutexLock lock(&cache->mu);
+    if (!(cache->key == key)) {
+      cache->key = key;  // the first forward at this key
+      cache->packed = c10::IValue();
+    } else if (cache->packed.isNone()) {  // the second forward at this key
+      at::NoGradGuard no_grad;
+      std::vector<c10::IValue> stack{weight.detach().contiguous(),
+                                     bias.defined() ? c10::IValue(bias.detach().contiguous())
+                                                    : c10::IValue(),
+                                     c10::IValue(), c10::IValue()};
+      xnn_ops()->prepack.callBoxed(&stack);
+      cache->packed = std::move(stack[0]);
+    }
+    packed = cache->packed;
+  }
+  if (packed.isNone()) return fast_linear(input, weight, bias);
+  return XnnLinearPacked::apply(input, weight,
+                                bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                                std::move(packed));
 }
 
 }  // namespace ddprpc::models

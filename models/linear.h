@@ -21,6 +21,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <memory>
+
 namespace ddprpc::models {
 
 // True when this libtorch has XNNPACK's prepacked linear and it runs here.
@@ -30,12 +32,33 @@ bool xnnpack_linear_available();
 // differentiable in all three; falls back to at::linear (see above).
 at::Tensor fast_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
+namespace internal {
+struct PackedWeightCache;
+}
+
 // A torch::nn::Linear whose forward is fast_linear. (clone() returns a plain
 // torch::nn::LinearImpl: the inherited Cloneable knows only the base.)
+//
+// With cache_packed_weight(true) it is also XNNPACK's usual inference
+// layer: once a forward sees the same weight and bias a second time, it
+// packs them and runs later forwards on the packed copy (a few us instead of
+// packing the batch each call), until the weight or bias changes. A change
+// is seen through the tensors' version counters (optimizer steps, copy_ and
+// other in-place ops) and their storage (set_data); writes that bypass
+// them (into .data() or the raw memory, e.g. a collective filling the
+// parameter) are not: call cache_packed_weight(true) again after those.
+// Gradients are the same either way. Off by default: a training loop
+// changes the weight after every forward, so packing it would not pay.
 class LinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
-  at::Tensor forward(const at::Tensor& input) { return fast_linear(input, weight, bias); }
+  at::Tensor forward(const at::Tensor& input);
+  // Turns the cache on (dropping what it holds) or off. Thread-safe, as is
+  // forward with it on.
+  void cache_packed_weight(bool on);
+
+ private:
+  std::shared_ptr<internal::PackedWeightCache> cache_;  // null when off
 };
 TORCH_MODULE(Linear);
 

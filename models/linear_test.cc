@@ -98,5 +98,45 @@ TEST(FastLinearTest, ModuleHasTorchLinearParametersAndWorksInSequential) {
   EXPECT_TRUE(second->weight.grad().defined());
 }
 
+TEST(FastLinearTest, CachedPackedWeightFollowsEveryChangeOfTheWeight) {
+  at::manual_seed(3);
+  Linear layer(200, 10);
+  layer->cache_packed_weight(true);
+  at::Tensor x = at::randn({3, 200});
+  at::Tensor g = at::randn({3, 10});
+  auto check = [&](const char* when, bool packed) {
+    SCOPED_TRACE(when);
+    at::Tensor xin = x.clone().requires_grad_(true);
+    at::Tensor y = layer->forward(xin);
+    EXPECT_EQ(y.grad_fn()->name().find("XnnLinearPacked") != std::string::npos, packed)
+        << y.grad_fn()->name();
+    at::Tensor expected = at::linear(x, layer->weight.detach(), layer->bias.detach());
+    EXPECT_TRUE(at::allclose(y, expected, 1e-4, 1e-4));
+    auto grads = torch::autograd::grad({(y * g).sum()}, {xin, layer->weight, layer->bias});
+    EXPECT_TRUE(at::allclose(grads[0], g.mm(layer->weight.detach()), 1e-4, 1e-4));
+    EXPECT_TRUE(at::allclose(grads[1], g.t().mm(x), 1e-4, 1e-4));
+    EXPECT_TRUE(at::allclose(grads[2], g.sum(0), 1e-4, 1e-4));
+  };
+  check("first forward: not packed yet", false);
+  check("second forward: packed", true);
+  check("third forward: the packed copy", true);
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.add_(1.0);  // an optimizer step
+  }
+  check("after an in-place step of the weight", false);
+  check("packed again", true);
+  {
+    at::NoGradGuard no_grad;
+    layer->bias.mul_(-2.0);
+  }
+  check("after an in-place change of the bias", false);
+  layer->weight.set_data(at::randn({10, 200}));  // new storage
+  check("after set_data", false);
+  check("packed for the new storage", true);
+  layer->cache_packed_weight(false);
+  check("cache off", false);
+}
+
 }  // namespace
 }  // namespace ddprpc::models
