@@ -24,7 +24,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/rand.h>
-#include <ATen/ops/randint.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
 #include <gflags/gflags.h>
@@ -117,6 +116,9 @@ class Policy {
   Policy(int64_t in_features, int64_t nlayers, int64_t out_features) {
     layers_.emplace_back(in_features, out_features);
     for (int64_t i = 0; i < nlayers; ++i) layers_.emplace_back(out_features, out_features);
+    // Many forwards per weight update (an episode's steps): pack each weight
+    // once, as an inference layer does, not each batch.
+    for (auto& layer : layers_) layer->cache_packed_weight(true);
   }
   // x: [batch, state...] -> action probabilities [batch, out_features].
   at::Tensor forward(const at::Tensor& x) {
@@ -126,7 +128,7 @@ class Policy {
   }
 
  private:
-  std::vector<ddprpc::models::Linear> layers_;  // torch::nn::Linear on XNNPACK
+  std::vector<ddprpc::models::Linear> layers_;  // torch::nn::Linear on XNNPACK, packed once
 };
 
 // The agent, owned by rank 1 and called by the observers through an RRef.
@@ -265,7 +267,9 @@ class RlObserver {
       throughput.push_back(1.0 / l);
       if (action >= 0 && action < num_actions) ++valid;
       state = at::rand(state_size_);
-      rewards[step].fill_(at::randint(0, 2, {}).item<int64_t>());
+      // A random 0/1 reward, drawn like the reference's random.randint(0, 1).
+      thread_local std::mt19937_64 rng(std::random_device{}());
+      rewards[step].fill_(std::uniform_int_distribution<int64_t>(0, 1)(rng));
     }
     return {rewards, latency, throughput, valid};
   }
