@@ -16,7 +16,9 @@
 // call and completes the future, which answers everyone.
 //
 // Metrics (p50/p75/p90/p95): agent latency (one request, or one batch from
-// its first arrival until it is answered), agent throughput (batch size /
+// its first arrival until its future is completed, as PyTorch's benchmark
+// measures it; the replies go out when the handler returns), agent
+// throughput (batch size /
 // agent latency), observer latency (request -> action) and observer
 // throughput (1 / observer latency). One flag may hold a comma list; each
 // value is run in turn and becomes the table's x axis. --output_file_path
