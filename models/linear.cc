@@ -107,12 +107,16 @@ class XnnLinearPacked : public torch::autograd::Function<XnnLinearPacked> {
 // 22 us and 7.6 us).
 constexpr int64_t kMinMacs = 32 * 1024;
 
-bool xnnpack_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  auto plain = [](const at::Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided;
-  };
+bool plain(const at::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided;
+}
+
+// Whether XNNPACK can take the product at all (a packed weight then pays
+// at any size); `min_macs` is the size from which packing the batch pays.
+bool xnnpack_takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                   int64_t min_macs = kMinMacs) {
   return x.dim() == 2 && weight.dim() == 2 && x.numel() > 0 && weight.numel() > 0 &&
-         x.size(0) * weight.numel() >= kMinMacs &&
+         x.size(0) * weight.numel() >= min_macs &&
          x.size(1) == weight.size(1) && plain(x) && plain(weight) &&
          (!bias.defined() || (plain(bias) && bias.dim() == 1 && bias.size(0) == weight.size(0))) &&
          xnnpack_linear_available();
@@ -145,23 +149,33 @@ at::Tensor fast_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
 namespace internal {
 
-// What identifies the weight and bias a packed copy was made from.
-struct PackedKey {
-  const void* weight_data = nullptr;
-  int64_t weight_version = 0;
-  const void* bias_data = nullptr;
-  int64_t bias_version = 0;
-  bool operator==(const PackedKey& o) const {
-    return weight_data == o.weight_data && weight_version == o.weight_version &&
-           bias_data == o.bias_data && bias_version == o.bias_version;
+// What identifies the weight or bias a packed copy was made from: its
+// storage (held weakly, so a new storage at a freed one's address is not
+// taken for it), where the tensor starts in it, and its version counter.
+struct ParamKey {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  const void* data = nullptr;
+  int64_t version = 0;
+
+  static ParamKey of(const at::Tensor& t) {
+    if (!t.defined()) return {};
+    return {t.storage().getWeakStorageImpl(), t.data_ptr(), t._version()};
+  }
+  bool same_as(const at::Tensor& t) const {
+    if (!t.defined()) return data == nullptr;
+    return !storage.expired() && storage._unsafe_get_target() == t.storage().unsafeGetStorageImpl() &&
+           data == t.data_ptr() && version == t._version();
   }
 };
 
 struct PackedWeightCache {
+  // Held for the packed run too: XNNPACK's operator keeps the run's input
+  // and output in itself, so two threads may not run it at once.
   absl::Mutex mu;
   // State below is protected by mu.
-  PackedKey key ABSL_GUARDED_BY(mu);
-  c10::IValue packed ABSL_GUARDED_BY(mu);  // None until packed for `key`
+  ParamKey weight ABSL_GUARDED_BY(mu);
+  ParamKey bias ABSL_GUARDED_BY(mu);
+  c10::IValue packed ABSL_GUARDED_BY(mu);  // None until packed for the keys
 };
 
 }  // namespace internal
@@ -172,38 +186,37 @@ void LinearImpl::cache_packed_weight(bool on) {
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
   std::shared_ptr<internal::PackedWeightCache> cache = std::atomic_load(&cache_);
-  auto plain = [](const at::Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.layout() == at::kStrided;
-  };
-  if (!cache || input.dim() != 2 || input.size(0) == 0 || input.size(1) != weight.size(1) ||
-      !plain(input) || !plain(weight) || (bias.defined() && !plain(bias)) ||
-      !xnnpack_linear_available()) {
+  // While another thread runs the packed copy, this one packs its batch
+  // instead of waiting.
+  if (!cache || !xnnpack_takes(input, weight, bias, /*min_macs=*/0) || !cache->mu.TryLock()) {
     return fast_linear(input, weight, bias);
   }
-  internal::PackedKey key{weight.data_ptr(), weight._version(),
-                          bias.defined() ? bias.data_ptr() : nullptr,
-                          bias.defined() ? bias._version() : 0};
-  c10::IValue packed;
-  {
-    absl::MutexLock lock(&cache->mu);
-    if (!(cache->key == key)) {
-      cache->key = key;  // the first forward at this key
-      cache->packed = c10::IValue();
-    } else if (cache->packed.isNone()) {  // the second forward at this key
-      at::NoGradGuard no_grad;
-      std::vector<c10::IValue> stack{weight.detach().contiguous(),
-                                     bias.defined() ? c10::IValue(bias.detach().contiguous())
-                                                    : c10::IValue(),
-                                     c10::IValue(), c10::IValue()};
-      xnn_ops()->prepack.callBoxed(&stack);
-      cache->packed = std::move(stack[0]);
-    }
-    packed = cache->packed;
+  struct Unlock {
+    absl::Mutex& mu;
+    ~Unlock() { mu.Unlock(); }
+  } unlock{cache->mu};
+  return forward_cached(*cache, input);
+}
+
+at::Tensor LinearImpl::forward_cached(internal::PackedWeightCache& cache, const at::Tensor& input) {
+  if (!cache.weight.same_as(weight) || !cache.bias.same_as(bias)) {
+    cache.weight = internal::ParamKey::of(weight);  // the first forward at these keys
+    cache.bias = internal::ParamKey::of(bias);
+    cache.packed = c10::IValue();
+    return fast_linear(input, weight, bias);
   }
-  if (packed.isNone()) return fast_linear(input, weight, bias);
+  if (cache.packed.isNone()) {  // the second forward at these keys
+    at::NoGradGuard no_grad;
+    std::vector<c10::IValue> stack{
+        weight.detach().contiguous(),
+        bias.defined() ? c10::IValue(bias.detach().contiguous()) : c10::IValue(), c10::IValue(),
+        c10::IValue()};
+    xnn_ops()->prepack.callBoxed(&stack);
+    cache.packed = std::move(stack[0]);
+  }
   return XnnLinearPacked::apply(input, weight,
                                 bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
-                                std::move(packed));
+                                cache.packed);
 }
 
 }  // namespace ddprpc::models

@@ -43,21 +43,26 @@ struct PackedWeightCache;
 // layer: once a forward sees the same weight and bias a second time, it
 // packs them and runs later forwards on the packed copy (a few us instead of
 // packing the batch each call), until the weight or bias changes. A change
-// is seen through the tensors' version counters (optimizer steps, copy_ and
-// other in-place ops) and their storage (set_data); writes that bypass
-// them (into .data() or the raw memory, e.g. a collective filling the
-// parameter) are not: call cache_packed_weight(true) again after those.
-// Gradients are the same either way. Off by default: a training loop
-// changes the weight after every forward, so packing it would not pay.
+// is seen through the tensors' version counters (copy_, add_ and other
+// in-place ops on the parameter) and their storage (set_data). Writes that
+// bypass them are not: into .data() or the raw memory, which is how
+// libtorch's torch::optim optimizers step (and how a collective fills a
+// parameter); call cache_packed_weight(true) again after those. Gradients
+// are the same either way. Thread-safe: one thread at a time runs the
+// packed copy, others meanwhile take the uncached path. Off by default: a
+// training loop changes the weight after every forward, so packing it
+// would not pay.
 class LinearImpl : public torch::nn::LinearImpl {
  public:
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input);
-  // Turns the cache on (dropping what it holds) or off. Thread-safe, as is
-  // forward with it on.
+  // Turns the cache on (dropping what it holds) or off.
   void cache_packed_weight(bool on);
 
  private:
+  // forward() with the cache's lock held.
+  at::Tensor forward_cached(internal::PackedWeightCache& cache, const at::Tensor& input);
+
   std::shared_ptr<internal::PackedWeightCache> cache_;  // null when off
 };
 TORCH_MODULE(Linear);

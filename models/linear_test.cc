@@ -6,7 +6,9 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/sgd.h>
 
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -136,6 +138,63 @@ TEST(FastLinearTest, CachedPackedWeightFollowsEveryChangeOfTheWeight) {
   check("packed for the new storage", true);
   layer->cache_packed_weight(false);
   check("cache off", false);
+}
+
+// libtorch's optimizers write parameters through .data(), whose version
+// counter is not the parameter's: after a step, cache_packed_weight(true)
+// drops the packed copy of the old weight.
+TEST(FastLinearTest, CachedPackedWeightIsDroppedByCacheOnAfterAnOptimizerStep) {
+  at::manual_seed(4);
+  Linear layer(200, 10);
+  layer->cache_packed_weight(true);
+  torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.5));
+  at::Tensor x = at::randn({3, 200});
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(step);
+    sgd.zero_grad();
+    layer->forward(x);                 // first at this weight: not packed
+    at::Tensor y = layer->forward(x);  // packed
+    ASSERT_NE(y.grad_fn()->name().find("XnnLinearPacked"), std::string::npos);
+    EXPECT_TRUE(at::allclose(y, at::linear(x, layer->weight.detach(), layer->bias.detach()),
+                             1e-4, 1e-4));
+    y.pow(2).sum().backward();
+    sgd.step();
+    layer->cache_packed_weight(true);
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_TRUE(at::allclose(layer->forward(x),
+                               at::linear(x, layer->weight.detach(), layer->bias.detach()),
+                               1e-4, 1e-4))
+          << "forward " << i << " after the step used the old weight";
+    }
+  }
+}
+
+// Threads sharing one layer (an RPC server's handlers) each get their own
+// product from the one packed copy.
+TEST(FastLinearTest, CachedPackedWeightServesThreadsAtOnce) {
+  at::manual_seed(5);
+  Linear layer(400, 300);
+  layer->cache_packed_weight(true);
+  {
+    at::NoGradGuard no_grad;
+    layer->forward(at::randn({1, 400}));
+    layer->forward(at::randn({1, 400}));  // packed from here on
+  }
+  constexpr int kThreads = 4, kCalls = 300;
+  std::vector<int> wrong(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      at::NoGradGuard no_grad;
+      at::Tensor x = at::randn({1 + t, 400});
+      at::Tensor expected = at::linear(x, layer->weight, layer->bias);
+      for (int i = 0; i < kCalls; ++i) {
+        if (!at::allclose(layer->forward(x), expected, 1e-4, 1e-4)) ++wrong[t];
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(wrong[t], 0) << "thread " << t;
 }
 
 }  // namespace

@@ -315,8 +315,8 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     client_queue_->reserve();
     t_sync_scope->reserved_ = client_queue_;
   }
-  std::shared_ptr<internal::PeerStream> stream = peer(to);
-  const bool sent = stream->send(internal::serialize_frame(frame), !one_way);
+  std::shared_ptr<internal::PeerStream> stream = peer(to);  // null once stopped
+  const bool sent = stream && stream->send(internal::serialize_frame(frame), !one_way);
   if (one_way) {
     if (sent) {
       future.set_result(c10::IValue());
@@ -348,9 +348,12 @@ std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
   PeerSlot& slot = *peers_[to];
   absl::MutexLock lock(&slot.mu);
   if (!slot.stream || slot.stream->broken()) {
-    if (slot.stream) {
+    {
       absl::MutexLock state_lock(&mu_);
-      broken_.push_back(std::move(slot.stream));
+      // stop() sets stopped_ before it empties the slots (under slot.mu):
+      // a stream opened after that would never be closed.
+      if (stopped_) return nullptr;
+      if (slot.stream) broken_.push_back(std::move(slot.stream));
     }
     slot.stream = internal::PeerStream::open(
         workers_[to].address, client_queue_.get(),

@@ -170,6 +170,7 @@ class RpcAgent {
   // worker published it or is found dead. False if it gave up at `timeout`.
   bool store_barrier(const std::string& prefix, bool wait, absl::Duration timeout);
   bool peer_alive(int id) const;
+  // The open stream to `to` (opened anew if broken); nullptr once stopped.
   std::shared_ptr<internal::PeerStream> peer(int to);
   // Serves a request on a pool thread (when the stream's threads are busy).
   void offload(std::shared_ptr<internal::Responder> responder, internal::Frame frame);

@@ -65,6 +65,20 @@ class HeldWork {
 
   // The innermost scope on this thread, or nullptr.
   static HeldWork* current() { return current_; }
+  // Within it, this thread holds nothing back (current() is nullptr): a
+  // thread that reads replies while it waits runs their callbacks as a
+  // thread outside any scope would, since work held until its wait ends
+  // could be what the awaited reply depends on.
+  class Suspend {
+   public:
+    Suspend() : saved_(current_) { current_ = nullptr; }
+    ~Suspend() { current_ = saved_; }
+    Suspend(const Suspend&) = delete;
+    Suspend& operator=(const Suspend&) = delete;
+
+   private:
+    HeldWork* const saved_;
+  };
   void add(std::function<void()> work) { work_.push_back(std::move(work)); }
   // Runs what is held, in the order it was added (work may add more).
   void run() {
@@ -277,6 +291,7 @@ class Future {
       driver = state_->driver;
     }
     if (driver) {
+      internal::HeldWork::Suspend not_holding;  // see Suspend
       (*driver)(
           [state = state_.get()] {
             absl::MutexLock lock(&state->mu);

@@ -55,6 +55,23 @@ DDPRPC_REGISTER_FUNCTION(mixed);
 at::Tensor relay(std::string to, at::Tensor t) { return rpc::rpc_sync<at::Tensor>(to, "add", t, t); }
 DDPRPC_REGISTER_FUNCTION(relay);
 
+// A three-worker cycle through async execution (see the test below):
+// bounce on A calls relay_async on B, which calls async_add back on A, whose
+// reply waits for `to`'s answer. Timeouts of 5 s turn a hang into an error.
+constexpr absl::Duration kCycleTimeout = absl::Seconds(5);
+rpc::Future<at::Tensor> async_add(std::string to, at::Tensor t) {
+  return rpc::rpc_async<at::Tensor>(rpc::CallOptions{kCycleTimeout}, to, "add", t, t);
+}
+DDPRPC_REGISTER_FUNCTION(async_add);
+at::Tensor relay_async(std::string via, std::string to, at::Tensor t) {
+  return rpc::rpc_sync<at::Tensor>(rpc::CallOptions{kCycleTimeout}, via, "async_add", to, t);
+}
+DDPRPC_REGISTER_FUNCTION(relay_async);
+at::Tensor bounce(std::string b, std::string a, std::string c, at::Tensor t) {
+  return rpc::rpc_sync<at::Tensor>(rpc::CallOptions{kCycleTimeout}, b, "relay_async", a, c, t);
+}
+DDPRPC_REGISTER_FUNCTION(bounce);
+
 // Batch-updating parameter server (the seed's update_and_fetch_model): each
 // caller adds its gradient and yields its thread; the last one completes the
 // shared future, which answers everyone.
@@ -264,6 +281,21 @@ MULTIPROCESS_TEST(RpcTest, NestedCallsAcrossThreeWorkers, 3) {
     EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>("worker1", "relay", "worker2", x), x + x));
     // A chain through the caller itself.
     EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>("worker2", "relay", "worker0", x), x + x));
+  }
+  rpc::shutdown();
+}
+
+// On worker1, bounce's thread waits for worker2 and so reads worker1's
+// replies, among them worker0's answer to async_add, which completes
+// async_add's future on that thread. Its reply must go out then: held back
+// until bounce's wait ends, it would be what that wait waits for.
+MULTIPROCESS_TEST(RpcTest, AsyncReplyCompletedWhileItsThreadWaitsGoesOut, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::randn({8});
+    EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>(rpc::CallOptions{kCycleTimeout}, "worker1",
+                                                    "bounce", "worker2", "worker1", "worker0", x),
+                          x + x));
   }
   rpc::shutdown();
 }

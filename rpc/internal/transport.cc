@@ -792,8 +792,9 @@ void ClientQueue::background_loop() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return drained_ ||
-               (!driving_ && (shutting_down_ || (pending_ > 0 && reserved_ == 0)));
+        // A caller waiting for the role (want_role_) gets it first.
+        return drained_ || (!driving_ && want_role_ == 0 &&
+                            (shutting_down_ || (pending_ > 0 && reserved_ == 0)));
       };
       mu_.Await(absl::Condition(&ready));
       if (drained_) return;
