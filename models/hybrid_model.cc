@@ -37,14 +37,17 @@ HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t 
       dense_(make_dense(static_cast<int64_t>(tables_.size()) * embedding_dim)) {}
 
 at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& offsets) {
-  std::vector<rpc::Future<at::Tensor>> lookups;
-  lookups.reserve(tables_.size());
-  rpc::SyncCallScope waited_here;  // this thread reads the replies
-  for (const auto& table : tables_) {
-    lookups.push_back(table.rpc_async(&EmbeddingTable::forward, indices, offsets));
+  std::vector<at::Tensor> embedded;
+  {
+    std::vector<rpc::Future<at::Tensor>> lookups;
+    lookups.reserve(tables_.size());
+    rpc::SyncCallScope waited_here;  // this thread reads the replies
+    for (const auto& table : tables_) {
+      lookups.push_back(table.rpc_async(&EmbeddingTable::forward, indices, offsets));
+    }
+    embedded = rpc::wait_all(lookups);
   }
-  at::Tensor embedded = at::cat(rpc::wait_all(lookups), /*dim=*/1);
-  return dense_->forward(embedded);
+  return dense_->forward(at::cat(embedded, /*dim=*/1));
 }
 
 std::vector<rpc::RRef<at::Tensor>> HybridModel::parameter_rrefs() {
