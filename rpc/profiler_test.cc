@@ -129,12 +129,16 @@ MULTIPROCESS_TEST(ProfilerTest, SyncAsyncRemoteEventsNamesAndNodes, 3) {
     EXPECT_GT(local_op->duration_ns, 0);
     // Nothing ran on worker2 for the sync call to worker1.
     for (const auto& e : events) {
-      if (absl::StartsWith(e.name, "rpc_sync#add(worker0 -> worker1)#")) EXPECT_EQ(e.node, 1) << e.name;
+      if (absl::StartsWith(e.name, "rpc_sync#add(worker0 -> worker1)#")) {
+        EXPECT_EQ(e.node, 1) << e.name;
+      }
     }
     // Self time never exceeds total time; RPC spans have none.
     for (const auto& e : events) {
       EXPECT_LE(e.self_ns, e.duration_ns) << e.name;
-      if (e.rpc) EXPECT_EQ(e.self_ns, 0) << e.name;
+      if (e.rpc) {
+        EXPECT_EQ(e.self_ns, 0) << e.name;
+      }
     }
     EXPECT_EQ(p.node_names().at(2), "worker2");
   }

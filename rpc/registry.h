@@ -58,7 +58,7 @@ struct Tag {
 template <typename Args, size_t... I>
 Args convert_args(const std::string& name, std::vector<c10::IValue>& args,
                   std::index_sequence<I...>) {
-  auto one = [&](auto tag, size_t index) {
+  [[maybe_unused]] auto one = [&](auto tag, size_t index) {  // unused when there are no args
     using T = typename decltype(tag)::type;
     try {
       return ValueTraits<T>::from_ivalue(args[index]);

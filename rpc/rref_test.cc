@@ -184,7 +184,9 @@ MULTIPROCESS_TEST(RRefTest, LiveReferenceIsReportedAtShutdown, 2) {
   init(2);
   rpc::RRef<Table> kept;
   if (mp::rank() == 0) kept = rpc::remote<Table>("worker1", 1, 1);
-  if (mp::rank() == 0) EXPECT_EQ(kept.rpc_sync(&Table::rows), 1);
+  if (mp::rank() == 0) {
+    EXPECT_EQ(kept.rpc_sync(&Table::rows), 1);
+  }
   auto agent = rpc::current_agent();
   rpc::shutdown();
   // worker0 still holds a reference, so worker1 reports one live RRef.
