@@ -10,6 +10,8 @@
 
 #include <atomic>
 
+#include "absl/time/clock.h"
+
 #include "gtest/gtest.h"
 #include "tests/multiprocess.h"
 
@@ -43,6 +45,18 @@ static auto table_registration = rpc::register_class<Table>("Table")
 
 at::Tensor add(at::Tensor a, at::Tensor b) { return a + b; }
 DDPRPC_REGISTER_FUNCTION(add);
+
+// A class whose construction takes a while (creation is asynchronous).
+class SlowToBuild {
+ public:
+  explicit SlowToBuild(int64_t ms) : value_(ms) { absl::SleepFor(absl::Milliseconds(ms)); }
+  int64_t value() const { return value_; }
+
+ private:
+  int64_t value_;
+};
+static auto slow_registration =
+    rpc::register_class<SlowToBuild>("SlowToBuild").constructor<int64_t>();
 
 // Uses an RRef it was given and hands it back.
 rpc::RRef<Table> bounce(rpc::RRef<Table> table, int64_t expected_rows) {
@@ -107,6 +121,27 @@ MULTIPROCESS_TEST(RRefTest, CreateCallFetch, 3) {
     EXPECT_TRUE(local.is_owner());
     EXPECT_EQ(local.local_value().data_ptr(), param.data_ptr());
     EXPECT_TRUE(at::equal(local.to_here(), param));
+  }
+  rpc::shutdown();
+}
+
+// rpc::remote to the caller itself, then local_value() before the create
+// request was served: it waits for the object (as PyTorch's owner RRef
+// does) instead of finding nothing, also while this thread's other call
+// holds the client queue's background reader off.
+MULTIPROCESS_TEST(RRefTest, LocalValueOfARemoteToSelfWaitsForCreation, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    rpc::SyncCallScope waits_here;
+    rpc::Future<at::Tensor> other =
+        rpc::rpc_async<at::Tensor>("worker1", "add", at::ones({2}), at::ones({2}));
+    const absl::Time start = absl::Now();
+    rpc::RRef<SlowToBuild> slow = rpc::remote<SlowToBuild>("worker0", int64_t{200});
+    ASSERT_TRUE(slow.is_owner());
+    EXPECT_EQ(slow.local_value()->value(), 200);
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "waited for the create call's timeout";
+    EXPECT_TRUE(at::equal(other.value(), at::full({2}, 2.0)));
   }
   rpc::shutdown();
 }

@@ -147,6 +147,7 @@ std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& t
       kDefaultTimeout, "remote", name);
   release_agent();
   Future<void> created = state->created;
+  created.set_driver(reply.driver());  // waiting for it reads the reply
   reply.add_done_callback([created](const Future<c10::IValue>& f) {
     if (auto e = f.error()) {
       created.try_set_error(e);  // a call may have succeeded before the create timed out
@@ -352,8 +353,17 @@ std::shared_ptr<RRefContext::OwnerEntry> RRefContext::maybe_erase(RRefId id) {
   return doomed;
 }
 
-Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::find_owned(const RRefState& rref) const {
   std::shared_ptr<OwnerEntry> entry = find(rref.id);
+  if (entry || rref.owner != self_id_) return entry;
+  // rpc::remote to this worker: its create request may not have been
+  // served yet. Its reply (or its failure) says when it has.
+  rref.created.wait_for(absl::InfiniteDuration());  // bounded by the create call's timeout
+  return find(rref.id);
+}
+
+Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
+  std::shared_ptr<OwnerEntry> entry = find_owned(rref);
   if (!entry) {
     Future<c10::IValue> f;
     f.set_error(RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker"));
@@ -363,7 +373,7 @@ Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
 }
 
 std::shared_ptr<void> RRefContext::local_object(const RRefState& rref) {
-  std::shared_ptr<OwnerEntry> entry = find(rref.id);
+  std::shared_ptr<OwnerEntry> entry = find_owned(rref);
   if (!entry) throw RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker");
   entry->ready.wait();
   return entry->object;

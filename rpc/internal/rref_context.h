@@ -120,6 +120,9 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   static Future<c10::IValue> confirming(const RRefState& rref, Future<c10::IValue> call);
   std::shared_ptr<RRefState> make_state(RRefId id, RRefId fork, int owner, std::string type);
   std::shared_ptr<OwnerEntry> find(RRefId id) const;
+  // This worker's entry of `rref`, waiting for the creation of one it asked
+  // this worker to create (rpc::remote to itself); nullptr if not owned here.
+  std::shared_ptr<OwnerEntry> find_owned(const RRefState& rref) const;
   // The entry, or a placeholder that the creation message will fill.
   std::shared_ptr<OwnerEntry> entry_or_placeholder(RRefId id);
   void add_fork(RRefId id, RRefId fork);
