@@ -410,17 +410,29 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
         rpc::kDefaultTimeout, "dist_autograd.backward"));
   }
   std::vector<at::Tensor> params(leaves.begin(), leaves.end());
-  std::vector<at::Tensor> param_grads(results.begin(), results.begin() + leaves.size());
+  // Moved out of `results`, so that a gradient no other tensor refers to
+  // has a use count of 1 (below).
+  std::vector<at::Tensor> param_grads(std::make_move_iterator(results.begin()),
+                                      std::make_move_iterator(results.begin() + leaves.size()));
+  results.clear();
   if (GradientHook hook = container().gradient_hook()) hook(ctx->id, params, param_grads);
   {
     absl::MutexLock lock(&ctx->mu);
     for (size_t i = 0; i < params.size(); ++i) {
-      if (!param_grads[i].defined()) continue;
+      at::Tensor& grad = param_grads[i];
+      if (!grad.defined()) continue;
       auto& slot = ctx->grads[params[i].unsafeGetTensorImpl()];
-      if (!slot.first.defined()) {
-        slot = {params[i], param_grads[i].clone()};
+      if (slot.first.defined()) {
+        slot.second.add_(grad);
+      } else if (grad.use_count() == 1 && grad.is_non_overlapping_and_dense() &&
+                 grad.strides() == params[i].strides()) {
+        // As PyTorch's AccumulateGrad: a gradient nothing else refers to,
+        // laid out as its parameter, is kept as it is (the engine's fresh
+        // output, or DDP's average), not copied.
+        slot = {params[i], std::move(grad)};
       } else {
-        slot.second.add_(param_grads[i]);
+        // E.g. one tensor reaching two leaves, or an expanded one.
+        slot = {params[i], grad.clone(at::MemoryFormat::Contiguous)};
       }
     }
   }

@@ -1,6 +1,7 @@
 #include "ddp/distributed_data_parallel.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/engine.h>
 
@@ -139,8 +140,12 @@ class DistributedDataParallel::Reducer {
     }
     absl::MutexLock lock(&mu_);
     if (!sync_) return;
+    // Fresh buckets each pass: the averages are handed out as views of
+    // them (as gradient_as_bucket_view), which the context keeps.
+    std::vector<at::Tensor> flats;
+    for (const Bucket& b : buckets_) flats.push_back(at::empty_like(b.flat));
     for (size_t k = 0; k < params_.size(); ++k) {
-      at::Tensor view = bucket_view(k);
+      at::Tensor view = bucket_view(flats, k);
       if (where[k] >= 0 && grads[where[k]].defined()) {
         view.copy_(grads[where[k]].reshape(-1));
       } else {
@@ -148,10 +153,10 @@ class DistributedDataParallel::Reducer {
       }
     }
     std::vector<std::shared_ptr<Work>> works;
-    for (size_t b = 0; b < buckets_.size(); ++b) works.push_back(hook_(*group_, buckets_[b].flat));
+    for (at::Tensor& flat : flats) works.push_back(hook_(*group_, flat));
     for (auto& w : works) w->wait(options_.timeout);
     for (size_t k = 0; k < params_.size(); ++k) {
-      if (where[k] >= 0) grads[where[k]] = bucket_view(k).view(params_[k].sizes()).clone();
+      if (where[k] >= 0) grads[where[k]] = bucket_view(flats, k).view(params_[k].sizes());
     }
   }
 
@@ -168,7 +173,11 @@ class DistributedDataParallel::Reducer {
     int64_t offset;
   };
 
-  at::Tensor bucket_view(size_t k) {
+  // Parameter k's part of its bucket, in `flats` (one per bucket).
+  at::Tensor bucket_view(const std::vector<at::Tensor>& flats, size_t k) const {
+    return flats[slot_[k].bucket].narrow(0, slot_[k].offset, params_[k].numel());
+  }
+  at::Tensor bucket_view(size_t k) const {
     return buckets_[slot_[k].bucket].flat.narrow(0, slot_[k].offset, params_[k].numel());
   }
 
