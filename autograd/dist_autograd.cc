@@ -23,6 +23,7 @@
 #include "autograd/internal/functions.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
+#include "rpc/internal/fault.h"
 #include "rpc/rpc.h"
 
 namespace ddprpc::dist_autograd {
@@ -44,13 +45,32 @@ constexpr absl::Duration kReleaseDelay = absl::Milliseconds(20);
 
 thread_local ContextId t_current = -1;
 
+// Bounds on what other workers' messages can make this worker hold.
+constexpr size_t kMaxRemoteContexts = 1 << 16;    // contexts created by messages
+constexpr size_t kMaxRecvsPerContext = 1 << 18;   // recv functions of one context
+std::atomic<int64_t> g_idle_timeout_ns{absl::ToInt64Nanoseconds(absl::Minutes(10))};
+
+// The worker that created context `id` (see global_id).
+int creator_of(ContextId id) { return static_cast<int>(id >> 48); }
+
+// A send function and the worker its tensors went to (the only worker
+// that may send their gradients back).
+struct SendRecord {
+  std::shared_ptr<SendRpcBackward> fn;
+  int dest;
+};
+
 // One context on this worker.
 struct ContextState {
-  explicit ContextState(ContextId id) : id(id) {}
+  ContextState(ContextId id, bool remote) : id(id), remote(remote) { touch(); }
   const ContextId id;
+  const bool remote;  // created by a message from another worker
+  // When a message of it last came or went (ns since the epoch).
+  std::atomic<int64_t> last_used_ns{0};
+  void touch() { last_used_ns.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
   absl::Mutex mu;
   // State below is protected by mu.
-  std::map<int64_t, std::shared_ptr<SendRpcBackward>> sends ABSL_GUARDED_BY(mu);
+  std::map<int64_t, SendRecord> sends ABSL_GUARDED_BY(mu);
   std::vector<std::shared_ptr<Node>> recvs ABSL_GUARDED_BY(mu);
   std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> grads ABSL_GUARDED_BY(mu);
   std::set<int> workers ABSL_GUARDED_BY(mu);
@@ -58,10 +78,52 @@ struct ContextState {
 
 class Container {
  public:
+  // A context of this worker's own.
   std::shared_ptr<ContextState> create(ContextId id) {
     absl::MutexLock lock(&mu_);
     auto& slot = contexts_[id];
-    if (!slot) slot = std::make_shared<ContextState>(id);
+    if (!slot) slot = std::make_shared<ContextState>(id, /*remote=*/false);
+    return slot;
+  }
+  // The context a message names, created if new and another worker's:
+  // bounded in number, dropped after going idle. nullptr for a context of
+  // this worker's that it has left already (a late reply must not bring it
+  // back). Throws RpcError for an id no worker could have made or when the
+  // bound is hit.
+  std::shared_ptr<ContextState> find_or_create_remote(ContextId id) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = contexts_.find(id);
+      if (it != contexts_.end()) return it->second;
+    }
+    int world = -1, self = -1;
+    try {
+      auto agent = rpc::current_agent();
+      world = static_cast<int>(agent->workers().size());
+      self = agent->self().id;
+    } catch (const rpc::RpcError&) {
+    }
+    if (id <= 0 || (world > 0 && creator_of(id) >= world)) {
+      throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument,
+                          absl::StrCat("dist_autograd: context id ", id,
+                                       " was not made by a worker of this job"));
+    }
+    if (creator_of(id) == self) return nullptr;
+    absl::MutexLock lock(&mu_);
+    auto& slot = contexts_[id];
+    if (slot) return slot;
+    if (remote_ >= kMaxRemoteContexts) {
+      contexts_.erase(id);
+      throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
+                          absl::StrCat("dist_autograd: ", remote_,
+                                       " contexts of other workers are alive here already"));
+    }
+    slot = std::make_shared<ContextState>(id, /*remote=*/true);
+    ++remote_;
+    if (!janitor_started_) {
+      janitor_started_ = true;
+      std::thread([this] { janitor_loop(); }).detach();  // lives as long as the process
+    }
     return slot;
   }
   std::shared_ptr<ContextState> find(ContextId id) {
@@ -83,6 +145,7 @@ class Container {
     if (it == contexts_.end()) return nullptr;
     auto ctx = std::move(it->second);
     contexts_.erase(it);
+    if (ctx->remote) --remote_;
     return ctx;
   }
   size_t size() {
@@ -99,8 +162,42 @@ class Container {
   }
 
  private:
+  // Drops contexts of other workers that nothing has used for the idle
+  // timeout (their creator died, or lost its release).
+  void janitor_loop() {
+    while (true) {
+      const absl::Duration timeout = absl::Nanoseconds(g_idle_timeout_ns.load());
+      absl::SleepFor(std::clamp(timeout / 4, absl::Milliseconds(10), absl::Seconds(30)));
+      try {
+        const int64_t cutoff = absl::GetCurrentTimeNanos() - absl::ToInt64Nanoseconds(timeout);
+        std::vector<std::shared_ptr<ContextState>> idle;
+        {
+          absl::MutexLock lock(&mu_);
+          for (auto it = contexts_.begin(); it != contexts_.end();) {
+            auto next = std::next(it);
+            const auto& ctx = it->second;
+            if (ctx->remote && ctx->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+              idle.push_back(std::move(it->second));
+              contexts_.erase(it);
+              --remote_;
+            }
+            it = next;
+          }
+        }
+        if (!idle.empty()) {
+          LOG(WARNING) << "dist_autograd: dropped " << idle.size()
+                       << " context(s) of other workers, idle for " << timeout;
+        }
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "dist_autograd: dropping idle contexts failed: " << e.what();
+      }
+    }
+  }
+
   absl::Mutex mu_;
   absl::flat_hash_map<ContextId, std::shared_ptr<ContextState>> contexts_ ABSL_GUARDED_BY(mu_);
+  size_t remote_ ABSL_GUARDED_BY(mu_) = 0;  // contexts_ created by messages
+  bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
   GradientHook hook_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -141,6 +238,7 @@ std::vector<at::Tensor> requiring_grad(const c10::IValue& v) {
 void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::IValue& value,
                  rpc::MessageExt* ext) {
   (*ext)[kContextKey] = absl::StrCat(ctx->id);
+  ctx->touch();
   std::vector<at::Tensor> tensors = requiring_grad(value);
   absl::MutexLock lock(&ctx->mu);
   ctx->workers.insert(dest);
@@ -149,7 +247,7 @@ void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::
   send->set_next_edges(torch::autograd::collect_next_edges(tensors));
   for (const auto& t : tensors) send->add_input_metadata(t);
   const int64_t message = global_id(g_next_message);
-  ctx->sends[message] = std::move(send);
+  ctx->sends[message] = SendRecord{std::move(send), dest};
   (*ext)[kMessageKey] = absl::StrCat(message);
 }
 
@@ -157,15 +255,29 @@ void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::
 std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
                                           const rpc::MessageExt& ext) {
   auto it = ext.find(kContextKey);
+  if (it == ext.end()) return nullptr;
   ContextId id;
-  if (it == ext.end() || !absl::SimpleAtoi(it->second, &id)) return nullptr;
-  std::shared_ptr<ContextState> ctx = container().create(id);
+  if (!absl::SimpleAtoi(it->second, &id)) {
+    throw std::invalid_argument("dist_autograd: malformed context id");
+  }
+  std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id);
+  if (!ctx) return nullptr;
+  ctx->touch();
   absl::MutexLock lock(&ctx->mu);
   ctx->workers.insert(src);
   auto msg = ext.find(kMessageKey);
+  if (msg == ext.end()) return ctx;
   int64_t message;
-  if (msg == ext.end() || !absl::SimpleAtoi(msg->second, &message)) return ctx;
+  if (!absl::SimpleAtoi(msg->second, &message)) {
+    throw std::invalid_argument("dist_autograd: malformed message id");
+  }
   std::vector<at::Tensor> tensors = requiring_grad(value);
+  if (tensors.empty()) return ctx;
+  if (ctx->recvs.size() >= kMaxRecvsPerContext) {
+    throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
+                        absl::StrCat("dist_autograd: context ", id, " has ", ctx->recvs.size(),
+                                     " received messages already"));
+  }
   auto recv = std::make_shared<RecvRpcBackward>(src, message);
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor& t = tensors[i];
@@ -243,7 +355,7 @@ class PendingReleases {
     count_.fetch_add(static_cast<int64_t>(releases.size()), std::memory_order_relaxed);
     if (!flusher_started_) {
       flusher_started_ = true;
-      std::thread([this] { flush_loop(); }).detach();  // lives as long as the process
+      std::thread([this] { flush_loop_guarded(); }).detach();  // lives as long as the process
     }
   }
 
@@ -285,11 +397,23 @@ class PendingReleases {
     }
   }
 
+  // flush_loop() without an exception leaving the thread.
+  void flush_loop_guarded() {
+    while (true) {
+      try {
+        flush_loop();
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "dist_autograd: sending context releases failed: " << e.what();
+      }
+    }
+  }
+
   // The call's ext picks up the releases (DistAutogradHook::start_call),
   // which come back here if it fails. Without RPC (shut down) there is
   // nobody left to tell: they are dropped.
   void flush(int worker) {
     try {
+      rpc::internal::fault_point("dist_autograd.flush");
       rpc::current_agent()->call(worker, kFlushReleases, {}, kFlushTimeout, "rpc_async", "");
     } catch (const std::exception& e) {
       VLOG(1) << "dist_autograd: releases for worker " << worker << " dropped: " << e.what();
@@ -447,10 +571,14 @@ rpc::Future<c10::IValue> all_done(std::vector<rpc::Future<c10::IValue>> futures)
       });
 }
 
-// Worker-side continuation of backward from the send function `message`.
+// Worker-side continuation of backward from the send function `message`,
+// whose tensors went to the calling worker.
 rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vector<at::Tensor> grads,
                                    bool retain_graph) {
+  const rpc::CallContext* call = rpc::current_call();
+  const int from = call ? call->caller : -1;
   std::shared_ptr<ContextState> ctx = container().get(context_id);
+  ctx->touch();
   std::shared_ptr<SendRpcBackward> send;
   {
     absl::MutexLock lock(&ctx->mu);
@@ -459,17 +587,28 @@ rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vec
       throw std::invalid_argument(absl::StrCat("dist_autograd: context ", context_id,
                                                " has no send function ", message));
     }
-    send = it->second;
+    if (it->second.dest != from) {
+      throw rpc::RpcError(rpc::ErrorCode::kPermissionDenied,
+                          absl::StrCat("dist_autograd: worker ", from,
+                                       " sends gradients for tensors it did not receive"));
+    }
+    send = it->second.fn;
+  }
+  if (grads.size() != send->num_inputs()) {
+    throw std::invalid_argument("dist_autograd: gradient count does not match the send function");
   }
   torch::autograd::edge_list roots;
   for (uint32_t i = 0; i < send->num_inputs(); ++i) {
     roots.emplace_back(send, i);
-    if (i < grads.size() && !grads[i].defined()) {
-      grads[i] = send->input_metadata(i).zeros_like();
+    const torch::autograd::InputMetadata& meta = send->input_metadata(i);
+    if (!grads[i].defined()) {
+      grads[i] = meta.zeros_like();
+    } else if (grads[i].dtype() != meta.dtype() || !meta.is_same_shape(grads[i])) {
+      throw std::invalid_argument(absl::StrCat("dist_autograd: gradient ", i, " of shape ",
+                                               c10::str(grads[i].sizes()), " and dtype ",
+                                               c10::toString(grads[i].scalar_type()),
+                                               " does not match the tensor it is for"));
     }
-  }
-  if (grads.size() != send->num_inputs()) {
-    throw std::invalid_argument("dist_autograd: gradient count does not match the send function");
   }
   return all_done(run_pass(ctx, roots, grads, retain_graph));
 }
@@ -495,14 +634,31 @@ void release_context(ContextId id, int from) {
   }
 }
 
-// Releases named in a message's ext (see PendingReleases).
+// Releases named in a message's ext (see PendingReleases), each honoured
+// only if `src` takes part in that context: it created it, or this worker
+// exchanged messages with it within it.
 void release_attached(int src, const rpc::MessageExt& ext) {
   if (ext.empty()) return;
   auto it = ext.find(kReleasedKey);
   if (it == ext.end()) return;
   for (absl::string_view s : absl::StrSplit(it->second, ',', absl::SkipEmpty())) {
     ContextId id;
-    if (absl::SimpleAtoi(s, &id)) release_context(id, src);
+    if (!absl::SimpleAtoi(s, &id)) {
+      throw std::invalid_argument("dist_autograd: malformed context release");
+    }
+    std::shared_ptr<ContextState> ctx = container().find(id);
+    if (!ctx) continue;  // released already
+    bool takes_part = creator_of(id) == src;
+    if (!takes_part) {
+      absl::MutexLock lock(&ctx->mu);
+      takes_part = ctx->workers.count(src) > 0;
+    }
+    if (!takes_part) {
+      LOG(WARNING) << "dist_autograd: ignoring the release of context " << id << " by worker "
+                   << src << ", which takes no part in it";
+      continue;
+    }
+    release_context(id, src);
   }
 }
 
@@ -558,6 +714,10 @@ c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id) {
 }
 
 size_t num_contexts() { return container().size(); }
+
+void set_idle_context_timeout(absl::Duration timeout) {
+  g_idle_timeout_ns.store(absl::ToInt64Nanoseconds(std::max(timeout, absl::Milliseconds(1))));
+}
 
 void set_gradient_hook(GradientHook hook) { container().set_gradient_hook(std::move(hook)); }
 

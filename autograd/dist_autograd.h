@@ -28,6 +28,8 @@
 #include <functional>
 #include <vector>
 
+#include "absl/time/time.h"
+
 namespace ddprpc::dist_autograd {
 
 using ContextId = int64_t;
@@ -61,6 +63,11 @@ c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id);
 
 // Contexts alive on this worker (for leak checks).
 size_t num_contexts();
+
+// Contexts that messages of other workers created here are dropped once no
+// message of theirs has come or gone for this long (their creator died, or
+// its release was lost). Default 10 minutes.
+void set_idle_context_timeout(absl::Duration timeout);
 
 // Called after each local backward pass on this worker with the gradients
 // that pass produced, before they are added to the context; the hook may

@@ -13,7 +13,9 @@
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
+#include "rpc/internal/callee.h"
 #include "rpc/internal/codec.h"
+#include "rpc/internal/fault.h"
 #include "rpc/internal/rref_context.h"
 #include "rpc/internal/thread_pool.h"
 #include "rpc/internal/transport.h"
@@ -22,20 +24,9 @@ namespace ddprpc::rpc {
 namespace {
 
 using internal::Frame;
-using HookStates = absl::InlinedVector<std::shared_ptr<void>, 2>;
 
-thread_local const CallContext* t_current_call = nullptr;
 // The innermost SyncCallScope of this thread, or nullptr.
 thread_local SyncCallScope* t_sync_scope = nullptr;
-
-class CallScope {
- public:
-  explicit CallScope(const CallContext* ctx) : saved_(t_current_call) { t_current_call = ctx; }
-  ~CallScope() { t_current_call = saved_; }
-
- private:
-  const CallContext* saved_;
-};
 
 std::pair<std::string, int> parse_init_method(const std::string& init_method) {
   std::string host, port;
@@ -77,20 +68,6 @@ absl::Time deadline_after(absl::Duration timeout) {
   return absl::Now() + timeout;
 }
 
-ErrorCode error_code_of(std::exception_ptr error, std::string* message) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const RpcError& e) {
-    *message = e.what();
-    return e.code();
-  } catch (const std::exception& e) {
-    *message = e.what();
-  } catch (...) {
-    *message = "unknown exception";
-  }
-  return ErrorCode::kRemoteException;
-}
-
 // Tells a call's hooks that it ended (reply: the response's ext, or nullptr).
 void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& hooks,
                const MessageExt* reply) {
@@ -98,8 +75,6 @@ void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& ho
 }
 
 }  // namespace
-
-const CallContext* current_call() { return t_current_call; }
 
 SyncCallScope::SyncCallScope() : saved_(t_sync_scope) { t_sync_scope = this; }
 SyncCallScope::~SyncCallScope() {
@@ -140,9 +115,29 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     free_workers_ = options_.num_worker_threads;
   }
   // Before the server starts: peers may call as soon as they know us.
-  rrefs_ = std::make_shared<internal::RRefContext>(this, rank_, registry_);
+  rrefs_ = std::make_shared<internal::RRefContext>(this, rank_, world_size, registry_);
+  internal::Callee::Options callee;
+  callee.self = rank_;
+  callee.self_name = name;
+  callee.max_message_bytes = options_.max_message_bytes;
+  callee.functions = registry_;
+  callee.internal_prefix = internal::RRefContext::kFunctionPrefix;
+  callee.internal_functions = &rrefs_->functions();
+  callee.extension = rrefs_.get();
+  callee.reply_sender = reply_sender_.get();
+  callee_ = std::make_unique<internal::Callee>(std::move(callee));
+  internal::ServerLimits limits;
+  limits.world_size = world_size;
+  limits.max_message_bytes = options_.max_message_bytes;
+  limits.max_pending_requests = options_.max_pending_requests_per_stream;
+  limits.max_pending_reply_bytes = options_.max_pending_reply_bytes;
+  limits.max_buffered_bytes = options_.max_receive_buffer_bytes;
+  if (limits.max_buffered_bytes <= 0) {
+    const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);
+    limits.max_buffered_bytes = std::max(int64_t{256} << 20, 4 * message);
+  }
   server_ = internal::TransportServer::start(
-      options_.listen_address,
+      options_.listen_address, limits,
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
         if (!try_acquire_worker()) return offload(std::move(responder), std::move(frame));
         serve(responder, frame, absl::Now());
@@ -356,29 +351,53 @@ std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
       if (slot.stream) broken_.push_back(std::move(slot.stream));
     }
     slot.stream = internal::PeerStream::open(
-        workers_[to].address, client_queue_.get(),
-        [this](Frame frame) { on_reply(std::move(frame)); },
+        workers_[to].address, rank_, options_.max_message_bytes, client_queue_.get(),
+        [this, to](Frame frame) { return on_reply(to, std::move(frame)); },
         [this, to](const grpc::Status& status) {
-          on_peer_closed(to, status.ok() ? "the worker closed the connection"
-                                         : absl::StrCat("the worker is unreachable (",
-                                                        status.error_message(), ")"));
+          std::string why;
+          if (status.ok()) {
+            why = "the worker closed the connection";
+          } else if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+            why = absl::StrCat("the worker is unreachable (", status.error_message(), ")");
+          } else {
+            why = absl::StrCat("the connection failed (", status.error_message(), ")");
+          }
+          on_peer_closed(to, why);
         });
   }
   return slot.stream;
 }
 
-void RpcAgent::on_reply(Frame frame) {
+absl::Status RpcAgent::on_reply(int from, Frame frame) {
+  const wire::Header& header = frame.header;
+  if (header.kind() != wire::RESPONSE && header.kind() != wire::ERROR) {
+    return absl::DataLossError(absl::StrCat("worker '", workers_[from].name,
+                                            "' sent a reply of kind ",
+                                            static_cast<int>(header.kind())));
+  }
+  if (header.src() != from) {
+    return absl::DataLossError(absl::StrCat("a reply on the stream to worker '",
+                                            workers_[from].name, "' claims to come from worker ",
+                                            header.src()));
+  }
   PendingCall call;
   {
     absl::MutexLock lock(&mu_);
-    auto it = pending_.find(frame.header.id());
-    if (it == pending_.end()) return;  // timed out or failed already
+    auto it = pending_.find(header.id());
+    // Timed out or failed already; a reply to a call made to another
+    // worker is ignored likewise.
+    if (it == pending_.end() || it->second.to != from) return absl::OkStatus();
     call = take_pending(it);
   }
-  const wire::Header& header = frame.header;
   if (header.kind() == wire::ERROR) {
-    fail_pending({call}, static_cast<ErrorCode>(header.error_code()), header.error());
-    return;
+    if (!valid_error_code(header.error_code())) {
+      fail_pending({call}, ErrorCode::kMalformedMessage,
+                   absl::StrCat("malformed response: unknown error code ", header.error_code(),
+                                ": ", header.error().substr(0, 1024)));
+    } else {
+      fail_pending({call}, static_cast<ErrorCode>(header.error_code()), header.error());
+    }
+    return absl::OkStatus();
   }
   c10::IValue value;
   try {
@@ -387,12 +406,13 @@ void RpcAgent::on_reply(Frame frame) {
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kMalformedMessage,
                  absl::StrCat("malformed response: ", e.what()));
-    return;
+    return absl::OkStatus();
   }
-  // Outside the try: an exception from a future's callback must not fail
-  // (and end the hooks of) a call that has completed.
+  // Outside the try: the call has completed (its future's callbacks cannot
+  // throw, see future.h).
   end_hooks(call.hooks, &header.ext());
   call.future.set_result(std::move(value));
+  return absl::OkStatus();
 }
 
 RpcAgent::PendingCall RpcAgent::take_pending(
@@ -420,17 +440,32 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why) {
   fail_pending(failed, ErrorCode::kUnavailable, why);
 }
 
+void RpcAgent::run_at(absl::Time when, std::function<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  if (stopped_) return;
+  timers_.emplace(when, std::move(fn));
+}
+
 void RpcAgent::timer_loop() {
   while (true) {
     std::vector<PendingCall> expired;
+    std::vector<std::function<void()>> due_timers;
     {
       absl::MutexLock lock(&mu_);
-      const absl::Time wake = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
-      auto due = [this, wake]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopped_ || (!deadlines_.empty() && deadlines_.begin()->first < wake);
+      auto earliest = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        absl::Time t = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
+        if (!timers_.empty()) t = std::min(t, timers_.begin()->first);
+        return t;
+      };
+      const absl::Time wake = earliest();
+      auto due = [this, wake, &earliest]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopped_ || earliest() < wake;
       };
       mu_.AwaitWithDeadline(absl::Condition(&due), wake);
-      if (stopped_) return;
+      if (stopped_) {
+        timers_.clear();
+        return;
+      }
       const absl::Time now = absl::Now();
       while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
         auto it = pending_.find(deadlines_.begin()->second);
@@ -438,13 +473,28 @@ void RpcAgent::timer_loop() {
         if (it == pending_.end()) continue;
         expired.push_back(take_pending(it));
       }
+      while (!timers_.empty() && timers_.begin()->first <= now) {
+        due_timers.push_back(std::move(timers_.begin()->second));
+        timers_.erase(timers_.begin());
+      }
     }
     for (const auto& call : expired) {
-      end_hooks(call.hooks, nullptr);
-      absl::Duration timeout = options_.rpc_timeout;
-      call.future.set_error(RpcError(
-          ErrorCode::kTimeout, absl::StrCat(describe(call), " timed out (deadline passed; default "
-                                            "rpc_timeout is ", absl::FormatDuration(timeout), ")")));
+      const std::string why = absl::StrCat(describe(call), " timed out (deadline passed; default "
+                                           "rpc_timeout is ", absl::FormatDuration(options_.rpc_timeout), ")");
+      try {
+        internal::fault_point("agent.timer");
+        end_hooks(call.hooks, nullptr);
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "rpc: ending the hooks of " << describe(call) << " failed: " << e.what();
+      }
+      call.future.set_error(RpcError(ErrorCode::kTimeout, why));
+    }
+    for (auto& fn : due_timers) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "rpc: a timer task threw (ignored): " << e.what();
+      }
     }
   }
 }
@@ -475,11 +525,24 @@ void RpcAgent::release_worker() {
 void RpcAgent::offload(std::shared_ptr<internal::Responder> responder, Frame frame) {
   auto task = std::make_shared<std::pair<std::shared_ptr<internal::Responder>, Frame>>(
       std::move(responder), std::move(frame));
-  pool_->run([this, task, received = absl::Now()] {
-    acquire_worker();
-    serve(task->first, task->second, received);
-    release_worker();
-  });
+  const bool queued = pool_->try_run(
+      [this, task, received = absl::Now()] {
+        acquire_worker();
+        serve(task->first, task->second, received);
+        release_worker();
+      },
+      static_cast<size_t>(std::max(options_.max_queued_requests, 1)));
+  if (queued) return;
+  const wire::Header& header = task->second.header;
+  const std::string why =
+      absl::StrCat("worker '", self().name, "' has ", options_.max_queued_requests,
+                   " requests waiting for a thread already (max_queued_requests); '",
+                   header.function().substr(0, 256), "' was refused");
+  if (header.kind() == wire::NOTICE) {
+    LOG(WARNING) << "rpc: " << why;
+    return;
+  }
+  task->first->send(callee_->error_reply(header.id(), ErrorCode::kResourceExhausted, why));
 }
 
 void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request,
@@ -491,138 +554,19 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
     mu_.Await(absl::Condition(&ready));
     if (!serving_) return;  // stopped before it started: the stream closes
   }
-  const wire::Header& header = request.header;
-  const uint64_t id = header.id();
-  const std::string function = header.function();
-  const bool one_way = header.kind() == wire::NOTICE;
-  auto reply_error = [&](ErrorCode code, const std::string& message) {
-    if (one_way) {
-      LOG(WARNING) << "rpc: one-way '" << function << "' on worker '" << self().name
-                   << "' failed: " << message;
-      return;
-    }
-    Frame out;
-    out.header.set_id(id);
-    out.header.set_kind(wire::ERROR);
-    out.header.set_src(rank_);
-    out.header.set_error_code(static_cast<int>(code));
-    out.header.set_error(message);
-    responder->send(internal::serialize_frame(out));
-  };
-
-  const Handler* handler = absl::StartsWith(function, "__rref.") ? rrefs_->functions().find(function)
-                                                                 : registry_->find(function);
-  if (!handler) {
-    return reply_error(ErrorCode::kUnknownFunction,
-                       absl::StrCat("no function named '", function,
-                                    "' is registered on worker '", self().name, "'"));
-  }
-  std::vector<c10::IValue> args;
-  // Immutable and never freed (hooks.h); one state per hook, in its order.
-  const RpcHooks* hooks = &rpc_hooks();
-  HookStates hook_states(hooks->size());
-  try {
-    c10::IValue value = internal::decode_value(header.payload(), request, {rrefs_.get(), header.src()});
-    if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
-    for (size_t i = 0; i < hooks->size(); ++i) {
-      hook_states[i] = (*hooks)[i]->incoming_request(header.src(), value, header.ext());
-    }
-    args = value.toTupleRef().elements().vec();
-  } catch (const std::exception& e) {
-    return reply_error(ErrorCode::kMalformedMessage,
-                       absl::StrCat("malformed arguments: ", e.what()));
-  }
-  request.tensors.clear();
-
-  Future<c10::IValue> result;
-  CallContext context{header.src(), function, received};
-  {
-    ++executing_;
-    struct Done {
-      std::atomic<int>& n;
-      ~Done() { --n; }
-    } done{executing_};
-    // Replies the handler completes go out when it returns (after its hooks'
-    // exits, before its own reply), still counted as executing.
-    internal::HeldWork held;
-    CallScope scope(&context);
-    HookStates hook_guards(hooks->size());
-    for (size_t i = 0; i < hooks->size(); ++i) hook_guards[i] = (*hooks)[i]->enter(hook_states[i]);
-    try {
-      result = (*handler)(args);
-    } catch (...) {
-      std::string message;
-      ErrorCode code = error_code_of(std::current_exception(), &message);
-      return reply_error(code, message);
-    }
-  }
-  if (one_way) return;
-  const int64_t limit = options_.max_message_bytes;
-  const int caller = header.src();
-  auto reply = [this, responder, id, function, limit, caller, hooks,
-                hook_states](const Future<c10::IValue>& f) {
-    Frame out;
-    out.header.set_id(id);
-    out.header.set_src(rank_);
-    auto set_error = [&](ErrorCode code, const std::string& message) {
-      out = Frame();
-      out.header.set_id(id);
-      out.header.set_src(rank_);
-      out.header.set_kind(wire::ERROR);
-      out.header.set_error_code(static_cast<int>(code));
-      out.header.set_error(message);
-    };
-    if (std::exception_ptr error = f.error()) {
-      std::string message;
-      ErrorCode code = error_code_of(error, &message);
-      set_error(code, message);
-    } else {
-      out.header.set_kind(wire::RESPONSE);
-      try {
-        for (size_t i = 0; i < hooks->size(); ++i) {
-          (*hooks)[i]->outgoing_response(caller, hook_states[i], f.value(),
-                                         out.header.mutable_ext());
-        }
-        internal::encode_value(f.value(), out.header.mutable_payload(), &out,
-                               {rrefs_.get(), caller});
-        const uint64_t size = out.size();
-        if (size > static_cast<uint64_t>(limit)) {
-          set_error(ErrorCode::kMessageTooLarge,
-                    absl::StrCat("the result of '", function, "' is ", size,
-                                 " bytes, over max_message_bytes (", limit, ")"));
-        }
-      } catch (const std::exception& e) {
-        set_error(ErrorCode::kInvalidArgument,
-                  absl::StrCat("the result of '", function, "' cannot be sent: ", e.what()));
-      }
-    }
-    responder->send(internal::serialize_frame(out));
-  };
-  if (result.completed()) return reply(result);
-  // Async execution. A thread that completes the future while serving a
-  // request (for a batch, the last caller's, answering everyone) writes the
-  // reply itself once that request's handler returns or waits (HeldWork):
-  // completing a future then costs the handler no socket writes, and a hop
-  // to another thread would cost a context switch per batch (rpc_rl, world
-  // size 10, batch on: 6% fewer context switches in all). Any other thread
-  // (a timer, a thread of the application) only queues it for
-  // reply_sender_, which encodes and writes it, so that thread is free as
-  // soon as it returns.
-  result.add_done_callback([this, reply = std::move(reply)](const Future<c10::IValue>& f) mutable {
-    if (internal::HeldWork* held = internal::HeldWork::current()) {
-      held->add([reply = std::move(reply), f]() mutable { reply(f); });
-      return;
-    }
-    if (current_call() != nullptr) return reply(f);
-    reply_sender_->run([reply = std::move(reply), f] { reply(f); });  // runs once
-  });
+  // The caller is the worker its stream belongs to (checked against every
+  // frame by the transport), never what a frame says.
+  callee_->serve(responder->caller(), request, received,
+                 [responder](grpc::ByteBuffer reply) { responder->send(std::move(reply)); });
 }
+
+int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing() : 0; }
 
 // ----------------------------------------------------------------- shutdown
 
 bool RpcAgent::peer_alive(int id) const {
   auto channel = grpc::CreateCustomChannel(workers_[id].address, grpc::InsecureChannelCredentials(),
-                                           internal::channel_arguments());
+                                           internal::channel_arguments(options_.max_message_bytes));
   return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
 }
 

@@ -12,6 +12,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -21,6 +23,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/future.h"
@@ -33,6 +36,7 @@ class RpcHook;
 
 namespace internal {
 struct Frame;
+class Callee;
 class ClientQueue;
 class PeerStream;
 class RRefContext;
@@ -59,8 +63,22 @@ struct RpcBackendOptions {
   std::string init_method = "env://";
   // Address this worker listens on and advertises to the others.
   std::string listen_address = "127.0.0.1";
-  // Largest request or response, in bytes; larger ones fail with kMessageTooLarge.
+  // Largest request or response, in bytes; larger ones fail with
+  // kMessageTooLarge. Checked by the sender and again by the receiver.
   int64_t max_message_bytes = int64_t{1} << 31;
+  // What one peer may make this worker hold (larger amounts pause reading
+  // its stream, or are refused with kResourceExhausted): requests read and
+  // not yet answered, per stream; bytes of replies it has not read yet, per
+  // stream; requests waiting for a worker thread, all callers together.
+  int max_pending_requests_per_stream = 1024;
+  int64_t max_pending_reply_bytes = int64_t{64} << 20;
+  int max_queued_requests = 1 << 16;
+  // Bytes of received messages this worker buffers for all peers together;
+  // 0: four times max_message_bytes, at least 256 MiB. gRPC checks a
+  // message's size only once all of it has arrived, so this is what bounds
+  // one that claims to be huge: past it gRPC cancels streams (its choice;
+  // calls on them fail with kUnavailable and the next ones reconnect).
+  int64_t max_receive_buffer_bytes = 0;
 };
 
 struct WorkerInfo {
@@ -145,7 +163,7 @@ class RpcAgent {
 
   // Requests whose function is running right now (on any thread); async
   // functions waiting on their future do not count.
-  int busy_worker_threads() const { return executing_.load(); }
+  int busy_worker_threads() const;
 
  private:
   struct PendingCall {
@@ -162,6 +180,11 @@ class RpcAgent {
     std::shared_ptr<internal::PeerStream> stream ABSL_GUARDED_BY(mu);
   };
 
+  friend class internal::RRefContext;
+  // Runs `fn` on the timer thread at `when`, unless the agent stops first.
+  // `fn` must not block.
+  void run_at(absl::Time when, std::function<void()> fn);
+
   Future<c10::IValue> send_request(int to, const std::string& function,
                                    std::vector<c10::IValue> args, absl::Duration timeout,
                                    const char* api, const std::string& display, bool one_way);
@@ -176,7 +199,8 @@ class RpcAgent {
   void offload(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
   void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame,
              absl::Time received);
-  void on_reply(internal::Frame frame);
+  // A reply from worker `from`; an error status if it breaks the protocol.
+  absl::Status on_reply(int from, internal::Frame frame);
   void on_peer_closed(int peer, const std::string& why);
   void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);
   // Removes the call at `it` from pending_, deadlines_ and in_flight_.
@@ -203,12 +227,12 @@ class RpcAgent {
   // returned (async execution). Lives as long as the agent.
   std::unique_ptr<internal::ThreadPool> reply_sender_;
   std::shared_ptr<internal::RRefContext> rrefs_;
+  std::unique_ptr<internal::Callee> callee_;
   // Completions of every stream to the peers; shared with the futures'
   // drivers (weakly), which let a waiting caller read it.
   std::shared_ptr<internal::ClientQueue> client_queue_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   std::thread timer_;
-  std::atomic<int> executing_{0};
   std::atomic<int64_t> rrefs_alive_at_shutdown_{-1};
   absl::Mutex workers_mu_;
   int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;
@@ -222,6 +246,7 @@ class RpcAgent {
   absl::flat_hash_map<uint64_t, PendingCall> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<int> in_flight_ ABSL_GUARDED_BY(mu_);  // entries of pending_ per peer
   std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
+  std::multimap<absl::Time, std::function<void()>> timers_ ABSL_GUARDED_BY(mu_);  // run_at()
   // Streams that broke; closed at shutdown.
   std::vector<std::shared_ptr<internal::PeerStream>> broken_ ABSL_GUARDED_BY(mu_);
 };

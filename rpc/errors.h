@@ -18,7 +18,12 @@ enum class ErrorCode : int {
   kShutdown = 7,          // RPC not initialized or already shut down
   kMalformedMessage = 8,  // bytes that do not decode as a frame
   kInternal = 9,
+  kResourceExhausted = 10,  // a bound of the callee was hit (queued requests, RRefs, ...)
+  kPermissionDenied = 11,   // the caller may not do this (e.g. delete another worker's RRef)
 };
+
+// Whether `code` names an ErrorCode (for codes read off the wire).
+bool valid_error_code(int code);
 
 const char* error_code_name(ErrorCode code);
 

@@ -4,7 +4,9 @@
 // once, with a value (set_result) or an error (set_error). wait()/value()
 // block and rethrow the error; callbacks run exactly once, on the thread that
 // completes the future (or at once when added to a completed future), and so
-// must not block. Future<void> completes without a value.
+// must not block. A callback that throws is logged and ignored: its
+// exception never reaches the completing thread. Future<void> completes
+// without a value.
 #pragma once
 
 #include <atomic>
@@ -31,6 +33,9 @@ template <typename T>
 class Future;
 
 namespace internal {
+
+// Logs the exception of a done callback (errors.cc).
+void report_callback_error(std::exception_ptr error) noexcept;
 
 template <typename T>
 struct Stored {
@@ -220,7 +225,7 @@ class Future {
         return;
       }
     }
-    callback(*this);
+    run_callback(callback);
   }
 
   // Chains `fn(const Future<T>&)`: the returned future completes with fn's
@@ -321,8 +326,16 @@ class Future {
       callbacks.swap(state_->callbacks);
       driver.swap(state_->driver);
     }
-    for (auto& cb : callbacks) cb(*this);
+    for (auto& cb : callbacks) run_callback(cb);
     return true;
+  }
+
+  void run_callback(const std::function<void(const Future<T>&)>& callback) const noexcept {
+    try {
+      callback(*this);
+    } catch (...) {
+      internal::report_callback_error(std::current_exception());
+    }
   }
 
   std::shared_ptr<State> state_;

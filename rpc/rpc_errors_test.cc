@@ -3,14 +3,13 @@
 // oversized messages, malformed bytes, dead peers, shutdown.
 #include <ATen/ops/ones.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/impl/rpc_method.h>
-#include <grpcpp/support/sync_stream.h>
 
 #include <atomic>
 #include <thread>
 
 #include "gtest/gtest.h"
 #include "rpc/rpc.h"
+#include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;
@@ -170,24 +169,13 @@ MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
 }
 
 // A stream that sends garbage is cut off with a clear status; the worker
-// keeps serving everyone else.
+// keeps serving everyone else (hostile_input_test has the other cases).
 MULTIPROCESS_TEST(RpcErrorsTest, MalformedBytesEndOnlyTheirStream, 1) {
   rpc::init_rpc("solo", 0, 1);
-  auto channel = grpc::CreateChannel(rpc::get_worker_info().address,
-                                     grpc::InsecureChannelCredentials());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-  static const grpc::internal::RpcMethod method("/ddprpc.Transport/Stream",
-                                                grpc::internal::RpcMethod::BIDI_STREAMING);
-  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
-      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-          channel.get(), method, &ctx));
-  std::string garbage = "\x10\x00\x00\x00not a frame at all";
-  grpc::Slice slice(garbage);
-  stream->Write(grpc::ByteBuffer(&slice, 1));
-  grpc::ByteBuffer reply;
-  EXPECT_FALSE(stream->Read(&reply));
-  grpc::Status status = stream->Finish();
+  rpc::testing::RawStream stream(rpc::get_worker_info().address, 0, absl::Seconds(10));
+  stream.write_bytes(std::string("\x10\x00\x00\x00not a frame at all", 22));
+  EXPECT_FALSE(stream.read().has_value());
+  grpc::Status status = stream.finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("malformed frame"), std::string::npos)
       << status.error_message();

@@ -2,101 +2,67 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <map>
+#include <grpcpp/resource_quota.h>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
+#include "glog/logging.h"
 #include "rpc/errors.h"
+#include "rpc/internal/fault.h"
+#include "rpc/internal/store_state.h"
 #include "rpc/wire.grpc.pb.h"
 
 namespace ddprpc::rpc {
 
 class StoreServer::Service final : public wire::Store::Service {
  public:
-  grpc::Status Set(grpc::ServerContext*, const wire::StoreRequest* req,
-                   wire::StoreResponse*) override {
-    absl::MutexLock lock(&mu_);
-    data_[req->key()] = req->value();
-    return grpc::Status::OK;
+  grpc::Status Set(grpc::ServerContext* ctx, const wire::StoreRequest* req,
+                   wire::StoreResponse* resp) override {
+    return guarded(ctx, "set", [&] { return state_.set(*req, resp); });
   }
-
   grpc::Status Get(grpc::ServerContext* ctx, const wire::StoreRequest* req,
                    wire::StoreResponse* resp) override {
-    absl::MutexLock lock(&mu_);
-    if (!await_keys(ctx, {req->key()}, req->timeout_ms())) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("timed out waiting for key '", req->key(), "'"));
-    }
-    resp->set_value(data_[req->key()]);
-    return grpc::Status::OK;
+    return guarded(ctx, "get",
+                   [&] { return state_.get(*req, resp, [ctx] { return ctx->IsCancelled(); }); });
   }
-
-  grpc::Status Add(grpc::ServerContext*, const wire::StoreRequest* req,
+  grpc::Status Add(grpc::ServerContext* ctx, const wire::StoreRequest* req,
                    wire::StoreResponse* resp) override {
-    absl::MutexLock lock(&mu_);
-    int64_t current = 0;
-    auto it = data_.find(req->key());
-    if (it != data_.end() && !absl::SimpleAtoi(it->second, &current)) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          absl::StrCat("key '", req->key(), "' does not hold an integer"));
-    }
-    current += req->amount();
-    data_[req->key()] = absl::StrCat(current);
-    resp->set_number(current);
-    return grpc::Status::OK;
+    return guarded(ctx, "add", [&] { return state_.add(*req, resp); });
   }
-
   grpc::Status Wait(grpc::ServerContext* ctx, const wire::StoreRequest* req,
-                    wire::StoreResponse*) override {
-    absl::MutexLock lock(&mu_);
-    std::vector<std::string> keys(req->keys().begin(), req->keys().end());
-    if (!await_keys(ctx, keys, req->timeout_ms())) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("timed out waiting for keys ", absl::StrJoin(keys, ", ")));
-    }
-    return grpc::Status::OK;
+                    wire::StoreResponse* resp) override {
+    return guarded(ctx, "wait",
+                   [&] { return state_.wait(*req, resp, [ctx] { return ctx->IsCancelled(); }); });
   }
-
-  grpc::Status Check(grpc::ServerContext*, const wire::StoreRequest* req,
+  grpc::Status Check(grpc::ServerContext* ctx, const wire::StoreRequest* req,
                      wire::StoreResponse* resp) override {
-    absl::MutexLock lock(&mu_);
-    bool all = true;
-    for (const auto& k : req->keys()) all = all && data_.count(k) > 0;
-    resp->set_number(all ? 1 : 0);
-    return grpc::Status::OK;
+    return guarded(ctx, "check", [&] { return state_.check(*req, resp); });
   }
 
-  void stop() {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-  }
+  void stop() { state_.stop(); }
 
  private:
-  // Waits (with mu_ held) until all keys exist; false on timeout or stop.
-  bool await_keys(grpc::ServerContext* ctx, const std::vector<std::string>& keys,
-                  int64_t timeout_ms) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (stopping_) return true;
-      for (const auto& k : keys) {
-        if (!data_.count(k)) return false;
-      }
-      return true;
-    };
-    // Wake up periodically to notice a cancelled client.
-    while (!mu_.AwaitWithDeadline(absl::Condition(&ready),
-                                  std::min(deadline, absl::Now() + absl::Milliseconds(200)))) {
-      if (ctx->IsCancelled() || absl::Now() >= deadline) return false;
+  // Runs one request; what it throws becomes its error status, and a
+  // refused request is logged with the client's address.
+  template <typename F>
+  grpc::Status guarded(grpc::ServerContext* ctx, const char* op, F&& run) {
+    grpc::Status status;
+    try {
+      internal::fault_point("store.request");
+      status = run();
+    } catch (const std::exception& e) {
+      status = grpc::Status(grpc::StatusCode::INTERNAL, e.what());
     }
-    return !stopping_;
+    const grpc::StatusCode code = status.error_code();
+    if (code != grpc::StatusCode::OK && code != grpc::StatusCode::DEADLINE_EXCEEDED &&
+        code != grpc::StatusCode::UNAVAILABLE) {
+      LOG(WARNING) << "rendezvous store: refused " << op << " from " << ctx->peer() << ": "
+                   << status.error_message();
+    }
+    return status;
   }
 
-  absl::Mutex mu_;
-  std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  internal::StoreState state_;
 };
 
 std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int port) {
@@ -106,6 +72,12 @@ std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int por
   builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
                            &s->port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(internal::StoreState::kMaxRequestBytes);
+  // Blocked waits hold a thread each; the state refuses those beyond its
+  // bound before this one is reached.
+  grpc::ResourceQuota quota("ddprpc-store");
+  quota.SetMaxThreads(internal::StoreState::kMaxWaiters + 64);
+  builder.SetResourceQuota(quota);
   builder.RegisterService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {

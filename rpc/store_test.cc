@@ -1,9 +1,14 @@
 #include "rpc/store.h"
 
+#include <atomic>
 #include <thread>
 
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "rpc/errors.h"
+#include "rpc/internal/store_state.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -58,6 +63,55 @@ TEST(StoreTest, PortInUseIsAClearError) {
   } catch (const RpcError& e) {
     EXPECT_NE(std::string(e.what()).find("cannot listen"), std::string::npos);
   }
+}
+
+// What one client can make the store hold, or wait on, is bounded.
+TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
+  using internal::StoreState;
+  StoreState state;
+  wire::StoreRequest req;
+  wire::StoreResponse resp;
+  for (size_t i = 0; i < StoreState::kMaxKeys; ++i) {
+    req.set_key(absl::StrCat(i));
+    ASSERT_TRUE(state.set(req, &resp).ok()) << i;
+  }
+  req.set_key("one more");
+  EXPECT_EQ(state.set(req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  req.set_key("0");  // overwriting an existing key is fine
+  EXPECT_TRUE(state.set(req, &resp).ok());
+
+  // Integers that would overflow.
+  req.set_key("n");
+  req.set_amount(int64_t{1} << 62);
+  StoreState counters;
+  EXPECT_TRUE(counters.add(req, &resp).ok());
+  EXPECT_TRUE(counters.add(req, &resp).ok() == false);
+
+  // kMaxWaiters requests block; the next is refused at once.
+  StoreState waits;
+  wire::StoreRequest wait;
+  wait.add_keys("never");
+  wait.set_timeout_ms(30000);
+  std::vector<std::thread> waiters;
+  std::atomic<int> unavailable{0};
+  for (int i = 0; i < StoreState::kMaxWaiters; ++i) {
+    waiters.emplace_back([&] {
+      wire::StoreResponse r;
+      if (waits.wait(wait, &r, [] { return false; }).error_code() == grpc::StatusCode::UNAVAILABLE) {
+        ++unavailable;
+      }
+    });
+  }
+  grpc::Status refused;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  do {
+    absl::SleepFor(absl::Milliseconds(10));
+    refused = waits.wait(wait, &resp, [] { return false; });
+  } while (refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  waits.stop();  // wakes them all
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(unavailable.load(), StoreState::kMaxWaiters);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 
@@ -16,6 +17,10 @@ namespace {
 constexpr int32_t kUndefinedTensor = -1;
 
 void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
+  if (frame->tensors.size() >= static_cast<size_t>(kMaxTensorsPerFrame)) {
+    throw TypeMismatch(absl::StrCat("a message may carry at most ", kMaxTensorsPerFrame,
+                                    " tensors"));
+  }
   auto* meta = frame->header.add_tensors();
   out->set_tensor(static_cast<uint32_t>(frame->tensors.size()));
   if (!tensor.defined()) {
@@ -27,6 +32,14 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
     throw TypeMismatch("only dense (strided) tensors can be sent, got layout " +
                        c10::str(tensor.layout()));
   }
+  if (!sendable_dtype(static_cast<int32_t>(tensor.scalar_type()))) {
+    throw TypeMismatch(std::string("tensors of dtype ") + c10::toString(tensor.scalar_type()) +
+                       " cannot be sent");
+  }
+  if (tensor.dim() > kMaxTensorDims) {
+    throw TypeMismatch(absl::StrCat("tensors of more than ", kMaxTensorDims,
+                                    " dimensions cannot be sent"));
+  }
   at::Tensor data = tensor.detach();
   if (!data.device().is_cpu()) data = data.cpu();
   data = data.contiguous();
@@ -37,20 +50,20 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
   frame->tensors.push_back(std::move(data));
 }
 
+void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx,
+               int depth);
+
 void encode_list(const c10::List<c10::IValue>& items, wire::Value::List* out, Frame* frame,
-                 const CodecContext& ctx) {
-  for (const c10::IValue& item : items) encode_value(item, out->add_items(), frame, ctx);
+                 const CodecContext& ctx, int depth) {
+  for (const c10::IValue& item : items) encode_at(item, out->add_items(), frame, ctx, depth + 1);
 }
 
-}  // namespace
-
-uint64_t Frame::size() const {
-  uint64_t n = 4 + header.ByteSizeLong();
-  for (const auto& meta : header.tensors()) n += meta.nbytes();
-  return n;
-}
-
-void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
+void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx,
+               int depth) {
+  if (depth >= kMaxValueDepth) {
+    throw TypeMismatch(absl::StrCat("values nested more than ", kMaxValueDepth,
+                                    " deep cannot be sent over RPC"));
+  }
   if (v.isNone()) {
     out->set_none(true);
   } else if (v.isBool()) {
@@ -66,7 +79,7 @@ void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const Co
   } else if (v.isTuple()) {
     auto* list = out->mutable_tuple();
     for (const c10::IValue& item : v.toTupleRef().elements()) {
-      encode_value(item, list->add_items(), frame, ctx);
+      encode_at(item, list->add_items(), frame, ctx, depth + 1);
     }
   } else if (v.isIntList()) {
     auto* list = out->mutable_int_list();
@@ -84,7 +97,8 @@ void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const Co
     const auto list = v.toList();
     bool all_strings = !list.empty();
     for (const c10::IValue& item : list) all_strings = all_strings && item.isString();
-    encode_list(list, all_strings ? out->mutable_string_list() : out->mutable_list(), frame, ctx);
+    encode_list(list, all_strings ? out->mutable_string_list() : out->mutable_list(), frame, ctx,
+                depth);
   } else if (v.isCapsule() && ctx.ext) {
     ctx.ext->encode(v, ctx.peer, out->mutable_ext());
   } else {
@@ -93,96 +107,173 @@ void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const Co
   }
 }
 
+}  // namespace
+
+bool sendable_dtype(int32_t dtype) {
+  // ScalarType is 8 bits wide: range-check before the cast.
+  if (dtype < 0 || dtype >= static_cast<int32_t>(c10::ScalarType::NumOptions)) return false;
+  switch (static_cast<c10::ScalarType>(dtype)) {
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+    case c10::ScalarType::Short:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Bool:
+    case c10::ScalarType::BFloat16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+uint64_t Frame::size() const {
+  uint64_t n = 4 + header.ByteSizeLong();
+  for (const auto& meta : header.tensors()) n += meta.nbytes();
+  return n;
+}
+
+void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
+  encode_at(v, out, frame, ctx, 0);
+}
+
 namespace {
 
-template <typename T, typename Get>
-c10::IValue decode_typed_list(const wire::Value::List& list, Get get) {
-  c10::List<T> out;
-  out.reserve(list.items_size());
-  for (const auto& item : list.items()) out.push_back(get(item));
-  return c10::IValue(std::move(out));
-}
+// Decodes one value; `used` marks the frame's tensors already taken.
+class Decoder {
+ public:
+  Decoder(const Frame& frame, const CodecContext& ctx)
+      : frame_(frame), ctx_(ctx), used_(frame.tensors.size(), false) {}
 
-const at::Tensor& tensor_at(const Frame& frame, uint32_t index) {
-  if (index >= frame.tensors.size()) {
-    throw std::invalid_argument(absl::StrCat("tensor index ", index, " out of range (",
-                                             frame.tensors.size(), " tensors)"));
+  c10::IValue decode(const wire::Value& v, int depth) {
+    if (depth >= kMaxValueDepth) {
+      throw std::invalid_argument(absl::StrCat("value nested more than ", kMaxValueDepth, " deep"));
+    }
+    switch (v.kind_case()) {
+      case wire::Value::kNone:
+        return c10::IValue();
+      case wire::Value::kB:
+        return c10::IValue(v.b());
+      case wire::Value::kI:
+        return c10::IValue(v.i());
+      case wire::Value::kD:
+        return c10::IValue(v.d());
+      case wire::Value::kS:
+        return c10::IValue(v.s());
+      case wire::Value::kTensor:
+        return c10::IValue(take_tensor(v.tensor()));
+      case wire::Value::kTuple: {
+        std::vector<c10::IValue> elems;
+        elems.reserve(v.tuple().items_size());
+        for (const auto& item : v.tuple().items()) elems.push_back(decode(item, depth + 1));
+        return c10::IValue(c10::ivalue::Tuple::create(std::move(elems)));
+      }
+      case wire::Value::kIntList:
+        return typed_list<int64_t>(v.int_list(), wire::Value::kI, "int",
+                                   [](const wire::Value& x) { return x.i(); });
+      case wire::Value::kDoubleList:
+        return typed_list<double>(v.double_list(), wire::Value::kD, "float",
+                                  [](const wire::Value& x) { return x.d(); });
+      case wire::Value::kBoolList:
+        return typed_list<bool>(v.bool_list(), wire::Value::kB, "bool",
+                                [](const wire::Value& x) { return x.b(); });
+      case wire::Value::kStringList:
+        return typed_list<std::string>(v.string_list(), wire::Value::kS, "str",
+                                       [](const wire::Value& x) { return x.s(); });
+      case wire::Value::kTensorList:
+        return typed_list<at::Tensor>(v.tensor_list(), wire::Value::kTensor, "Tensor",
+                                      [&](const wire::Value& x) { return take_tensor(x.tensor()); });
+      case wire::Value::kList: {
+        c10::impl::GenericList out(c10::AnyType::get());
+        out.reserve(v.list().items_size());
+        for (const auto& item : v.list().items()) out.push_back(decode(item, depth + 1));
+        return c10::IValue(std::move(out));
+      }
+      case wire::Value::kExt:
+        if (!ctx_.ext) {
+          throw std::invalid_argument("extension value '" + v.ext().type().substr(0, 64) +
+                                      "' unexpected here");
+        }
+        return ctx_.ext->decode(v.ext(), ctx_.peer);
+      case wire::Value::KIND_NOT_SET:
+        break;
+    }
+    throw std::invalid_argument("malformed value: no kind set");
   }
-  return frame.tensors[index];
-}
+
+ private:
+  template <typename T, typename Get>
+  c10::IValue typed_list(const wire::Value::List& list, wire::Value::KindCase kind,
+                         const char* name, Get get) {
+    c10::List<T> out;
+    out.reserve(list.items_size());
+    for (const auto& item : list.items()) {
+      if (item.kind_case() != kind) {
+        throw std::invalid_argument(absl::StrCat("malformed value: an item of a list of ", name,
+                                                 " is not a ", name));
+      }
+      out.push_back(get(item));
+    }
+    return c10::IValue(std::move(out));
+  }
+
+  // Each tensor of a frame is referenced once (encode_value writes one
+  // entry per occurrence): a tensor shared by two values could not be told
+  // apart from two received tensors.
+  const at::Tensor& take_tensor(uint32_t index) {
+    if (index >= frame_.tensors.size()) {
+      throw std::invalid_argument(absl::StrCat("tensor index ", index, " out of range (",
+                                               frame_.tensors.size(), " tensors)"));
+    }
+    if (used_[index]) {
+      throw std::invalid_argument(absl::StrCat("tensor index ", index, " used twice"));
+    }
+    used_[index] = true;
+    return frame_.tensors[index];
+  }
+
+  const Frame& frame_;
+  const CodecContext& ctx_;
+  std::vector<bool> used_;
+};
 
 }  // namespace
 
 c10::IValue decode_value(const wire::Value& v, const Frame& frame, const CodecContext& ctx) {
-  switch (v.kind_case()) {
-    case wire::Value::kNone:
-      return c10::IValue();
-    case wire::Value::kB:
-      return c10::IValue(v.b());
-    case wire::Value::kI:
-      return c10::IValue(v.i());
-    case wire::Value::kD:
-      return c10::IValue(v.d());
-    case wire::Value::kS:
-      return c10::IValue(v.s());
-    case wire::Value::kTensor:
-      return c10::IValue(tensor_at(frame, v.tensor()));
-    case wire::Value::kTuple: {
-      std::vector<c10::IValue> elems;
-      elems.reserve(v.tuple().items_size());
-      for (const auto& item : v.tuple().items()) elems.push_back(decode_value(item, frame, ctx));
-      return c10::IValue(c10::ivalue::Tuple::create(std::move(elems)));
-    }
-    case wire::Value::kIntList:
-      return decode_typed_list<int64_t>(v.int_list(), [](const wire::Value& x) { return x.i(); });
-    case wire::Value::kDoubleList:
-      return decode_typed_list<double>(v.double_list(), [](const wire::Value& x) { return x.d(); });
-    case wire::Value::kBoolList:
-      return decode_typed_list<bool>(v.bool_list(), [](const wire::Value& x) { return x.b(); });
-    case wire::Value::kStringList:
-      return decode_typed_list<std::string>(v.string_list(),
-                                            [](const wire::Value& x) { return x.s(); });
-    case wire::Value::kTensorList:
-      return decode_typed_list<at::Tensor>(
-          v.tensor_list(), [&](const wire::Value& x) { return tensor_at(frame, x.tensor()); });
-    case wire::Value::kList: {
-      c10::impl::GenericList out(c10::AnyType::get());
-      out.reserve(v.list().items_size());
-      for (const auto& item : v.list().items()) out.push_back(decode_value(item, frame, ctx));
-      return c10::IValue(std::move(out));
-    }
-    case wire::Value::kExt:
-      if (!ctx.ext) throw std::invalid_argument("extension value '" + v.ext().type() + "' unexpected here");
-      return ctx.ext->decode(v.ext(), ctx.peer);
-    case wire::Value::KIND_NOT_SET:
-      break;
-  }
-  throw std::invalid_argument("malformed value: no kind set");
+  return Decoder(frame, ctx).decode(v, 0);
 }
 
 namespace {
 
 void release_tensor(void* tensor) { delete static_cast<at::Tensor*>(tensor); }
 
-// Reads consecutive bytes across the slices of a ByteBuffer.
-class SliceReader {
+// Reads consecutive bytes across a list of contiguous pieces.
+class PieceReader {
  public:
-  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {
-    for (const auto& s : slices) remaining_ += s.size();
+  struct Piece {
+    const uint8_t* data;
+    size_t size;
+  };
+  explicit PieceReader(std::vector<Piece> pieces) : pieces_(std::move(pieces)) {
+    for (const auto& p : pieces_) remaining_ += p.size;
   }
   uint64_t remaining() const { return remaining_; }
   bool read(void* dst, uint64_t n) {
     if (n > remaining_) return false;
     auto* out = static_cast<uint8_t*>(dst);
     while (n > 0) {
-      const grpc::Slice& s = slices_[index_];
-      uint64_t take = std::min<uint64_t>(n, s.size() - offset_);
-      std::memcpy(out, s.begin() + offset_, take);
+      const Piece& p = pieces_[index_];
+      uint64_t take = std::min<uint64_t>(n, p.size - offset_);
+      std::memcpy(out, p.data + offset_, take);
       out += take;
       n -= take;
       remaining_ -= take;
       offset_ += take;
-      if (offset_ == s.size()) {
+      if (offset_ == p.size) {
         ++index_;
         offset_ = 0;
       }
@@ -191,11 +282,101 @@ class SliceReader {
   }
 
  private:
-  const std::vector<grpc::Slice>& slices_;
+  const std::vector<Piece> pieces_;
   size_t index_ = 0;
   uint64_t offset_ = 0;
   uint64_t remaining_ = 0;
 };
+
+// The element count and byte count `meta` describes, overflow-checked;
+// an error if it is not a tensor encode_value could have sent.
+absl::Status check_tensor_meta(const wire::TensorMeta& meta, int index, uint64_t* nbytes) {
+  *nbytes = 0;
+  if (meta.dtype() == kUndefinedTensor) {
+    if (meta.sizes_size() != 0 || meta.nbytes() != 0) {
+      return absl::DataLossError(absl::StrCat("undefined tensor ", index, " has a shape or bytes"));
+    }
+    return absl::OkStatus();
+  }
+  if (!sendable_dtype(meta.dtype())) {
+    return absl::DataLossError(absl::StrCat("tensor ", index, " has unsupported dtype ",
+                                            meta.dtype()));
+  }
+  if (meta.sizes_size() > kMaxTensorDims) {
+    return absl::DataLossError(absl::StrCat("tensor ", index, " has ", meta.sizes_size(),
+                                            " dimensions (at most ", kMaxTensorDims, ")"));
+  }
+  // Element counts fit in int64 (libtorch's numel), bytes in uint64.
+  uint64_t numel = 1;
+  for (int64_t s : meta.sizes()) {
+    if (s < 0) return absl::DataLossError(absl::StrCat("tensor ", index, " has a negative size"));
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(s), &numel) ||
+        numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return absl::DataLossError(absl::StrCat("tensor ", index, " has too many elements"));
+    }
+  }
+  const uint64_t item = c10::elementSize(static_cast<c10::ScalarType>(meta.dtype()));
+  uint64_t bytes = 0;
+  if (__builtin_mul_overflow(numel, item, &bytes) || bytes != meta.nbytes()) {
+    return absl::DataLossError(absl::StrCat("tensor ", index, " of ", meta.nbytes(),
+                                            " bytes does not match its shape"));
+  }
+  *nbytes = bytes;
+  return absl::OkStatus();
+}
+
+absl::Status parse_pieces(PieceReader reader, Frame* frame) {
+  frame->header.Clear();
+  frame->tensors.clear();
+  uint8_t size_bytes[4];
+  if (!reader.read(size_bytes, 4)) return absl::DataLossError("frame shorter than its size prefix");
+  const uint32_t header_size = size_bytes[0] | (size_bytes[1] << 8) | (size_bytes[2] << 16) |
+                               (static_cast<uint32_t>(size_bytes[3]) << 24);
+  if (header_size > reader.remaining()) {
+    return absl::DataLossError(absl::StrCat("frame header of ", header_size,
+                                            " bytes exceeds the frame (", reader.remaining(),
+                                            " bytes left)"));
+  }
+  std::string head(header_size, '\0');
+  reader.read(head.data(), header_size);
+  if (!frame->header.ParseFromString(head)) return absl::DataLossError("frame header does not parse");
+
+  const auto& metas = frame->header.tensors();
+  if (metas.size() > kMaxTensorsPerFrame) {
+    return absl::DataLossError(absl::StrCat("frame has ", metas.size(), " tensors (at most ",
+                                            kMaxTensorsPerFrame, ")"));
+  }
+  // Every tensor is checked, and the bytes counted, before any is allocated.
+  uint64_t total = 0;
+  for (int i = 0; i < metas.size(); ++i) {
+    uint64_t bytes;
+    absl::Status ok = check_tensor_meta(metas[i], i, &bytes);
+    if (!ok.ok()) return ok;
+    if (__builtin_add_overflow(total, bytes, &total) || total > reader.remaining()) {
+      return absl::DataLossError("the frame's tensors need more bytes than it has");
+    }
+  }
+  if (total != reader.remaining()) {
+    return absl::DataLossError(absl::StrCat(reader.remaining() - total,
+                                            " trailing bytes after the frame"));
+  }
+  frame->tensors.reserve(metas.size());
+  for (const auto& meta : metas) {
+    if (meta.dtype() == kUndefinedTensor) {
+      frame->tensors.emplace_back();
+      continue;
+    }
+    const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
+    at::Tensor t = at::empty(std::vector<int64_t>(meta.sizes().begin(), meta.sizes().end()),
+                             at::TensorOptions().dtype(dtype));
+    if (meta.nbytes() > 0) reader.read(t.data_ptr(), meta.nbytes());
+    if (meta.requires_grad() && (at::isFloatingType(dtype) || at::isComplexType(dtype))) {
+      t.requires_grad_(true);
+    }
+    frame->tensors.push_back(std::move(t));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -220,50 +401,14 @@ grpc::ByteBuffer serialize_frame(const Frame& frame) {
 absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame) {
   std::vector<grpc::Slice> slices;
   if (!buffer.Dump(&slices).ok()) return absl::DataLossError("unreadable byte buffer");
-  SliceReader reader(slices);
-  uint8_t size_bytes[4];
-  if (!reader.read(size_bytes, 4)) return absl::DataLossError("frame shorter than its size prefix");
-  const uint32_t header_size = size_bytes[0] | (size_bytes[1] << 8) | (size_bytes[2] << 16) |
-                               (static_cast<uint32_t>(size_bytes[3]) << 24);
-  if (header_size > reader.remaining()) {
-    return absl::DataLossError(absl::StrCat("frame header of ", header_size,
-                                            " bytes exceeds the frame (", reader.remaining(),
-                                            " bytes left)"));
-  }
-  std::string head(header_size, '\0');
-  reader.read(head.data(), header_size);
-  if (!frame->header.ParseFromString(head)) return absl::DataLossError("frame header does not parse");
+  std::vector<PieceReader::Piece> pieces;
+  pieces.reserve(slices.size());
+  for (const auto& s : slices) pieces.push_back({s.begin(), s.size()});
+  return parse_pieces(PieceReader(std::move(pieces)), frame);
+}
 
-  frame->tensors.clear();
-  frame->tensors.reserve(frame->header.tensors_size());
-  for (const auto& meta : frame->header.tensors()) {
-    if (meta.dtype() == kUndefinedTensor) {
-      frame->tensors.emplace_back();
-      continue;
-    }
-    if (meta.dtype() < 0 || meta.dtype() >= static_cast<int>(c10::ScalarType::NumOptions)) {
-      return absl::DataLossError(absl::StrCat("unknown tensor dtype ", meta.dtype()));
-    }
-    auto dtype = static_cast<c10::ScalarType>(meta.dtype());
-    uint64_t numel = 1;
-    for (int64_t s : meta.sizes()) {
-      if (s < 0) return absl::DataLossError("negative tensor size");
-      numel *= static_cast<uint64_t>(s);
-    }
-    if (numel * c10::elementSize(dtype) != meta.nbytes() || meta.nbytes() > reader.remaining()) {
-      return absl::DataLossError(absl::StrCat("tensor of ", meta.nbytes(),
-                                              " bytes does not match its shape or the frame"));
-    }
-    at::Tensor t = at::empty(std::vector<int64_t>(meta.sizes().begin(), meta.sizes().end()),
-                             at::TensorOptions().dtype(dtype));
-    reader.read(t.data_ptr(), meta.nbytes());
-    if (meta.requires_grad() && at::isFloatingType(dtype)) t.requires_grad_(true);
-    frame->tensors.push_back(std::move(t));
-  }
-  if (reader.remaining() != 0) {
-    return absl::DataLossError(absl::StrCat(reader.remaining(), " trailing bytes after the frame"));
-  }
-  return absl::OkStatus();
+absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame) {
+  return parse_pieces(PieceReader({{data, size}}), frame);
 }
 
 }  // namespace ddprpc::rpc::internal

@@ -3,6 +3,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/quantize_per_tensor.h>
 #include <ATen/ops/randn.h>
 
 #include "gtest/gtest.h"
@@ -91,6 +92,116 @@ TEST(CodecTest, MalformedBytesAreRejected) {
   bad_index.set_tensor(5);
   EXPECT_THROW(decode_value(bad_index, frame), std::invalid_argument);
   EXPECT_THROW(decode_value(wire::Value(), frame), std::invalid_argument);
+}
+
+// A frame with `header` and `body` bytes after it, as a peer could send it.
+std::string raw_frame(const wire::Header& header, const std::string& body = "") {
+  std::string head = header.SerializeAsString();
+  std::string out(4, '\0');
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((head.size() >> (8 * i)) & 0xff);
+  return out + head + body;
+}
+
+absl::Status parse_raw(const std::string& bytes, Frame* frame) {
+  return parse_frame(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), frame);
+}
+
+// A header carrying one tensor argument with this metadata.
+wire::Header one_tensor(int32_t dtype, std::vector<int64_t> sizes, uint64_t nbytes) {
+  wire::Header h;
+  h.set_kind(wire::REQUEST);
+  h.mutable_payload()->mutable_tuple()->add_items()->set_tensor(0);
+  auto* meta = h.add_tensors();
+  meta->set_dtype(dtype);
+  for (int64_t s : sizes) meta->add_sizes(s);
+  meta->set_nbytes(nbytes);
+  return h;
+}
+
+TEST(CodecTest, TensorMetadataIsCheckedBeforeAnythingIsAllocated) {
+  Frame frame;
+  // The bytes of a valid 2-float tensor follow each header below.
+  const std::string body(8, '\0');
+  EXPECT_TRUE(parse_raw(raw_frame(one_tensor(6 /*Float*/, {2}, 8), body), &frame).ok());
+  // Undefined (18), quantized (12), out-of-range and negative dtypes.
+  for (int32_t dtype : {18, 12, 13, 14, 16, 17, 8, 19, 99, -5, 1 << 30}) {
+    absl::Status s = parse_raw(raw_frame(one_tensor(dtype, {2}, 8), body), &frame);
+    EXPECT_FALSE(s.ok()) << "dtype " << dtype;
+    EXPECT_NE(s.message().find("dtype"), std::string::npos) << s;
+  }
+  // Shapes whose element count, or byte count, wraps 64 bits.
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {int64_t{1} << 32, int64_t{1} << 32, 4}, 0), ""),
+                         &frame).ok());
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {int64_t{1} << 62}, 0), ""), &frame).ok());
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {int64_t{1} << 61}, 0), ""), &frame).ok());
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {-2, -4}, 32), std::string(32, '\0')), &frame).ok());
+  // Byte counts that disagree with the shape or with the bytes present.
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {2}, 4), std::string(4, '\0')), &frame).ok());
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {4}, 16), body), &frame).ok());
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {1 << 30}, uint64_t{4} << 30), body), &frame).ok());
+  // Too many dimensions, too many tensors.
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, std::vector<int64_t>(kMaxTensorDims + 1, 1), 4),
+                                   std::string(4, '\0')),
+                         &frame).ok());
+  wire::Header many;
+  for (int i = 0; i <= kMaxTensorsPerFrame; ++i) many.add_tensors()->set_dtype(6);
+  absl::Status s = parse_raw(raw_frame(many), &frame);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("tensors"), std::string::npos) << s;
+  // A header size prefix beyond the frame.
+  EXPECT_FALSE(parse_raw(std::string("\xff\xff\xff\xff", 4) + "abc", &frame).ok());
+  // An undefined tensor carries no shape or bytes.
+  EXPECT_FALSE(parse_raw(raw_frame(one_tensor(-1, {2}, 8), body), &frame).ok());
+  EXPECT_TRUE(parse_raw(raw_frame(one_tensor(-1, {}, 0)), &frame).ok());
+}
+
+TEST(CodecTest, MalformedValuesAreRejected) {
+  Frame frame;
+  ASSERT_TRUE(parse_raw(raw_frame(one_tensor(6, {2}, 8), std::string(8, '\0')), &frame).ok());
+  // The same tensor referenced twice.
+  wire::Value twice;
+  twice.mutable_tuple()->add_items()->set_tensor(0);
+  twice.mutable_tuple()->add_items()->set_tensor(0);
+  EXPECT_THROW(decode_value(twice, frame), std::invalid_argument);
+  // Typed lists whose items are of another kind.
+  wire::Value ints;
+  ints.mutable_int_list()->add_items()->set_s("not an int");
+  EXPECT_THROW(decode_value(ints, frame), std::invalid_argument);
+  wire::Value tensors;
+  tensors.mutable_tensor_list()->add_items()->set_i(0);
+  EXPECT_THROW(decode_value(tensors, frame), std::invalid_argument);
+  // An extension value with nothing to decode it.
+  wire::Value ext;
+  ext.mutable_ext()->set_type("rref");
+  EXPECT_THROW(decode_value(ext, frame), std::invalid_argument);
+  // Nesting deeper than the limit, built directly.
+  wire::Value deep;
+  wire::Value* at = &deep;
+  for (int i = 0; i < kMaxValueDepth + 1; ++i) at = at->mutable_list()->add_items();
+  at->set_i(1);
+  EXPECT_THROW(decode_value(deep, frame), std::invalid_argument);
+}
+
+TEST(CodecTest, ValuesThatCouldNotBeReceivedAreNotSent) {
+  Frame out;
+  at::Tensor quantized = at::quantize_per_tensor(at::ones({2}), 0.1, 0, at::kQInt8);
+  EXPECT_THROW(encode_value(c10::IValue(quantized), out.header.mutable_payload(), &out),
+               TypeMismatch);
+  // Nested deeper than a receiver accepts.
+  c10::IValue v(int64_t{1});
+  for (int i = 0; i < kMaxValueDepth; ++i) {
+    v = c10::IValue(c10::ivalue::Tuple::create(std::vector<c10::IValue>{v}));
+  }
+  Frame deep;
+  EXPECT_THROW(encode_value(v, deep.header.mutable_payload(), &deep), TypeMismatch);
+  // One level less round-trips.
+  c10::IValue ok(int64_t{1});
+  for (int i = 0; i < kMaxValueDepth - 1; ++i) {
+    ok = c10::IValue(c10::ivalue::Tuple::create(std::vector<c10::IValue>{ok}));
+  }
+  c10::IValue back = round_trip(ok);
+  for (int i = 0; i < kMaxValueDepth - 1; ++i) back = back.toTupleRef().elements()[0];
+  EXPECT_EQ(back.toInt(), 1);
 }
 
 TEST(CodecTest, UnsupportedValuesThrowTypeMismatch) {

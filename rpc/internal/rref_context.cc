@@ -1,14 +1,22 @@
 #include "rpc/internal/rref_context.h"
 
-#include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "glog/logging.h"
 #include "rpc/agent.h"
 #include "rpc/class_registry.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
+
+// The caller of the internal function running on this thread.
+int caller_of_request() {
+  const CallContext* call = current_call();
+  if (!call) throw RpcError(ErrorCode::kInternal, "rref: no request is being served");
+  return call->caller;
+}
 
 constexpr char kCreate[] = "__rref.create";
 constexpr char kFetch[] = "__rref.fetch";
@@ -50,8 +58,9 @@ RRefState::~RRefState() {
   if (auto ctx = context.lock()) ctx->release(*this);
 }
 
-RRefContext::RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* user_functions)
-    : self_id_(self_id), user_functions_(user_functions), agent_(agent) {
+RRefContext::RRefContext(RpcAgent* agent, int self_id, int world_size,
+                         const FunctionRegistry* user_functions)
+    : self_id_(self_id), world_size_(world_size), user_functions_(user_functions), agent_(agent) {
   // The owner-side protocol, served by the agent like any function. Handlers
   // hold a raw pointer: the agent stops serving before the context goes.
   RRefContext* self = this;
@@ -59,10 +68,11 @@ RRefContext::RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* u
                                                         int64_t fork_l, std::string kind,
                                                         std::string name, int64_t target_w,
                                                         int64_t target_l, c10::IValue args) {
-    return self->serve_create(make_id(id_w, id_l), make_id(fork_w, fork_l), kind, name,
-                              make_id(target_w, target_l), tuple_elements(args));
+    return self->serve_create(caller_of_request(), make_id(id_w, id_l), make_id(fork_w, fork_l),
+                              kind, name, make_id(target_w, target_l), tuple_elements(args));
   }));
   functions_.add(kFetch, make_handler(kFetch, [self](int64_t id_w, int64_t id_l) {
+    self->check_worker(id_w, "RRef id");
     std::shared_ptr<OwnerEntry> entry = self->entry_or_placeholder(make_id(id_w, id_l));
     return entry->ready.then([entry](const Future<c10::IValue>& ready) {
       if (!entry->type.empty()) {
@@ -75,6 +85,7 @@ RRefContext::RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* u
   }));
   functions_.add(kCall, make_handler(kCall, [self](int64_t id_w, int64_t id_l, std::string method,
                                                     c10::IValue args) {
+    self->check_worker(id_w, "RRef id");
     std::shared_ptr<OwnerEntry> entry = self->entry_or_placeholder(make_id(id_w, id_l));
     auto arg_values = std::make_shared<std::vector<c10::IValue>>(tuple_elements(args));
     // Runs once the object exists (creation is asynchronous).
@@ -84,13 +95,31 @@ RRefContext::RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* u
     });
   }));
   functions_.add(kAddFork, make_handler(kAddFork, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
-                                                          int64_t fork_l) {
-    self->add_fork(make_id(id_w, id_l), make_id(fork_w, fork_l));
+                                                          int64_t fork_l, int64_t holder) {
+    const int from = caller_of_request();
+    self->check_worker(id_w, "RRef id");
+    self->check_worker(holder, "fork holder");
+    // A fork is named by the worker that makes it (RRefContext::encode).
+    if (fork_w != from) {
+      throw RpcError(ErrorCode::kPermissionDenied,
+                     absl::StrCat("worker ", from, " cannot add a fork made by worker ", fork_w));
+    }
+    self->add_fork(make_id(id_w, id_l), make_id(fork_w, fork_l), static_cast<int>(holder));
   }));
   functions_.add(kDelFork, make_handler(kDelFork, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
                                                           int64_t fork_l) {
-    self->del_fork(make_id(id_w, id_l), make_id(fork_w, fork_l));
+    self->check_worker(id_w, "RRef id");
+    self->check_worker(fork_w, "fork id");
+    self->del_fork(make_id(id_w, id_l), make_id(fork_w, fork_l), caller_of_request());
   }));
+}
+
+void RRefContext::check_worker(int64_t id, const char* what) const {
+  if (id < 0 || id >= world_size_) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("rref: ", what, " names worker ", id, ", not one of the ",
+                                world_size_, " workers"));
+  }
 }
 
 RpcAgent* RRefContext::acquire_agent() {
@@ -243,26 +272,101 @@ std::shared_ptr<RRefContext::OwnerEntry> RRefContext::find(RRefId id) const {
   return it == owned_.end() ? nullptr : it->second;
 }
 
-std::shared_ptr<RRefContext::OwnerEntry> RRefContext::entry_or_placeholder(RRefId id) {
-  absl::MutexLock lock(&mu_);
-  auto& slot = owned_[id];
-  if (!slot) slot = std::make_shared<OwnerEntry>();
-  return slot;
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::entry_or_placeholder_locked(RRefId id) {
+  auto it = owned_.find(id);
+  if (it != owned_.end()) return it->second;
+  if (id.worker < 0 || id.worker >= world_size_) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("rref: no RRef (", id.worker, ", ", id.local, ") exists here"));
+  }
+  if (placeholders_ >= kMaxPlaceholders) {
+    throw RpcError(ErrorCode::kResourceExhausted,
+                   absl::StrCat("rref: ", placeholders_,
+                                " RRefs are awaiting their creation on this worker already"));
+  }
+  ++placeholders_;
+  auto entry = std::make_shared<OwnerEntry>();
+  owned_.emplace(id, entry);
+  return entry;
 }
 
-Future<c10::IValue> RRefContext::serve_create(RRefId id, RRefId fork, const std::string& kind,
-                                              const std::string& name, RRefId target,
-                                              std::vector<c10::IValue> args) {
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::entry_or_placeholder(RRefId id) {
+  std::shared_ptr<OwnerEntry> entry;
+  bool placeholder;
+  {
+    absl::MutexLock lock(&mu_);
+    const size_t before = placeholders_;
+    entry = entry_or_placeholder_locked(id);
+    placeholder = placeholders_ > before;
+  }
+  if (placeholder) schedule_expiry(id);
+  return entry;
+}
+
+void RRefContext::schedule_expiry(RRefId id) {
+  // A creation normally follows its overtaking messages within a message's
+  // time; failing their waiters after the RPC timeout bounds how long a
+  // bogus id pins them.
+  RpcAgent* agent = acquire_agent();
+  if (!agent) return;
+  absl::Duration wait = agent->options().rpc_timeout;
+  if (wait <= absl::ZeroDuration() || wait == absl::InfiniteDuration()) wait = absl::Seconds(60);
+  std::weak_ptr<RRefContext> weak = weak_from_this();
+  agent->run_at(absl::Now() + wait, [weak, id] {
+    if (auto self = weak.lock()) self->expire_placeholder(id);
+  });
+  release_agent();
+}
+
+void RRefContext::expire_placeholder(RRefId id) {
+  std::shared_ptr<OwnerEntry> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = owned_.find(id);
+    if (it == owned_.end() || it->second->initialized) return;
+    doomed = std::move(it->second);
+    owned_.erase(it);
+    --placeholders_;
+  }
+  doomed->ready.try_set_error(std::make_exception_ptr(RpcError(
+      ErrorCode::kInvalidArgument,
+      absl::StrCat("rref: RRef (", id.worker, ", ", id.local, ") was never created on worker ",
+                   self_id_))));
+}
+
+Future<c10::IValue> RRefContext::serve_create(int from, RRefId id, RRefId fork,
+                                              const std::string& kind, const std::string& name,
+                                              RRefId target, std::vector<c10::IValue> args) {
+  // The creator names the RRef and holds its first fork.
+  if (id.worker != from || !(fork == id)) {
+    throw RpcError(ErrorCode::kPermissionDenied,
+                   absl::StrCat("rref: worker ", from, " cannot create RRef (", id.worker, ", ",
+                                id.local, ") with fork (", fork.worker, ", ", fork.local, ")"));
+  }
+  if (kind != "object" && kind != "function" && kind != "method") {
+    throw RpcError(ErrorCode::kMalformedMessage,
+                   "rref: unknown creation kind '" + kind.substr(0, 64) + "'");
+  }
+  if (kind == "method") check_worker(target.worker, "method target");
   std::shared_ptr<OwnerEntry> entry;
   {
     absl::MutexLock lock(&mu_);
     auto& slot = owned_[id];
-    if (!slot) slot = std::make_shared<OwnerEntry>();
+    if (!slot) {
+      slot = std::make_shared<OwnerEntry>();
+    } else if (!slot->initialized) {
+      --placeholders_;
+    }
     entry = slot;
     if (entry->initialized) return entry->ready;  // a repeated create
     entry->initialized = true;
     entry->type = kind == "object" ? name : "";
-    if (!entry->early_deletes.erase(fork)) entry->forks.insert(fork);
+    auto early = entry->early_deletes.find(fork);
+    if (early != entry->early_deletes.end() && early->second == from) {
+      entry->early_deletes.erase(early);
+    } else {
+      entry->forks[fork] = from;
+    }
   }
   Future<c10::IValue> ready = entry->ready;
   Future<c10::IValue> result;
@@ -281,15 +385,13 @@ Future<c10::IValue> RRefContext::serve_create(RRefId id, RRefId fork, const std:
         throw RpcError(ErrorCode::kUnknownFunction, "no function named '" + name + "' is registered");
       }
       result = (*handler)(args);
-    } else if (kind == "method") {
+    } else {  // "method"
       std::shared_ptr<OwnerEntry> owner = entry_or_placeholder(target);
       auto arg_values = std::make_shared<std::vector<c10::IValue>>(std::move(args));
       result = owner->ready.then([owner, name, arg_values](const Future<c10::IValue>& f) {
         f.wait();
         return (*find_method(owner->type, name))(owner->object.get(), *arg_values);
       });
-    } else {
-      throw RpcError(ErrorCode::kMalformedMessage, "rref: unknown creation kind '" + kind + "'");
     }
   } catch (...) {
     ready.set_error(std::current_exception());
@@ -309,26 +411,60 @@ Future<c10::IValue> RRefContext::serve_create(RRefId id, RRefId fork, const std:
   });
 }
 
-void RRefContext::add_fork(RRefId id, RRefId fork) {
+void RRefContext::add_fork(RRefId id, RRefId fork, int holder) {
   std::shared_ptr<OwnerEntry> doomed;
+  bool placeholder = false;
   {
     absl::MutexLock lock(&mu_);
-    auto& slot = owned_[id];  // creation may still be on its way
-    if (!slot) slot = std::make_shared<OwnerEntry>();
-    if (!slot->early_deletes.erase(fork)) slot->forks.insert(fork);
+    const size_t before = placeholders_;
+    std::shared_ptr<OwnerEntry> entry = entry_or_placeholder_locked(id);  // creation may be on its way
+    placeholder = placeholders_ > before;
+    auto early = entry->early_deletes.find(fork);
+    if (early != entry->early_deletes.end() && early->second == holder) {
+      entry->early_deletes.erase(early);  // its holder deleted it already
+    } else {
+      if (entry->forks.size() >= kMaxForksPerRRef && !entry->forks.count(fork)) {
+        throw RpcError(ErrorCode::kResourceExhausted,
+                       absl::StrCat("rref: RRef (", id.worker, ", ", id.local, ") has ",
+                                    entry->forks.size(), " forks already"));
+      }
+      entry->forks[fork] = holder;
+    }
     doomed = maybe_erase(id);
   }
+  if (placeholder) schedule_expiry(id);
 }
 
-void RRefContext::del_fork(RRefId id, RRefId fork) {
+void RRefContext::del_fork(RRefId id, RRefId fork, int from) {
   std::shared_ptr<OwnerEntry> doomed;
+  bool placeholder = false;
   {
     absl::MutexLock lock(&mu_);
-    auto& slot = owned_[id];  // creation may still be on its way
-    if (!slot) slot = std::make_shared<OwnerEntry>();
-    if (!slot->forks.erase(fork)) slot->early_deletes.insert(fork);
+    const size_t before = placeholders_;
+    std::shared_ptr<OwnerEntry> entry = entry_or_placeholder_locked(id);  // creation may be on its way
+    placeholder = placeholders_ > before;
+    auto it = entry->forks.find(fork);
+    if (it != entry->forks.end()) {
+      if (it->second != from) {
+        throw RpcError(ErrorCode::kPermissionDenied,
+                       absl::StrCat("rref: worker ", from, " cannot delete fork (", fork.worker,
+                                    ", ", fork.local, ") of RRef (", id.worker, ", ", id.local,
+                                    "), held by worker ", it->second));
+      }
+      entry->forks.erase(it);
+    } else {
+      // Overtook the message adding it: it cancels that one, if that names
+      // the same holder.
+      if (entry->early_deletes.size() >= kMaxForksPerRRef) {
+        throw RpcError(ErrorCode::kResourceExhausted,
+                       absl::StrCat("rref: RRef (", id.worker, ", ", id.local, ") has ",
+                                    entry->early_deletes.size(), " unmatched deletes already"));
+      }
+      entry->early_deletes[fork] = from;
+    }
     doomed = maybe_erase(id);
   }
+  if (placeholder) schedule_expiry(id);
 }
 
 void RRefContext::release_local(RRefId id) {
@@ -392,7 +528,7 @@ void RRefContext::encode(const c10::IValue& capsule, int dest, wire::Extension* 
   std::shared_ptr<RRefState> state = holder->state;
   const RRefId fork = next_id();
   if (state->owner == self_id_) {
-    add_fork(state->id, fork);
+    add_fork(state->id, fork, dest);
   } else {
     RpcAgent* agent = acquire_agent();
     if (!agent) throw RpcError(ErrorCode::kShutdown, "RRef: RPC is not running");
@@ -400,31 +536,41 @@ void RRefContext::encode(const c10::IValue& capsule, int dest, wire::Extension* 
     // the new fork.
     agent->call(state->owner, kAddFork,
                 {c10::IValue(int64_t{state->id.worker}), c10::IValue(state->id.local),
-                 c10::IValue(int64_t{fork.worker}), c10::IValue(fork.local)},
+                 c10::IValue(int64_t{fork.worker}), c10::IValue(fork.local),
+                 c10::IValue(int64_t{dest})},
                 kDefaultTimeout, "rref fork")
         .add_done_callback([state](const Future<c10::IValue>& f) {
           if (f.has_error()) LOG(WARNING) << "rref: fork registration failed: " << f.error_message();
         });
     release_agent();
   }
-  (void)dest;
   out->set_type(kRRefExtension);
   out->set_data(absl::StrCat(state->id.worker, " ", state->id.local, " ", fork.worker, " ",
                              fork.local, " ", state->owner, " ", state->type));
 }
 
 c10::IValue RRefContext::decode(const wire::Extension& ext, int src) {
-  (void)src;
   if (ext.type() != kRRefExtension) {
-    throw std::invalid_argument("unknown extension value '" + ext.type() + "'");
+    throw std::invalid_argument("unknown extension value '" + ext.type().substr(0, 64) + "'");
   }
-  std::istringstream in(ext.data());
+  // "<id worker> <id local> <fork worker> <fork local> <owner> [<class>]"
+  std::vector<absl::string_view> fields = absl::StrSplit(ext.data(), ' ');
   int64_t id_w, id_l, fork_w, fork_l, owner;
-  std::string type;
-  if (!(in >> id_w >> id_l >> fork_w >> fork_l >> owner)) {
+  if (fields.size() != 6 || !absl::SimpleAtoi(fields[0], &id_w) ||
+      !absl::SimpleAtoi(fields[1], &id_l) || !absl::SimpleAtoi(fields[2], &fork_w) ||
+      !absl::SimpleAtoi(fields[3], &fork_l) || !absl::SimpleAtoi(fields[4], &owner)) {
     throw std::invalid_argument("malformed RRef on the wire");
   }
-  in >> type;
+  auto valid = [this](int64_t w) { return w >= 0 && w < world_size_; };
+  // The sender made the fork it sends (encode()).
+  if (!valid(id_w) || !valid(owner) || fork_w != src) {
+    throw std::invalid_argument(absl::StrCat("RRef from worker ", src,
+                                             " names workers that cannot have made it"));
+  }
+  const std::string type(fields[5]);
+  if (!type.empty() && ClassRegistry::global().find(type) == nullptr) {
+    throw std::invalid_argument("RRef of unregistered class '" + type.substr(0, 64) + "'");
+  }
   auto state = make_state(make_id(id_w, id_l), make_id(fork_w, fork_l), static_cast<int>(owner), type);
   state->created.set_result();
   return c10::IValue::make_capsule(c10::make_intrusive<RRefCapsule>(std::move(state)));
@@ -436,7 +582,11 @@ void RRefContext::release(const RRefState& state) {
     return;
   }
   if (state.owner == self_id_) {
-    del_fork(state.id, state.fork);
+    try {
+      del_fork(state.id, state.fork, self_id_);
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "rref: releasing a fork failed: " << e.what();
+    }
     return;
   }
   RpcAgent* agent = acquire_agent();

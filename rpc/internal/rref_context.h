@@ -11,6 +11,14 @@
 //   overtakes its add is remembered and cancels the add.
 // - Receiving an RRef creates a handle for that fork; dropping the last copy
 //   of a handle deletes the fork at the owner.
+//
+// The owner trusts no message further than its sender's identity (the
+// worker whose stream carried it): a creation must come from the worker
+// that named the RRef, a fork is added by the worker that made it and
+// deleted only by the worker holding it, an RRef on the wire must name
+// valid workers and a registered class. Entries made for messages that
+// overtook a creation (placeholders) are bounded in number and fail their
+// waiters if the creation does not follow within the RPC timeout.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -70,7 +78,14 @@ class RRefCapsule : public torch::CustomClassHolder {
 
 class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<RRefContext> {
  public:
-  RRefContext(RpcAgent* agent, int self_id, const FunctionRegistry* user_functions);
+  // Names of the internal functions start with this.
+  static constexpr char kFunctionPrefix[] = "__rref.";
+  // Bounds on what other workers' messages can make this worker hold.
+  static constexpr size_t kMaxPlaceholders = 1 << 16;
+  static constexpr size_t kMaxForksPerRRef = 1 << 16;
+
+  // `agent` may be null (nothing is sent; e.g. to serve requests in tests).
+  RRefContext(RpcAgent* agent, int self_id, int world_size, const FunctionRegistry* user_functions);
   // The agent is going away: later releases do nothing.
   void detach();
 
@@ -109,8 +124,8 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
     std::string type;
     Future<c10::IValue> ready;     // the value; None for objects
     std::shared_ptr<void> object;  // set before `ready` completes
-    absl::flat_hash_set<RRefId> forks;
-    absl::flat_hash_set<RRefId> early_deletes;
+    absl::flat_hash_map<RRefId, int> forks;          // fork -> the worker holding it
+    absl::flat_hash_map<RRefId, int> early_deletes;  // fork -> the worker that deleted it
     int local_handles = 0;
     // False for a placeholder made by a message that overtook the creation.
     bool initialized = false;
@@ -123,15 +138,25 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   // This worker's entry of `rref`, waiting for the creation of one it asked
   // this worker to create (rpc::remote to itself); nullptr if not owned here.
   std::shared_ptr<OwnerEntry> find_owned(const RRefState& rref) const;
-  // The entry, or a placeholder that the creation message will fill.
+  // The entry of an RRef owned here, or a placeholder that its creation
+  // will fill. Throws RpcError for an id no worker could have made, or when
+  // kMaxPlaceholders are waiting already.
   std::shared_ptr<OwnerEntry> entry_or_placeholder(RRefId id);
-  void add_fork(RRefId id, RRefId fork);
-  void del_fork(RRefId id, RRefId fork);
+  std::shared_ptr<OwnerEntry> entry_or_placeholder_locked(RRefId id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void check_worker(int64_t id, const char* what) const;
+  // `holder` holds the new fork.
+  void add_fork(RRefId id, RRefId fork, int holder);
+  // `from` deletes its fork.
+  void del_fork(RRefId id, RRefId fork, int from);
   void release_local(RRefId id);
   // Erases the entry if nothing references it; returns it so that its value
   // is destroyed outside the lock.
   std::shared_ptr<OwnerEntry> maybe_erase(RRefId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Future<c10::IValue> serve_create(RRefId id, RRefId fork, const std::string& kind,
+  // Fails and drops the placeholder of `id` if its creation has not come.
+  void expire_placeholder(RRefId id);
+  void schedule_expiry(RRefId id);
+  Future<c10::IValue> serve_create(int from, RRefId id, RRefId fork, const std::string& kind,
                                    const std::string& name, RRefId target,
                                    std::vector<c10::IValue> args);
   std::shared_ptr<RRefState> send_create(int to, const std::string& type, const std::string& kind,
@@ -143,6 +168,7 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   void release_agent();
 
   const int self_id_;
+  const int world_size_;
   const FunctionRegistry* const user_functions_;
   FunctionRegistry functions_;
   std::atomic<int64_t> next_local_{1};
@@ -152,6 +178,7 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   RpcAgent* agent_ ABSL_GUARDED_BY(mu_);
   int agent_users_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<RRefId, std::shared_ptr<OwnerEntry>> owned_ ABSL_GUARDED_BY(mu_);
+  size_t placeholders_ ABSL_GUARDED_BY(mu_) = 0;  // entries of owned_ not initialized
 };
 
 }  // namespace internal

@@ -1,5 +1,9 @@
 #include "rpc/internal/thread_pool.h"
 
+#include <exception>
+
+#include "glog/logging.h"
+
 namespace ddprpc::rpc::internal {
 
 ThreadPool::ThreadPool(int num_threads) {
@@ -18,6 +22,13 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::run(std::function<void()> task) {
   absl::MutexLock lock(&mu_);
   tasks_.push_back(std::move(task));
+}
+
+bool ThreadPool::try_run(std::function<void()> task, size_t max_queued) {
+  absl::MutexLock lock(&mu_);
+  if (tasks_.size() >= max_queued) return false;
+  tasks_.push_back(std::move(task));
+  return true;
 }
 
 int ThreadPool::busy() const {
@@ -39,7 +50,13 @@ void ThreadPool::loop() {
       tasks_.pop_front();
       ++busy_;
     }
-    task();
+    try {
+      task();
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "rpc: a task on a pool thread threw (ignored): " << e.what();
+    } catch (...) {
+      LOG(ERROR) << "rpc: a task on a pool thread threw (ignored)";
+    }
     absl::MutexLock lock(&mu_);
     --busy_;
   }

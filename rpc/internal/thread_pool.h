@@ -1,4 +1,5 @@
 // A fixed-size pool of worker threads running queued tasks in FIFO order.
+// A task that throws is logged; its exception never leaves the pool's thread.
 #pragma once
 
 #include <deque>
@@ -18,6 +19,8 @@ class ThreadPool {
   ~ThreadPool();
 
   void run(std::function<void()> task);
+  // As run(), unless `max_queued` tasks are waiting already: then false.
+  bool try_run(std::function<void()> task, size_t max_queued);
   // Threads currently running a task.
   int busy() const;
   int size() const { return static_cast<int>(threads_.size()); }

@@ -2,6 +2,7 @@
 
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/resource_quota.h>
 
 #include <algorithm>
 #include <atomic>
@@ -9,9 +10,11 @@
 #include <cstdlib>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "rpc/errors.h"
+#include "rpc/internal/fault.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -35,10 +38,17 @@ const bool kPollStrategySet = [] {
 
 constexpr int kMinReadChunk = 64 << 10;
 
-grpc::ChannelArguments channel_arguments() {
+namespace {
+// gRPC's message size limits are ints.
+int grpc_message_limit(int64_t max_message_bytes) {
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(max_message_bytes, 0), INT_MAX));
+}
+}  // namespace
+
+grpc::ChannelArguments channel_arguments(int64_t max_message_bytes) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);  // the agent enforces its own limit
-  args.SetMaxSendMessageSize(-1);
+  args.SetMaxReceiveMessageSize(grpc_message_limit(max_message_bytes));
+  args.SetMaxSendMessageSize(-1);  // the agent checks what it sends
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
@@ -67,7 +77,10 @@ class ServerStream {
     Op op;
   };
 
-  ServerStream() : call_(std::make_unique<Call>()) {
+  explicit ServerStream(const ServerLimits& limits)
+      : max_pending_requests_(limits.max_pending_requests),
+        max_pending_reply_bytes_(limits.max_pending_reply_bytes),
+        call_(std::make_unique<Call>()) {
     for (int i = 0; i < kNumOps; ++i) tags_[i] = Tag{this, static_cast<Op>(i)};
   }
 
@@ -75,11 +88,25 @@ class ServerStream {
   grpc::GenericServerContext* context() { return &call_->ctx; }
   grpc::GenericServerAsyncReaderWriter* rw() { return &call_->rw; }
 
-  // Posts a read unless one is pending or reading has ended.
+  // Set once when the stream is accepted, before its first read.
+  void set_identity(int caller, std::string address) {
+    caller_ = caller;
+    address_ = std::move(address);
+  }
+  int caller() const { return caller_; }
+  const std::string& address() const { return address_; }
+
+  // Posts a read unless one is pending, reading has ended, or the stream
+  // holds its limit of unanswered requests or unread replies (reading then
+  // resumes as they drain).
   void read_next() {
     {
       absl::MutexLock lock(&mu_);
       if (closed_ || read_posted_ || read_ended_ || finish_started_) return;
+      if (in_flight_ >= max_pending_requests_ || queued_bytes_ > max_pending_reply_bytes_) {
+        throttled_ = true;
+        return;
+      }
       read_posted_ = true;
       ++ops_pending_;
       ++posting_;
@@ -99,11 +126,25 @@ class ServerStream {
     return ok;
   }
 
-  // Ends reading with `status` sent to the caller (e.g. a malformed frame).
+  // Ends reading with `status` sent to the caller (e.g. a malformed frame);
+  // requests still running are not waited for, their replies dropped.
   void fail(const grpc::Status& status) {
-    absl::MutexLock lock(&mu_);
-    read_ended_ = true;
-    if (status_.ok()) status_ = status;
+    bool cancel;
+    {
+      absl::MutexLock lock(&mu_);
+      read_ended_ = true;
+      aborted_ = true;
+      if (status_.ok()) status_ = status;
+      // A write the caller does not read would hold the stream open.
+      cancel = write_in_flight_ && !closed_ && !finish_started_;
+      if (cancel) ++posting_;  // the call is not released meanwhile
+      queue_.clear();
+      queued_bytes_ = 0;
+    }
+    if (cancel) {
+      call_->ctx.TryCancel();
+      posted();
+    }
   }
 
   void begin_request() {
@@ -115,9 +156,12 @@ class ServerStream {
     {
       absl::MutexLock lock(&mu_);
       --in_flight_;
-      if (in_flight_ > 0) return;
-      resume = read_deferred_;
-      read_deferred_ = false;
+      resume = take_throttle();
+      if (in_flight_ > 0 && !resume) return;
+      if (in_flight_ == 0) {
+        resume = resume || read_deferred_;
+        read_deferred_ = false;
+      }
     }
     // After the reply's write: the read's WINDOW_UPDATE follows it.
     if (resume) read_next();
@@ -158,8 +202,9 @@ class ServerStream {
   void send(grpc::ByteBuffer frame) {
     {
       absl::MutexLock lock(&mu_);
-      if (closed_ || finish_started_ || write_failed_) return;  // the stream has ended
+      if (closed_ || finish_started_ || write_failed_ || aborted_) return;  // the stream has ended
       if (write_in_flight_) {
+        queued_bytes_ += static_cast<int64_t>(frame.Length());
         queue_.push_back(std::move(frame));
         return;
       }
@@ -174,6 +219,7 @@ class ServerStream {
   void write_done(bool ok) {
     grpc::ByteBuffer next;
     grpc::WriteOptions options;
+    bool resume = false;
     {
       absl::MutexLock lock(&mu_);
       --ops_pending_;
@@ -181,11 +227,14 @@ class ServerStream {
       if (!ok) {
         write_failed_ = true;
         queue_.clear();
+        queued_bytes_ = 0;
         return;
       }
       if (queue_.empty() || closed_) return;
       next = std::move(queue_.front());
       queue_.pop_front();
+      queued_bytes_ -= static_cast<int64_t>(next.Length());
+      resume = take_throttle();
       // Frames queued behind this one follow at once: let gRPC coalesce them.
       if (!queue_.empty()) options.set_buffer_hint();
       write_in_flight_ = true;
@@ -194,6 +243,7 @@ class ServerStream {
     }
     call_->rw.Write(next, options, tag(kWrite));
     posted();
+    if (resume) read_next();
   }
 
   // Starts Finish once reading has ended and every request is answered (or
@@ -206,7 +256,8 @@ class ServerStream {
       absl::MutexLock lock(&mu_);
       if (finished_) return ops_pending_ == 0;
       if (!closed_ && !finish_started_ && read_ended_ && !read_posted_ && !write_in_flight_ &&
-          (queue_.empty() || write_failed_) && (in_flight_ == 0 || stopping || write_failed_)) {
+          (queue_.empty() || write_failed_) &&
+          (in_flight_ == 0 || stopping || write_failed_ || aborted_)) {
         finish_started_ = true;
         finish_now = true;
         status = status_;
@@ -243,6 +294,16 @@ class ServerStream {
     --posting_;
   }
 
+  // True (clearing it) if reading paused at a limit and may resume now.
+  bool take_throttle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!throttled_ || in_flight_ >= max_pending_requests_ ||
+        queued_bytes_ > max_pending_reply_bytes_) {
+      return false;
+    }
+    throttled_ = false;
+    return true;
+  }
+
  public:
 
   // No operation is posted from here on; waits for those being posted.
@@ -265,8 +326,13 @@ class ServerStream {
     grpc::GenericServerContext ctx;
     grpc::GenericServerAsyncReaderWriter rw{&ctx};
   };
+  const int max_pending_requests_;
+  const int64_t max_pending_reply_bytes_;
   std::unique_ptr<Call> call_;
   Tag tags_[kNumOps];
+  // Fixed when accepted (set_identity).
+  int caller_ = -1;
+  std::string address_;
   // Used only by the thread handling the read's completion.
   grpc::ByteBuffer read_buffer_;
   absl::Mutex mu_;
@@ -277,6 +343,9 @@ class ServerStream {
   bool read_deferred_ ABSL_GUARDED_BY(mu_) = false;  // see defer_read()
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // requests not yet answered
   std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_
+  bool throttled_ ABSL_GUARDED_BY(mu_) = false;    // a read waits for a limit to clear
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;      // fail(): no more replies
   bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   bool write_failed_ ABSL_GUARDED_BY(mu_) = false;
   bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
@@ -286,7 +355,8 @@ class ServerStream {
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
-Responder::Responder(std::shared_ptr<ServerStream> stream) : stream_(std::move(stream)) {
+Responder::Responder(std::shared_ptr<ServerStream> stream)
+    : stream_(std::move(stream)), caller_(stream_->caller()), address_(stream_->address()) {
   stream_->begin_request();
 }
 
@@ -316,18 +386,25 @@ void Responder::send(grpc::ByteBuffer reply) {
 // thread (started if none) takes over the queue.
 class TransportServer::Service {
  public:
-  Service(OnRequest run_inline, OnRequest offload)
-      : run_inline_(std::move(run_inline)), offload_(std::move(offload)) {}
+  Service(const ServerLimits& limits, OnRequest run_inline, OnRequest offload)
+      : limits_(limits),
+        run_inline_(std::move(run_inline)),
+        offload_(std::move(offload)),
+        streams_of_worker_(std::max(limits.world_size, 1), 0) {}
 
   ~Service() { stop_threads(); }
 
   grpc::AsyncGenericService* generic() { return &generic_; }
 
+  // Throws RpcError when no polling thread can be started.
   void start(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
     cq_ = std::move(cq);
     accept_next();
     absl::MutexLock lock(&mu_);
     for (int i = 0; i < 2; ++i) spawn_thread();
+    if (threads_.empty()) {
+      throw RpcError(ErrorCode::kInternal, "rpc transport: cannot start a polling thread");
+    }
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
@@ -358,6 +435,19 @@ class TransportServer::Service {
     // A queue that is shut down takes no new operations.
     for (auto& s : streams) s->close();
     cq_->Shutdown();
+    bool no_threads;
+    {
+      absl::MutexLock lock(&mu_);
+      no_threads = threads_.empty();
+    }
+    if (no_threads) {  // start() could start none: drain here
+      void* tag;
+      bool ok;
+      while (cq_->Next(&tag, &ok)) {
+      }
+      absl::MutexLock lock(&mu_);
+      drained_ = true;
+    }
     {
       // The watchdog keeps handing the role on until the queue is drained.
       absl::MutexLock lock(&mu_);
@@ -386,7 +476,7 @@ class TransportServer::Service {
   static constexpr int kMaxThreads = 64;  // busy ones: not waiting for the role
 
   void accept_next() {
-    auto s = std::make_shared<ServerStream>();
+    auto s = std::make_shared<ServerStream>(limits_);
     // Under mu_: the queue is not shut down meanwhile.
     absl::MutexLock lock(&mu_);
     if (stopping_ || cq_shutdown_) return;
@@ -409,17 +499,32 @@ class TransportServer::Service {
       stopping = stopping_;
     }
     if (!s->advance(stopping)) return;
+    forget(s);
+  }
+
+  // Drops a stream that is over and frees its call.
+  void forget(ServerStream* s) {
     std::shared_ptr<ServerStream> keep;
     absl::MutexLock lock(&mu_);
     auto it = streams_.find(s);
     if (it == streams_.end()) return;
     keep = std::move(it->second);
     streams_.erase(it);
+    if (s->caller() >= 0) --streams_of_worker_[s->caller()];
     s->release();
   }
 
-  void spawn_thread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    threads_.emplace_back([this] { poll_loop(); });
+  // False (logged) when no thread can be started: the role then waits for
+  // a thread already running.
+  bool spawn_thread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    try {
+      fault_point("transport.spawn_thread");
+      threads_.emplace_back([this] { poll_loop(); });
+      return true;
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "rpc transport: cannot start a polling thread: " << e.what();
+      return false;
+    }
   }
 
   void poll_loop() {
@@ -448,9 +553,22 @@ class TransportServer::Service {
         const auto* tag = static_cast<ServerStream::Tag*>(got);
         // Held while handling: stop() may forget a finished stream meanwhile.
         std::shared_ptr<ServerStream> stream = find(tag->stream);
-        if (stream && !handle(stream, tag->op, ok)) break;
+        if (stream && !handle_guarded(stream, tag->op, ok)) break;
       }
     }
+  }
+
+  // handle(), with whatever it throws ending only the stream at hand.
+  bool handle_guarded(const std::shared_ptr<ServerStream>& stream, ServerStream::Op op, bool ok) {
+    try {
+      return handle(stream, op, ok);
+    } catch (const std::exception& e) {
+      reject(stream.get(), grpc::Status(grpc::StatusCode::INTERNAL,
+                                        absl::StrCat("rpc transport: ", e.what())));
+    } catch (...) {
+      reject(stream.get(), grpc::Status(grpc::StatusCode::INTERNAL, "rpc transport: unknown error"));
+    }
+    return true;
   }
 
   // Handles one completion; false when this thread lost the polling role.
@@ -464,11 +582,12 @@ class TransportServer::Service {
           return true;
         }
         accept_next();
-        if (s->context()->method() != kStreamMethod) {
-          s->fail(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method"));
-        } else {
-          s->read_next();
+        grpc::Status bound = bind_identity(s);
+        if (!bound.ok()) {
+          reject(s, bound);
+          return true;
         }
+        s->read_next();
         settle(s);
         return true;
       }
@@ -490,12 +609,46 @@ class TransportServer::Service {
 
   void settle_unaccepted(ServerStream* s) {
     s->fail(grpc::Status::CANCELLED);
+    forget(s);
+  }
+
+  // The worker a new stream belongs to, from its initial metadata; an
+  // error status if it names none, an unknown one, or one with too many
+  // streams open (the stream is then counted for nobody).
+  grpc::Status bind_identity(ServerStream* s) {
+    const std::string address = s->context()->peer();
+    s->set_identity(-1, address);
+    if (s->context()->method() != kStreamMethod) {
+      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "unknown method");
+    }
+    const auto& metadata = s->context()->client_metadata();
+    auto it = metadata.find(kWorkerMetadataKey);
+    int id = -1;
+    if (it == metadata.end() ||
+        !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id) ||
+        id < 0 || id >= limits_.world_size) {
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          absl::StrCat("a stream must name a worker id in [0, ", limits_.world_size,
+                                       ") in its '", kWorkerMetadataKey, "' metadata"));
+    }
     absl::MutexLock lock(&mu_);
-    auto it = streams_.find(s);
-    if (it == streams_.end()) return;
-    auto keep = std::move(it->second);
-    streams_.erase(it);
-    s->release();
+    if (streams_of_worker_[id] >= limits_.max_streams_per_worker) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("worker ", id, " has ", streams_of_worker_[id],
+                                       " streams open already"));
+    }
+    ++streams_of_worker_[id];
+    s->set_identity(id, address);
+    return grpc::Status::OK;
+  }
+
+  // Ends a stream that broke a rule, and says so once.
+  void reject(ServerStream* s, const grpc::Status& status) {
+    LOG(WARNING) << "rpc transport: ending the stream from " << s->context()->peer()
+                 << (s->caller() >= 0 ? absl::StrCat(" (worker ", s->caller(), ")") : "")
+                 << ": " << status.error_message();
+    s->fail(status);
+    settle(s);
   }
 
   bool on_read(const std::shared_ptr<ServerStream>& self, bool ok) {
@@ -506,13 +659,9 @@ class TransportServer::Service {
       return true;
     }
     Frame frame;
-    absl::Status parsed = parse_frame(buffer, &frame);
-    if (!parsed.ok()) {
-      LOG(ERROR) << "rpc transport: dropping stream from " << s->context()->peer()
-                 << ": malformed frame: " << parsed.message();
-      s->fail(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                           absl::StrCat("malformed frame: ", parsed.message())));
-      settle(s);
+    grpc::Status valid = check_request(s, buffer, &frame);
+    if (!valid.ok()) {
+      reject(s, valid);
       return true;
     }
     auto responder = std::make_shared<Responder>(self);
@@ -529,12 +678,22 @@ class TransportServer::Service {
     }
     if (seq == 0) {
       s->read_next();
-      offload_(std::move(responder), std::move(frame));
+      try {
+        offload_(std::move(responder), std::move(frame));
+      } catch (const std::exception& e) {
+        reject(s, grpc::Status(grpc::StatusCode::INTERNAL,
+                               absl::StrCat("the request could not be queued: ", e.what())));
+      }
       return true;
     }
     wake_watchdog();
     const std::weak_ptr<Responder> mine = responder;
-    run_inline_(std::move(responder), std::move(frame));
+    try {
+      run_inline_(std::move(responder), std::move(frame));
+    } catch (const std::exception& e) {
+      reject(s, grpc::Status(grpc::StatusCode::INTERNAL,
+                             absl::StrCat("serving a request failed: ", e.what())));
+    }
     bool kept;
     {
       absl::MutexLock lock(&mu_);
@@ -552,6 +711,34 @@ class TransportServer::Service {
       watchdog_parked_.store(false, std::memory_order_relaxed);
     }
     return kept;
+  }
+
+  // Parses a request frame and checks that its stream may send it.
+  grpc::Status check_request(ServerStream* s, const grpc::ByteBuffer& buffer, Frame* frame) {
+    fault_point("transport.server_read");
+    const uint64_t length = buffer.Length();
+    if (length > static_cast<uint64_t>(limits_.max_message_bytes)) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("frame of ", length, " bytes exceeds max_message_bytes (",
+                                       limits_.max_message_bytes, ")"));
+    }
+    absl::Status parsed = parse_frame(buffer, frame);
+    if (!parsed.ok()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("malformed frame: ", parsed.message()));
+    }
+    const wire::Header& header = frame->header;
+    if (header.kind() != wire::REQUEST && header.kind() != wire::NOTICE) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("malformed frame: a caller sent a frame of kind ",
+                                       static_cast<int>(header.kind())));
+    }
+    if (header.src() != s->caller()) {
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          absl::StrCat("a frame from worker ", s->caller(),
+                                       "'s stream claims to come from worker ", header.src()));
+    }
+    return grpc::Status::OK;
   }
 
   void wake_watchdog() {
@@ -610,6 +797,7 @@ class TransportServer::Service {
     }
   }
 
+  const ServerLimits limits_;
   const OnRequest run_inline_;
   const OnRequest offload_;
   grpc::AsyncGenericService generic_;
@@ -619,6 +807,7 @@ class TransportServer::Service {
   absl::Mutex mu_;
   // State below is protected by mu_.
   absl::flat_hash_map<ServerStream*, std::shared_ptr<ServerStream>> streams_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);  // open streams per worker id
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   int idle_ ABSL_GUARDED_BY(mu_) = 0;           // threads waiting for the role
   bool role_free_ ABSL_GUARDED_BY(mu_) = true;  // no thread reads the queue
@@ -639,13 +828,22 @@ class TransportServer::Service {
 };
 
 std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
+                                                        const ServerLimits& limits,
                                                         OnRequest run_inline, OnRequest offload) {
   std::unique_ptr<TransportServer> s(new TransportServer());
-  s->service_ = std::make_unique<Service>(std::move(run_inline), std::move(offload));
+  s->service_ = std::make_unique<Service>(limits, std::move(run_inline), std::move(offload));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(host, ":0"), grpc::InsecureServerCredentials(), &s->port_);
-  builder.SetMaxReceiveMessageSize(INT_MAX);
+  // gRPC enforces this only without a minimal stack (and after receiving
+  // the whole message); check_request() checks every frame, and the quota
+  // bounds what is buffered before.
+  builder.SetMaxReceiveMessageSize(grpc_message_limit(limits.max_message_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
+  grpc::ResourceQuota quota("ddprpc-transport");
+  quota.Resize(static_cast<size_t>(std::max<int64_t>(limits.max_buffered_bytes, 1 << 20)));
+  builder.SetResourceQuota(quota);
+  // One stream per connection is what callers open.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, limits.max_streams_per_worker);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
@@ -777,7 +975,7 @@ void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadl
         const auto* tag = static_cast<const Tag*>(got);
         const int op = tag->op;
         // Dropped after the count: the stream may go with it.
-        std::shared_ptr<PeerStream> ended = tag->stream->on_event(op, ok);
+        std::shared_ptr<PeerStream> ended = tag->stream->on_event_guarded(op, ok);
         if (op == PeerStream::kStart) break;  // not counted (see PeerStream::open)
         absl::MutexLock lock(&mu_);
         --pending_;
@@ -817,10 +1015,12 @@ void ClientQueue::background_loop() {
   }
 }
 
-std::shared_ptr<PeerStream> PeerStream::open(const std::string& address, ClientQueue* queue,
+std::shared_ptr<PeerStream> PeerStream::open(const std::string& address, int self,
+                                             int64_t max_message_bytes, ClientQueue* queue,
                                              OnFrame on_frame, OnClose on_close) {
-  std::shared_ptr<PeerStream> s(
-      new PeerStream(address, queue, std::move(on_frame), std::move(on_close)));
+  std::shared_ptr<PeerStream> s(new PeerStream(address, max_message_bytes, queue,
+                                               std::move(on_frame), std::move(on_close)));
+  s->ctx_.AddMetadata(kWorkerMetadataKey, absl::StrCat(self));
   grpc::GenericStub stub(s->channel_);
   s->call_ = stub.PrepareCall(&s->ctx_, kStreamMethod, queue->cq());
   {
@@ -833,13 +1033,14 @@ std::shared_ptr<PeerStream> PeerStream::open(const std::string& address, ClientQ
   return s;
 }
 
-PeerStream::PeerStream(const std::string& address, ClientQueue* queue, OnFrame on_frame,
-                       OnClose on_close)
+PeerStream::PeerStream(const std::string& address, int64_t max_message_bytes,
+                       ClientQueue* queue, OnFrame on_frame, OnClose on_close)
     : on_frame_(std::move(on_frame)),
       on_close_(std::move(on_close)),
+      max_message_bytes_(max_message_bytes),
       client_queue_(queue),
       channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                         channel_arguments())) {
+                                         channel_arguments(max_message_bytes))) {
   for (int i = 0; i < kNumOps; ++i) tags_[i] = ClientQueue::Tag{this, i};
   // Initial metadata goes out with the first frame, so opening never blocks.
   ctx_.set_initial_metadata_corked(true);
@@ -897,13 +1098,28 @@ void PeerStream::write(const grpc::ByteBuffer& frame, bool more, void* tag) {
   call_->Write(frame, options, tag);  // gRPC keeps its own reference
 }
 
-std::shared_ptr<PeerStream> PeerStream::on_event(int op, bool ok) {
+std::shared_ptr<PeerStream> PeerStream::on_event_guarded(int op, bool ok) {
   if (op == kStart) return nullptr;
-  handle(static_cast<Op>(op), ok);
+  try {
+    handle(static_cast<Op>(op), ok);
+  } catch (const std::exception& e) {
+    handle_failed(static_cast<Op>(op), e.what());
+  } catch (...) {
+    handle_failed(static_cast<Op>(op), "unknown error");
+  }
   absl::MutexLock lock(&mu_);
   --ops_pending_;
   if (finished_ && ops_pending_ == 0) return std::move(self_);
   return nullptr;
+}
+
+void PeerStream::handle_failed(Op op, const char* what) {
+  if (op == kRead) {
+    // on_read() threw before it posted the next read.
+    absl::MutexLock lock(&mu_);
+    read_pending_ = false;
+  }
+  fail(grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat("rpc transport: ", what)));
 }
 
 void PeerStream::handle(Op op, bool ok) {
@@ -937,36 +1153,9 @@ void PeerStream::handle(Op op, bool ok) {
       if (next_tag) write(next, more, next_tag);
       return;
     }
-    case kRead: {
-      // read_pending_ stays set until read_buffer_ is parsed: a send that
-      // posted the next read now would have it overwritten.
-      if (!ok) {
-        read_failed(grpc::Status::OK);
-        return;
-      }
-      Frame frame;
-      absl::Status parsed = parse_frame(read_buffer_, &frame);
-      read_buffer_.Clear();
-      if (!parsed.ok()) {
-        ctx_.TryCancel();
-        read_failed(grpc::Status(grpc::StatusCode::DATA_LOSS,
-                                 absl::StrCat("malformed reply frame: ", parsed.message())));
-        return;
-      }
-      {
-        absl::MutexLock lock(&mu_);
-        read_pending_ = false;
-        if (expecting_ > 0) --expecting_;
-        // Reading on only while replies are due (or the stream is closing and
-        // its end must be seen): a read posted on an idle stream sends a
-        // WINDOW_UPDATE that wakes the peer for nothing.
-        if ((expecting_ > 0 || closing_) && claim_read()) {
-          call_->Read(&read_buffer_, post(kRead));
-        }
-      }
-      on_frame_(std::move(frame));
+    case kRead:
+      on_read(ok);
       return;
-    }
     case kFinish: {
       grpc::Status status;
       {
@@ -974,10 +1163,78 @@ void PeerStream::handle(Op op, bool ok) {
         finished_ = true;  // writes closed and queue cleared when the read failed
         status = read_status_.ok() ? finish_status_ : read_status_;
       }
-      on_close_(status);
+      try {
+        on_close_(status);
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "rpc transport: a stream's close handler threw (ignored): " << e.what();
+      }
       return;
     }
   }
+}
+
+void PeerStream::on_read(bool ok) {
+  // read_pending_ stays set until read_buffer_ is parsed: a send that
+  // posted the next read now would have it overwritten.
+  if (!ok) {
+    read_failed(grpc::Status::OK);
+    return;
+  }
+  Frame frame;
+  absl::Status parsed;
+  const uint64_t length = read_buffer_.Length();
+  if (length > static_cast<uint64_t>(max_message_bytes_)) {
+    parsed = absl::ResourceExhaustedError(absl::StrCat(
+        "reply of ", length, " bytes exceeds max_message_bytes (", max_message_bytes_, ")"));
+  } else {
+    fault_point("transport.client_read");
+    parsed = parse_frame(read_buffer_, &frame);
+  }
+  read_buffer_.Clear();
+  if (!parsed.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      read_pending_ = false;
+    }
+    fail(grpc::Status(grpc::StatusCode::DATA_LOSS,
+                      absl::StrCat("malformed reply frame: ", parsed.message())));
+    return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    read_pending_ = false;
+    if (expecting_ > 0) --expecting_;
+    // Reading on only while replies are due (or the stream is closing and
+    // its end must be seen): a read posted on an idle stream sends a
+    // WINDOW_UPDATE that wakes the peer for nothing.
+    if ((expecting_ > 0 || closing_) && claim_read()) {
+      call_->Read(&read_buffer_, post(kRead));
+    }
+  }
+  // From here on the next read may be posted: what throws is handled here.
+  absl::Status accepted;
+  try {
+    accepted = on_frame_(std::move(frame));
+  } catch (const std::exception& e) {
+    accepted = absl::InternalError(absl::StrCat("handling a reply failed: ", e.what()));
+  }
+  if (!accepted.ok()) {
+    fail(grpc::Status(grpc::StatusCode::DATA_LOSS, std::string(accepted.message())));
+  }
+}
+
+void PeerStream::fail(const grpc::Status& why) {
+  LOG(WARNING) << "rpc transport: ending a stream to " << ctx_.peer() << ": "
+               << why.error_message();
+  void* read_tag = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (read_status_.ok()) read_status_ = why;
+    // The cancelled stream's end arrives as a failed read, which finishes it.
+    if (claim_read()) read_tag = post(kRead);
+  }
+  ctx_.TryCancel();
+  if (read_tag) call_->Read(&read_buffer_, read_tag);
 }
 
 void PeerStream::read_failed(const grpc::Status& why) {

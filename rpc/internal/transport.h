@@ -5,6 +5,13 @@
 //   agent with a Responder that sends exactly one reply on the same stream.
 //   Both ends use gRPC's asynchronous API, each queue read by one thread at
 //   a time, so that a message wakes one thread.
+//   A stream belongs to the worker named in its initial metadata
+//   (kWorkerMetadataKey); its frames must be requests or notices from that
+//   worker. A stream that breaks a rule (malformed frame, wrong kind, other
+//   source, over a size limit) ends with an error status and a log line
+//   naming its address; the rest of the server is untouched. Reading a
+//   stream pauses while it has ServerLimits' worth of requests unanswered or
+//   replies unread, so a peer cannot make the server buffer without bound.
 // - PeerStream: the caller's side of a stream; replies go to a callback,
 //   run by a waiting caller or the background thread of the ClientQueue
 //   that all of a process's streams share.
@@ -29,6 +36,9 @@ namespace ddprpc::rpc::internal {
 
 class ServerStream;
 
+// Initial metadata of a stream: the caller's worker id, in decimal.
+inline constexpr char kWorkerMetadataKey[] = "ddprpc-worker";
+
 // Sends the single reply to one request. Dropping it unsent counts the
 // request as answered (e.g. one-way notices).
 class Responder {
@@ -40,10 +50,34 @@ class Responder {
   void send(grpc::ByteBuffer reply);
   // True once send() was called (from any thread).
   bool answered() const;
+  // The worker the request's stream belongs to, and its network address.
+  int caller() const { return caller_; }
+  const std::string& address() const { return address_; }
 
  private:
   std::shared_ptr<ServerStream> stream_;
+  const int caller_;
+  const std::string address_;
   std::atomic<bool> answered_{false};
+};
+
+// What one peer may make the server hold.
+struct ServerLimits {
+  int world_size = 1;  // streams name a worker id in [0, world_size)
+  // Larger frames end their stream with RESOURCE_EXHAUSTED (gRPC checks too).
+  int64_t max_message_bytes = int64_t{1} << 31;
+  // Per stream: requests read and not yet answered; reading pauses there.
+  int max_pending_requests = 1024;
+  // Per stream: bytes of replies waiting for the caller to read them;
+  // reading pauses above it.
+  int64_t max_pending_reply_bytes = int64_t{64} << 20;
+  // Open streams naming the same worker (a caller reopens a broken one).
+  int max_streams_per_worker = 4;
+  // Bytes gRPC may buffer for all connections together. gRPC 1.51 checks a
+  // message's size only once it has received all of it (and not at all
+  // with a minimal stack), so this quota is what bounds the memory of a
+  // message that claims to be huge: past it gRPC cancels streams.
+  int64_t max_buffered_bytes = int64_t{8} << 30;
 };
 
 class TransportServer {
@@ -52,9 +86,10 @@ class TransportServer {
   // Listens on host:0. Each request is passed either to `run_inline`, which
   // serves it on the calling (polling) thread, or to `offload`, which must
   // hand it to another thread (when the caller has more requests in flight).
-  // Frames that fail to parse end their stream with INVALID_ARGUMENT.
+  // Neither should throw; if one does, the stream ends with INTERNAL.
   // Throws RpcError if it cannot listen.
-  static std::unique_ptr<TransportServer> start(const std::string& host, OnRequest run_inline,
+  static std::unique_ptr<TransportServer> start(const std::string& host,
+                                                const ServerLimits& limits, OnRequest run_inline,
                                                 OnRequest offload);
   ~TransportServer();
   int port() const { return port_; }
@@ -130,12 +165,17 @@ class ClientQueue {
 // while it has operations posted; close() it before letting it go.
 class PeerStream {
  public:
-  using OnFrame = std::function<void(Frame)>;
+  // A reply frame; a non-OK status ends the stream with it (a reply that
+  // breaks the protocol). Must not throw: an exception ends the stream too.
+  using OnFrame = std::function<absl::Status(Frame)>;
   // Called once when the stream ends, with why (OK after close()).
   using OnClose = std::function<void(const grpc::Status&)>;
 
   // `queue` must outlive the stream's operations (close() waits for them).
-  static std::shared_ptr<PeerStream> open(const std::string& address, ClientQueue* queue,
+  // `self` is this worker's id, sent in the stream's initial metadata.
+  // Replies larger than `max_message_bytes` end the stream.
+  static std::shared_ptr<PeerStream> open(const std::string& address, int self,
+                                          int64_t max_message_bytes, ClientQueue* queue,
                                           OnFrame on_frame, OnClose on_close);
   ~PeerStream();
 
@@ -151,15 +191,21 @@ class PeerStream {
  private:
   friend class ClientQueue;
   enum Op { kStart, kRead, kWrite, kWritesDone, kFinish, kNumOps };
-  PeerStream(const std::string& address, ClientQueue* queue, OnFrame on_frame, OnClose on_close);
+  PeerStream(const std::string& address, int64_t max_message_bytes, ClientQueue* queue,
+             OnFrame on_frame, OnClose on_close);
   // Counts operation `op` and returns its tag; the caller posts it (it may
   // do so after releasing mu_).
   void* post(Op op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs one completion; returns the stream's own reference once its last
-  // operation has completed after the end, for the queue to drop.
-  std::shared_ptr<PeerStream> on_event(int op, bool ok);
+  // operation has completed after the end, for the queue to drop. An
+  // exception from handling it ends the stream (handle_failed).
+  std::shared_ptr<PeerStream> on_event_guarded(int op, bool ok);
   void handle(Op op, bool ok);
+  void handle_failed(Op op, const char* what);
+  void on_read(bool ok);
   void read_failed(const grpc::Status& why);
+  // Ends the stream with `why` (a reply that breaks the protocol).
+  void fail(const grpc::Status& why);
   // Marks a read as posted, unless one is or reading has failed; the caller
   // then posts it (it may do so after releasing mu_).
   bool claim_read() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -173,6 +219,7 @@ class PeerStream {
 
   const OnFrame on_frame_;
   const OnClose on_close_;
+  const int64_t max_message_bytes_;
   ClientQueue* const client_queue_;
   grpc::ClientContext ctx_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -199,7 +246,8 @@ class PeerStream {
   int64_t expecting_ ABSL_GUARDED_BY(mu_) = 0;       // replies not yet read
 };
 
-// Channel arguments tuned for large tensors on fast links.
-grpc::ChannelArguments channel_arguments();
+// Channel arguments tuned for large tensors on fast links; gRPC refuses
+// received messages over `max_message_bytes`.
+grpc::ChannelArguments channel_arguments(int64_t max_message_bytes);
 
 }  // namespace ddprpc::rpc::internal

@@ -1,0 +1,63 @@
+// The callee side of an RPC: one request frame in, at most one reply frame
+// out. It looks the function up (user functions, or the internal ones of an
+// extension such as RRefs), decodes and checks the arguments, runs the hooks
+// and the function, and encodes the result or the error. Which thread reads
+// requests and how replies travel is the agent's business; the callee only
+// calls `respond` with the reply's bytes.
+//
+// Nothing a request contains escapes as an exception: every failure becomes
+// an error reply naming the function and this worker.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <grpcpp/support/byte_buffer.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/time/time.h"
+#include "rpc/errors.h"
+#include "rpc/internal/codec.h"
+#include "rpc/registry.h"
+
+namespace ddprpc::rpc::internal {
+
+class ThreadPool;
+
+class Callee {
+ public:
+  struct Options {
+    int self = 0;
+    std::string self_name;
+    int64_t max_message_bytes = int64_t{1} << 31;
+    const FunctionRegistry* functions = nullptr;  // user functions
+    // Internal functions of an extension, by name prefix (e.g. "__rref.").
+    std::string internal_prefix;
+    const FunctionRegistry* internal_functions = nullptr;
+    ExtensionCodec* extension = nullptr;  // decodes and encodes extension values
+    // Sends the replies of async results completed outside any request.
+    ThreadPool* reply_sender = nullptr;
+  };
+  using Respond = std::function<void(grpc::ByteBuffer reply)>;
+
+  explicit Callee(Options options) : options_(std::move(options)) {}
+
+  // Serves `request`, which arrived at `received` on the stream of worker
+  // `caller`. Returns once the function has returned; `respond` is called at
+  // most once (never for a notice), now or when an async result completes.
+  void serve(int caller, Frame& request, absl::Time received, const Respond& respond);
+
+  // The reply that fails request `id` with `code`.
+  grpc::ByteBuffer error_reply(uint64_t id, ErrorCode code, const std::string& message) const;
+
+  // Requests whose function is running right now.
+  int executing() const { return executing_.load(); }
+
+ private:
+  const Options options_;
+  std::atomic<int> executing_{0};
+};
+
+}  // namespace ddprpc::rpc::internal

@@ -1,0 +1,173 @@
+#include "rpc/internal/store_state.h"
+
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+
+namespace ddprpc::rpc::internal {
+namespace {
+
+grpc::Status invalid(const std::string& why) {
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, why);
+}
+
+grpc::Status check_key(const std::string& key) {
+  if (key.empty()) return invalid("empty key");
+  if (key.size() > StoreState::kMaxKeyBytes) {
+    return invalid(absl::StrCat("key of ", key.size(), " bytes (at most ",
+                                StoreState::kMaxKeyBytes, ")"));
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status check_timeout(int64_t timeout_ms) {
+  if (timeout_ms < 0 || timeout_ms > StoreState::kMaxTimeoutMs) {
+    return invalid(absl::StrCat("timeout of ", timeout_ms, " ms"));
+  }
+  return grpc::Status::OK;
+}
+
+// A key for error messages: printable, short.
+std::string shown(const std::string& key) {
+  std::string out = key.substr(0, 128);
+  for (char& c : out) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) c = '?';
+  }
+  return out;
+}
+
+}  // namespace
+
+grpc::Status StoreState::put(const std::string& key, std::string value) {
+  auto it = data_.find(key);
+  const size_t old = it == data_.end() ? 0 : key.size() + it->second.size();
+  const size_t now = key.size() + value.size();
+  if (it == data_.end() && data_.size() >= kMaxKeys) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("the store holds ", data_.size(), " keys already"));
+  }
+  if (bytes_ - old + now > kMaxBytes) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("the store holds ", bytes_, " bytes already"));
+  }
+  bytes_ = bytes_ - old + now;
+  data_[key] = std::move(value);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreState::set(const wire::StoreRequest& req, wire::StoreResponse*) {
+  grpc::Status ok = check_key(req.key());
+  if (!ok.ok()) return ok;
+  if (req.value().size() > kMaxValueBytes) {
+    return invalid(absl::StrCat("value of ", req.value().size(), " bytes (at most ",
+                                kMaxValueBytes, ")"));
+  }
+  absl::MutexLock lock(&mu_);
+  return put(req.key(), req.value());
+}
+
+grpc::Status StoreState::get(const wire::StoreRequest& req, wire::StoreResponse* resp,
+                             const std::function<bool()>& cancelled) {
+  grpc::Status ok = check_key(req.key());
+  if (ok.ok()) ok = check_timeout(req.timeout_ms());
+  if (!ok.ok()) return ok;
+  absl::MutexLock lock(&mu_);
+  ok = await_keys({req.key()}, req.timeout_ms(), cancelled);
+  if (!ok.ok()) return ok;
+  resp->set_value(data_[req.key()]);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreState::add(const wire::StoreRequest& req, wire::StoreResponse* resp) {
+  grpc::Status ok = check_key(req.key());
+  if (!ok.ok()) return ok;
+  absl::MutexLock lock(&mu_);
+  int64_t current = 0;
+  auto it = data_.find(req.key());
+  if (it != data_.end() && !absl::SimpleAtoi(it->second, &current)) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("key '", shown(req.key()), "' does not hold an integer"));
+  }
+  if (__builtin_add_overflow(current, req.amount(), &current)) {
+    return invalid(absl::StrCat("adding ", req.amount(), " to key '", shown(req.key()),
+                                "' overflows"));
+  }
+  ok = put(req.key(), absl::StrCat(current));
+  if (!ok.ok()) return ok;
+  resp->set_number(current);
+  return grpc::Status::OK;
+}
+
+grpc::Status StoreState::wait(const wire::StoreRequest& req, wire::StoreResponse*,
+                              const std::function<bool()>& cancelled) {
+  if (req.keys_size() > kMaxKeysPerRequest) {
+    return invalid(absl::StrCat(req.keys_size(), " keys in one request (at most ",
+                                kMaxKeysPerRequest, ")"));
+  }
+  grpc::Status ok = check_timeout(req.timeout_ms());
+  for (const auto& k : req.keys()) {
+    if (ok.ok()) ok = check_key(k);
+  }
+  if (!ok.ok()) return ok;
+  std::vector<std::string> keys(req.keys().begin(), req.keys().end());
+  absl::MutexLock lock(&mu_);
+  return await_keys(keys, req.timeout_ms(), cancelled);
+}
+
+grpc::Status StoreState::check(const wire::StoreRequest& req, wire::StoreResponse* resp) {
+  if (req.keys_size() > kMaxKeysPerRequest) {
+    return invalid(absl::StrCat(req.keys_size(), " keys in one request (at most ",
+                                kMaxKeysPerRequest, ")"));
+  }
+  absl::MutexLock lock(&mu_);
+  bool all = true;
+  for (const auto& k : req.keys()) all = all && data_.count(k) > 0;
+  resp->set_number(all ? 1 : 0);
+  return grpc::Status::OK;
+}
+
+void StoreState::stop() {
+  absl::MutexLock lock(&mu_);
+  stopping_ = true;
+}
+
+grpc::Status StoreState::await_keys(const std::vector<std::string>& keys, int64_t timeout_ms,
+                                    const std::function<bool()>& cancelled) {
+  auto present = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (const auto& k : keys) {
+      if (!data_.count(k)) return false;
+    }
+    return true;
+  };
+  if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the store is stopping");
+  if (present()) return grpc::Status::OK;
+  if (waiters_ >= kMaxWaiters) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(waiters_, " requests wait for keys already"));
+  }
+  ++waiters_;
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || present(); };
+  bool woken;
+  // Wakes up periodically to notice a cancelled client.
+  while (!(woken = mu_.AwaitWithDeadline(absl::Condition(&ready),
+                                         std::min(deadline, absl::Now() + absl::Milliseconds(200))))) {
+    if (cancelled() || absl::Now() >= deadline) break;
+  }
+  --waiters_;
+  if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the store is stopping");
+  if (!woken) {
+    std::vector<std::string> missing;
+    for (const auto& k : keys) {
+      if (!data_.count(k) && missing.size() < 8) missing.push_back(shown(k));
+    }
+    return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                        absl::StrCat("timed out waiting for key(s) ", absl::StrJoin(missing, ", ")));
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace ddprpc::rpc::internal

@@ -1,0 +1,61 @@
+// The rendezvous store's contents and rules, apart from gRPC: every request
+// is checked against the bounds below before it touches the data, so a
+// client can neither make the store hold without limit nor tie up its
+// threads (waits are bounded in number and time).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include <grpcpp/support/status.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/wire.pb.h"
+
+namespace ddprpc::rpc::internal {
+
+class StoreState {
+ public:
+  static constexpr size_t kMaxKeyBytes = 4096;
+  static constexpr size_t kMaxValueBytes = 1 << 20;
+  static constexpr int kMaxKeysPerRequest = 4096;
+  static constexpr size_t kMaxKeys = 1 << 16;           // keys held
+  static constexpr size_t kMaxBytes = size_t{64} << 20;  // keys and values held
+  static constexpr int kMaxWaiters = 1024;               // get()/wait() blocked at once
+  static constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
+  // Largest request worth reading (gRPC refuses larger ones).
+  static constexpr int kMaxRequestBytes = kMaxValueBytes + kMaxKeysPerRequest * (kMaxKeyBytes + 8);
+
+  // Each answers `req` into `resp`; a non-OK status names what was wrong.
+  // get() and wait() block until their keys exist, the request's timeout
+  // passes, `cancelled()` turns true, or stop().
+  grpc::Status set(const wire::StoreRequest& req, wire::StoreResponse* resp);
+  grpc::Status get(const wire::StoreRequest& req, wire::StoreResponse* resp,
+                   const std::function<bool()>& cancelled);
+  grpc::Status add(const wire::StoreRequest& req, wire::StoreResponse* resp);
+  grpc::Status wait(const wire::StoreRequest& req, wire::StoreResponse* resp,
+                    const std::function<bool()>& cancelled);
+  grpc::Status check(const wire::StoreRequest& req, wire::StoreResponse* resp);
+
+  // Wakes every blocked request; later ones fail at once.
+  void stop();
+
+ private:
+  // Stores `value` at `key` within the bounds.
+  grpc::Status put(const std::string& key, std::string value) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  grpc::Status await_keys(const std::vector<std::string>& keys, int64_t timeout_ms,
+                          const std::function<bool()>& cancelled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
+  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of keys and values in data_
+  int waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace ddprpc::rpc::internal

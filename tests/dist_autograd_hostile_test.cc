@@ -1,0 +1,149 @@
+// Distributed autograd against forged messages: only the workers taking
+// part in a context may release it or send gradients into it, gradients
+// must fit the tensors they are for, contexts that other workers' messages
+// create are bounded and dropped when idle, and a late reply does not bring
+// back a context its creator has left.
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "autograd/dist_autograd.h"
+#include "gtest/gtest.h"
+#include "rpc/rpc.h"
+#include "rpc/testing/raw_peer.h"
+#include "tests/multiprocess.h"
+
+namespace rpc = ddprpc::rpc;
+namespace mp = ddprpc::testing;
+namespace wire = ddprpc::wire;
+namespace dist_autograd = ddprpc::dist_autograd;
+
+namespace {
+
+constexpr char kPropagate[] = "__dist_autograd.propagate";
+constexpr char kFlushReleases[] = "__dist_autograd.flush_releases";
+
+at::Tensor square(at::Tensor x) { return x * x; }
+DDPRPC_REGISTER_FUNCTION(square);
+
+int64_t contexts_here() { return static_cast<int64_t>(dist_autograd::num_contexts()); }
+DDPRPC_REGISTER_FUNCTION(contexts_here);
+
+int64_t set_idle_timeout_ms(int64_t ms) {
+  dist_autograd::set_idle_context_timeout(absl::Milliseconds(ms));
+  return ms;
+}
+DDPRPC_REGISTER_FUNCTION(set_idle_timeout_ms);
+
+int64_t sleep_ms(int64_t ms) {
+  absl::SleepFor(absl::Milliseconds(ms));
+  return ms;
+}
+DDPRPC_REGISTER_FUNCTION(sleep_ms);
+
+// Sends one request as worker `as` to `to` and returns the reply.
+rpc::internal::Frame raw_call(const std::string& to, int as, rpc::internal::Frame request) {
+  rpc::testing::RawStream stream(rpc::get_worker_info(to).address, as);
+  EXPECT_TRUE(stream.write_bytes(rpc::testing::frame_bytes(request)));
+  auto reply = stream.read();
+  EXPECT_TRUE(reply.has_value());
+  return reply ? *reply : rpc::internal::Frame();
+}
+
+void expect_error(const rpc::internal::Frame& reply, rpc::ErrorCode code, const std::string& needle) {
+  EXPECT_EQ(reply.header.kind(), wire::ERROR);
+  EXPECT_EQ(reply.header.error_code(), static_cast<int>(code)) << reply.header.error();
+  EXPECT_NE(reply.header.error().find(needle), std::string::npos) << reply.header.error();
+}
+
+MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::Store& store = rpc::current_agent()->store();
+  if (mp::rank() == 0) {
+    dist_autograd::Context context;
+    at::Tensor x = at::full({3}, 2.0).requires_grad_(true);
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "square", x);
+    store.set("context", absl::StrCat(context.id()));
+    store.get("attacked");
+    // Worker 1 sent its reply's tensors to us only: the first send function
+    // it ever made, message id (1 << 48) | 1.
+    const int64_t message = (int64_t{1} << 48) | 1;
+    // Gradients that do not fit the tensor they are for are refused.
+    auto wrong = rpc::testing::request_frame(
+        0, 1, kPropagate,
+        {context.id(), message, c10::IValue(c10::List<at::Tensor>({at::ones({4})})), false});
+    expect_error(raw_call("worker1", 0, wrong), rpc::ErrorCode::kRemoteException, "does not match");
+    // The context survived everything: backward gives d(sum x^2)/dx = 2x.
+    dist_autograd::backward(context.id(), {y.sum()});
+    auto grads = dist_autograd::get_gradients(context.id());
+    ASSERT_EQ(grads.size(), 1u);
+    EXPECT_TRUE(at::allclose(grads.at(x), at::full({3}, 4.0)));
+  }
+  if (mp::rank() == 2) {
+    int64_t id;
+    ASSERT_TRUE(absl::SimpleAtoi(store.get("context"), &id));
+    const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
+    ASSERT_GE(before, 1);
+    // A release of a context we take no part in, riding on a call.
+    auto release = rpc::testing::request_frame(2, 1, kFlushReleases, {});
+    (*release.header.mutable_ext())["dist_autograd.released"] = absl::StrCat(id);
+    EXPECT_EQ(raw_call("worker1", 2, release).header.kind(), wire::RESPONSE);
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
+    // Gradients for tensors that were sent to worker 0, not to us.
+    auto feed = rpc::testing::request_frame(
+        2, 2, kPropagate,
+        {id, (int64_t{1} << 48) | 1, c10::IValue(c10::List<at::Tensor>({at::ones({3})})), false});
+    expect_error(raw_call("worker1", 2, feed), rpc::ErrorCode::kPermissionDenied,
+                 "did not receive");
+    // A context id no worker of the job could have made.
+    auto bogus = rpc::testing::request_frame(2, 3, "square", {at::ones({1})});
+    (*bogus.header.mutable_ext())["dist_autograd.context"] = absl::StrCat(int64_t{9} << 48 | 5);
+    expect_error(raw_call("worker1", 2, bogus), rpc::ErrorCode::kInvalidArgument,
+                 "not made by a worker of this job");
+    store.set("attacked", "1");
+  }
+  rpc::shutdown();
+}
+
+// A context that another worker's message created and that nothing uses
+// any more is dropped after the idle timeout.
+MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    rpc::rpc_sync<int64_t>("worker1", "set_idle_timeout_ms", 300);
+    const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
+    // A context of ours that we never release (as if we died).
+    auto request = rpc::testing::request_frame(0, 1, "square", {at::ones({1})});
+    (*request.header.mutable_ext())["dist_autograd.context"] = absl::StrCat(int64_t{0} << 48 | 4242);
+    EXPECT_EQ(raw_call("worker1", 0, request).header.kind(), wire::RESPONSE);
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before + 1);
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (rpc::rpc_sync<int64_t>("worker1", "contexts_here") > before && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
+  }
+  rpc::shutdown();
+}
+
+// A reply carrying a context that arrives after its creator left the
+// context does not create it again (it would never be freed).
+MULTIPROCESS_TEST(DistAutogradHostileTest, LateReplyDoesNotRecreateALeftContext, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    ASSERT_EQ(dist_autograd::num_contexts(), 0u);
+    rpc::Future<int64_t> in_flight;
+    {
+      dist_autograd::Context context;
+      in_flight = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 200);
+    }  // left before the reply
+    EXPECT_EQ(in_flight.value(), 200);
+    EXPECT_EQ(dist_autograd::num_contexts(), 0u);
+  }
+  rpc::shutdown();
+}
+
+}  // namespace
