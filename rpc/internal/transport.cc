@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 
 #include "absl/container/flat_hash_map.h"
@@ -37,6 +38,28 @@ const bool kPollStrategySet = [] {
 }  // namespace
 
 constexpr int kMinReadChunk = 64 << 10;
+
+namespace {
+
+// With DDPRPC_CAPTURE_FRAMES=<directory>, every frame read is also written
+// there as a file (<kind>-<hash of its bytes>), e.g. to seed the fuzzers.
+const char* const kCaptureDir = std::getenv("DDPRPC_CAPTURE_FRAMES");
+
+void capture(const char* kind, const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return;
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : bytes) hash = (hash ^ c) * 1099511628211ull;
+  const std::string path = absl::StrCat(kCaptureDir, "/", kind, "-", absl::Hex(hash, absl::kZeroPad16));
+  if (FILE* f = std::fopen(path.c_str(), "wb")) {
+    std::fwrite(bytes.data(), 1, bytes.size(), f);
+    std::fclose(f);
+  }
+}
+
+}  // namespace
 
 namespace {
 // gRPC's message size limits are ints.
@@ -722,6 +745,7 @@ class TransportServer::Service {
                           absl::StrCat("frame of ", length, " bytes exceeds max_message_bytes (",
                                        limits_.max_message_bytes, ")"));
     }
+    if (kCaptureDir) capture("request", buffer);
     absl::Status parsed = parse_frame(buffer, frame);
     if (!parsed.ok()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -1188,6 +1212,7 @@ void PeerStream::on_read(bool ok) {
         "reply of ", length, " bytes exceeds max_message_bytes (", max_message_bytes_, ")"));
   } else {
     fault_point("transport.client_read");
+    if (kCaptureDir) capture("reply", read_buffer_);
     parsed = parse_frame(read_buffer_, &frame);
   }
   read_buffer_.Clear();

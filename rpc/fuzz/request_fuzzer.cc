@@ -1,0 +1,76 @@
+// Fuzzes the callee side of RPC on a decoded request, with no network: the
+// first byte names the calling worker, the rest is a frame. It reaches the
+// registry lookup, argument conversion, the RRef protocol's handlers and the
+// hooks of distributed autograd and the profiler. Every request must be
+// answered with a well-formed reply (or none, for a notice), never a crash.
+#include <ATen/TensorOperators.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rpc/internal/callee.h"
+#include "rpc/internal/codec.h"
+#include "rpc/internal/rref_context.h"
+#include "rpc/internal/thread_pool.h"
+#include "rpc/registry.h"
+
+namespace {
+
+namespace rpc = ddprpc::rpc;
+using rpc::internal::Frame;
+
+at::Tensor add(at::Tensor a, at::Tensor b) { return a + b; }
+DDPRPC_REGISTER_FUNCTION(add);
+c10::IValue echo(c10::IValue v) { return v; }
+DDPRPC_REGISTER_FUNCTION(echo);
+int64_t count(std::vector<at::Tensor> ts) { return static_cast<int64_t>(ts.size()); }
+DDPRPC_REGISTER_FUNCTION(count);
+std::string concat(std::string a, std::vector<std::string> b) {
+  for (const auto& s : b) a += s;
+  return a;
+}
+DDPRPC_REGISTER_FUNCTION(concat);
+std::tuple<double, bool> pair(double d, bool b) { return {d, b}; }
+DDPRPC_REGISTER_FUNCTION(pair);
+
+constexpr int kWorld = 4;
+
+struct Worker {
+  std::shared_ptr<rpc::internal::RRefContext> rrefs = std::make_shared<rpc::internal::RRefContext>(
+      nullptr, /*self_id=*/0, kWorld, &rpc::FunctionRegistry::global());
+  rpc::internal::ThreadPool reply_sender{1};
+  std::unique_ptr<rpc::internal::Callee> callee;
+  Worker() {
+    rpc::internal::Callee::Options options;
+    options.self = 0;
+    options.self_name = "fuzzed";
+    options.max_message_bytes = 1 << 20;
+    options.functions = &rpc::FunctionRegistry::global();
+    options.internal_prefix = rpc::internal::RRefContext::kFunctionPrefix;
+    options.internal_functions = &rrefs->functions();
+    options.extension = rrefs.get();
+    options.reply_sender = &reply_sender;
+    callee = std::make_unique<rpc::internal::Callee>(std::move(options));
+  }
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static auto* worker = new Worker();
+  if (size < 1) return 0;
+  Frame request;
+  if (!rpc::internal::parse_frame(data + 1, size - 1, &request).ok()) return 0;
+  const auto kind = request.header.kind();
+  if (kind != ddprpc::wire::REQUEST && kind != ddprpc::wire::NOTICE) return 0;  // the transport's rule
+  const int caller = data[0] % kWorld;
+  request.header.set_src(caller);
+  worker->callee->serve(caller, request, absl::Now(), [](grpc::ByteBuffer reply) {
+    Frame parsed;
+    if (!rpc::internal::parse_frame(reply, &parsed).ok()) std::abort();
+  });
+  return 0;
+}
