@@ -393,11 +393,15 @@ class PendingReleases {
           if (!w.releases.empty() && now - w.since >= kReleaseDelay) due.push_back(worker);
         }
       }
-      for (int worker : due) flush(worker);
+      for (int worker : due) {
+        rpc::internal::fault_point("dist_autograd.flush");
+        flush(worker);
+      }
     }
   }
 
-  // flush_loop() without an exception leaving the thread.
+  // flush_loop() without an exception leaving the thread; what waited is
+  // flushed on the next round.
   void flush_loop_guarded() {
     while (true) {
       try {
@@ -413,7 +417,6 @@ class PendingReleases {
   // nobody left to tell: they are dropped.
   void flush(int worker) {
     try {
-      rpc::internal::fault_point("dist_autograd.flush");
       rpc::current_agent()->call(worker, kFlushReleases, {}, kFlushTimeout, "rpc_async", "");
     } catch (const std::exception& e) {
       VLOG(1) << "dist_autograd: releases for worker " << worker << " dropped: " << e.what();

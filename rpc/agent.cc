@@ -265,17 +265,19 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
   header.set_function(function);
   header.set_src(rank_);
   const RpcHooks& hooks = rpc_hooks();
+  MessageExt ext;
   if (!one_way && !hooks.empty()) {
     const OutgoingCall info{workers_[rank_], workers_[to], function, api, call.function};
     for (const auto& hook : hooks) {
-      if (auto state = hook->start_call(info, header.mutable_ext())) {
+      if (auto state = hook->start_call(info, &ext)) {
         call.hooks.emplace_back(hook.get(), std::move(state));
       }
     }
   }
   try {
     c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
-    for (const auto& hook : hooks) hook->outgoing_request(to, packed, header.mutable_ext());
+    for (const auto& hook : hooks) hook->outgoing_request(to, packed, &ext);
+    internal::write_ext(std::move(ext), &header);
     internal::encode_value(packed, header.mutable_payload(), &frame, {rrefs_.get(), to});
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kInvalidArgument,
@@ -400,9 +402,13 @@ absl::Status RpcAgent::on_reply(int from, Frame frame) {
     return absl::OkStatus();
   }
   c10::IValue value;
+  const MessageExt ext = internal::read_ext(header);
   try {
     value = internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to});
-    for (const auto& hook : rpc_hooks()) hook->incoming_response(call.to, value, header.ext());
+    for (const auto& hook : rpc_hooks()) hook->incoming_response(call.to, value, ext);
+  } catch (const RpcError& e) {
+    fail_pending({call}, e.code(), absl::StrCat("refused response: ", e.what()));
+    return absl::OkStatus();
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kMalformedMessage,
                  absl::StrCat("malformed response: ", e.what()));
@@ -410,7 +416,7 @@ absl::Status RpcAgent::on_reply(int from, Frame frame) {
   }
   // Outside the try: the call has completed (its future's callbacks cannot
   // throw, see future.h).
-  end_hooks(call.hooks, &header.ext());
+  end_hooks(call.hooks, &ext);
   call.future.set_result(std::move(value));
   return absl::OkStatus();
 }
@@ -686,6 +692,9 @@ void RpcAgent::stop(bool graceful) {
   if (server_) server_->shutdown(graceful ? absl::Seconds(5) : absl::ZeroDuration());
   pool_.reset();
   server_.reset();
+  // Requests still waiting for an RRef's creation end now, while the reply
+  // sender their callbacks may use exists.
+  if (rrefs_) rrefs_->fail_awaited();
 }
 
 }  // namespace ddprpc::rpc

@@ -1,22 +1,58 @@
 // Hooks into every RPC message, for layers above rpc (distributed autograd
 // attaches its send/recv functions and context ids here; the profiler its
 // events). Any number of hooks may be installed; each sees every message, in
-// the order they were added. Hooks run on RPC threads and must not block or
-// throw. With no hook installed the agent pays one atomic load per message.
+// the order they were added. Hooks run on RPC threads and must not block.
+// They must not throw, except incoming_request() and incoming_response(),
+// which refuse a message (its key/value pairs came from a peer) by throwing
+// RpcError: the request, or the call, then fails with it. With no hook
+// installed the agent pays one atomic load per message.
 #pragma once
 
 #include <ATen/core/ivalue.h>
-#include <google/protobuf/map.h>
 
 #include <memory>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "rpc/agent.h"
 
 namespace ddprpc::rpc {
 
-using MessageExt = google::protobuf::Map<std::string, std::string>;
+// Key/value pairs that hooks attach to a message. Messages carry a few, so
+// they are kept in order in a vector (as they travel), found by a scan.
+class MessageExt {
+ public:
+  using Entry = std::pair<std::string, std::string>;
+  using const_iterator = std::vector<Entry>::const_iterator;
+
+  const_iterator begin() const { return entries_.begin(); }
+  const_iterator end() const { return entries_.end(); }
+  bool empty() const { return entries_.empty(); }
+  size_t size() const { return entries_.size(); }
+  // The entry of `key`, or end().
+  const_iterator find(std::string_view key) const {
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->first == key) return it;
+    }
+    return entries_.end();
+  }
+  // The value of `key`, added empty if absent.
+  std::string& operator[](std::string_view key) {
+    for (auto& e : entries_) {
+      if (e.first == key) return e.second;
+    }
+    return entries_.emplace_back(std::string(key), std::string()).second;
+  }
+  // Appends an entry as received (a repeated key is kept; find() sees the first).
+  void append(std::string key, std::string value) {
+    entries_.emplace_back(std::move(key), std::move(value));
+  }
+
+ private:
+  std::vector<Entry> entries_;
+};
 
 // A call (not a one-way notice) as the caller's hooks see it.
 struct OutgoingCall {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "autograd/dist_autograd.h"
 #include "gtest/gtest.h"
+#include "rpc/internal/fault.h"
 #include "rpc/rpc.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
@@ -53,6 +54,12 @@ rpc::internal::Frame raw_call(const std::string& to, int as, rpc::internal::Fram
   return reply ? *reply : rpc::internal::Frame();
 }
 
+void add_ext(rpc::internal::Frame* frame, const std::string& key, const std::string& value) {
+  auto* e = frame->header.add_ext();
+  e->set_key(key);
+  e->set_value(value);
+}
+
 void expect_error(const rpc::internal::Frame& reply, rpc::ErrorCode code, const std::string& needle) {
   EXPECT_EQ(reply.header.kind(), wire::ERROR);
   EXPECT_EQ(reply.header.error_code(), static_cast<int>(code)) << reply.header.error();
@@ -89,7 +96,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext
     ASSERT_GE(before, 1);
     // A release of a context we take no part in, riding on a call.
     auto release = rpc::testing::request_frame(2, 1, kFlushReleases, {});
-    (*release.header.mutable_ext())["dist_autograd.released"] = absl::StrCat(id);
+    add_ext(&release, "dist_autograd.released", absl::StrCat(id));
     EXPECT_EQ(raw_call("worker1", 2, release).header.kind(), wire::RESPONSE);
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
     // Gradients for tensors that were sent to worker 0, not to us.
@@ -100,7 +107,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext
                  "did not receive");
     // A context id no worker of the job could have made.
     auto bogus = rpc::testing::request_frame(2, 3, "square", {at::ones({1})});
-    (*bogus.header.mutable_ext())["dist_autograd.context"] = absl::StrCat(int64_t{9} << 48 | 5);
+    add_ext(&bogus, "dist_autograd.context", absl::StrCat(int64_t{9} << 48 | 5));
     expect_error(raw_call("worker1", 2, bogus), rpc::ErrorCode::kInvalidArgument,
                  "not made by a worker of this job");
     store.set("attacked", "1");
@@ -117,7 +124,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped,
     const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
     // A context of ours that we never release (as if we died).
     auto request = rpc::testing::request_frame(0, 1, "square", {at::ones({1})});
-    (*request.header.mutable_ext())["dist_autograd.context"] = absl::StrCat(int64_t{0} << 48 | 4242);
+    add_ext(&request, "dist_autograd.context", absl::StrCat(int64_t{0} << 48 | 4242));
     EXPECT_EQ(raw_call("worker1", 0, request).header.kind(), wire::RESPONSE);
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before + 1);
     const absl::Time until = absl::Now() + absl::Seconds(20);
@@ -142,6 +149,36 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, LateReplyDoesNotRecreateALeftContext,
     }  // left before the reply
     EXPECT_EQ(in_flight.value(), 200);
     EXPECT_EQ(dist_autograd::num_contexts(), 0u);
+  }
+  rpc::shutdown();
+}
+
+// The thread that sends context releases survives an exception, and the
+// releases it held go out on its next round.
+MULTIPROCESS_TEST(DistAutogradHostileTest, ReleaseFlusherSurvivesAnException, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::Store& store = rpc::current_agent()->store();
+  if (mp::rank() == 0) {
+    rpc::internal::arm_fault("dist_autograd.flush");
+    {
+      dist_autograd::Context context;
+      rpc::rpc_sync<at::Tensor>("worker1", "square", at::ones({2}).requires_grad_(true));
+    }  // its release waits for the flusher (no other call goes to worker1)
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (rpc::internal::fault_count("dist_autograd.flush") == 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(rpc::internal::fault_count("dist_autograd.flush"), 1);
+    store.set("left", "1");
+    store.get("released");
+  } else {
+    store.get("left");
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (dist_autograd::num_contexts() > 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(dist_autograd::num_contexts(), 0u);
+    store.set("released", "1");
   }
   rpc::shutdown();
 }

@@ -6,11 +6,13 @@
 #include <ATen/TensorOperators.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "autograd/dist_autograd.h"
 #include "rpc/internal/callee.h"
 #include "rpc/internal/codec.h"
 #include "rpc/internal/rref_context.h"
@@ -38,10 +40,15 @@ DDPRPC_REGISTER_FUNCTION(pair);
 
 constexpr int kWorld = 4;
 
+// Sends replies completed outside a request; outlives every Worker.
+rpc::internal::ThreadPool& reply_sender() {
+  static auto* pool = new rpc::internal::ThreadPool(1);
+  return *pool;
+}
+
 struct Worker {
   std::shared_ptr<rpc::internal::RRefContext> rrefs = std::make_shared<rpc::internal::RRefContext>(
       nullptr, /*self_id=*/0, kWorld, &rpc::FunctionRegistry::global());
-  rpc::internal::ThreadPool reply_sender{1};
   std::unique_ptr<rpc::internal::Callee> callee;
   Worker() {
     rpc::internal::Callee::Options options;
@@ -52,7 +59,7 @@ struct Worker {
     options.internal_prefix = rpc::internal::RRefContext::kFunctionPrefix;
     options.internal_functions = &rrefs->functions();
     options.extension = rrefs.get();
-    options.reply_sender = &reply_sender;
+    options.reply_sender = &reply_sender();
     callee = std::make_unique<rpc::internal::Callee>(std::move(options));
   }
 };
@@ -60,7 +67,12 @@ struct Worker {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static auto* worker = new Worker();
+  // Contexts that inputs create are dropped soon, not after 10 minutes.
+  static const bool kIdleSoon = [] {
+    ddprpc::dist_autograd::set_idle_context_timeout(absl::Seconds(1));
+    return true;
+  }();
+  (void)kIdleSoon;
   if (size < 1) return 0;
   Frame request;
   if (!rpc::internal::parse_frame(data + 1, size - 1, &request).ok()) return 0;
@@ -68,9 +80,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (kind != ddprpc::wire::REQUEST && kind != ddprpc::wire::NOTICE) return 0;  // the transport's rule
   const int caller = data[0] % kWorld;
   request.header.set_src(caller);
-  worker->callee->serve(caller, request, absl::Now(), [](grpc::ByteBuffer reply) {
+  // Each input starts from no RRefs (what one leaves behind never expires
+  // without an agent).
+  Worker worker;
+  worker.callee->serve(caller, request, absl::Now(), [](grpc::ByteBuffer reply) {
     Frame parsed;
-    if (!rpc::internal::parse_frame(reply, &parsed).ok()) std::abort();
+    if (!rpc::internal::parse_frame(reply, &parsed).ok()) {
+      std::fprintf(stderr, "a reply does not parse\n");
+      std::abort();
+    }
   });
   return 0;
 }

@@ -62,6 +62,20 @@ Frame error_frame(int self, uint64_t id, ErrorCode code, const std::string& mess
 
 }  // namespace
 
+MessageExt read_ext(const wire::Header& header) {
+  MessageExt ext;
+  for (const auto& e : header.ext()) ext.append(e.key(), e.value());
+  return ext;
+}
+
+void write_ext(MessageExt ext, wire::Header* header) {
+  for (const auto& [key, value] : ext) {
+    auto* e = header->add_ext();
+    e->set_key(key);
+    e->set_value(value);
+  }
+}
+
 grpc::ByteBuffer Callee::error_reply(uint64_t id, ErrorCode code,
                                      const std::string& message) const {
   return serialize_frame(error_frame(options_.self, id, code, message));
@@ -99,8 +113,11 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
     c10::IValue value =
         decode_value(header.payload(), request, {options_.extension, caller});
     if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
-    for (size_t i = 0; i < hooks->size(); ++i) {
-      hook_states[i] = (*hooks)[i]->incoming_request(caller, value, header.ext());
+    if (!hooks->empty()) {
+      const MessageExt ext = read_ext(header);
+      for (size_t i = 0; i < hooks->size(); ++i) {
+        hook_states[i] = (*hooks)[i]->incoming_request(caller, value, ext);
+      }
     }
     args = value.toTupleRef().elements().vec();
   } catch (const RpcError& e) {
@@ -151,9 +168,12 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
       out.header.set_kind(wire::RESPONSE);
       try {
         fault_point("agent.reply");
-        for (size_t i = 0; i < hooks->size(); ++i) {
-          (*hooks)[i]->outgoing_response(caller, hook_states[i], f.value(),
-                                         out.header.mutable_ext());
+        if (!hooks->empty()) {
+          MessageExt ext;
+          for (size_t i = 0; i < hooks->size(); ++i) {
+            (*hooks)[i]->outgoing_response(caller, hook_states[i], f.value(), &ext);
+          }
+          write_ext(std::move(ext), &out.header);
         }
         encode_value(f.value(), out.header.mutable_payload(), &out, {extension, caller});
         const uint64_t size = out.size();

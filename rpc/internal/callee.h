@@ -22,9 +22,17 @@
 #include "rpc/internal/codec.h"
 #include "rpc/registry.h"
 
+namespace ddprpc::rpc {
+class MessageExt;
+}
+
 namespace ddprpc::rpc::internal {
 
 class ThreadPool;
+
+// A header's key/value pairs for the hooks, and back.
+MessageExt read_ext(const wire::Header& header);
+void write_ext(MessageExt ext, wire::Header* header);
 
 class Callee {
  public:

@@ -114,6 +114,30 @@ RRefContext::RRefContext(RpcAgent* agent, int self_id, int world_size,
   }));
 }
 
+// A placeholder's waiters hold it (their callbacks capture the entry):
+// failing them also ends that cycle.
+RRefContext::~RRefContext() { fail_awaited(); }
+
+void RRefContext::fail_awaited() {
+  std::vector<std::shared_ptr<OwnerEntry>> awaited;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = owned_.begin(); it != owned_.end();) {
+      auto next = std::next(it);
+      if (!it->second->initialized) {
+        awaited.push_back(std::move(it->second));
+        owned_.erase(it);
+        --placeholders_;
+      }
+      it = next;
+    }
+  }
+  for (auto& entry : awaited) {
+    entry->ready.try_set_error(std::make_exception_ptr(
+        RpcError(ErrorCode::kShutdown, "rref: RPC was shut down before the RRef was created")));
+  }
+}
+
 void RRefContext::check_worker(int64_t id, const char* what) const {
   if (id < 0 || id >= world_size_) {
     throw RpcError(ErrorCode::kInvalidArgument,

@@ -86,6 +86,11 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
 
   // `agent` may be null (nothing is sent; e.g. to serve requests in tests).
   RRefContext(RpcAgent* agent, int self_id, int world_size, const FunctionRegistry* user_functions);
+  // Fails what waits for creations that never came (fail_awaited()).
+  ~RRefContext() override;
+  // Fails the waiters of every RRef whose creation has not come: the
+  // agent is stopping, so it never will.
+  void fail_awaited();
   // The agent is going away: later releases do nothing.
   void detach();
 
