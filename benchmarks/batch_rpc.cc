@@ -87,7 +87,8 @@ DEFINE_int32(seed, 543, "random seed (policy init, sampling, environments, data)
 DEFINE_double(gamma, 1.0, "CartPole: discount factor");
 DEFINE_double(lr, 1e-2, "CartPole: Adam learning rate");
 DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
-DEFINE_int32(timeout_s, 300, "limit for each configuration's processes, in seconds");
+DEFINE_int32(timeout_s, 300, "wall-clock limit of each configuration's processes, in seconds");
+DEFINE_int32(rpc_timeout_s, 60, "deadline of each RPC, in seconds (training and episodes get --timeout_s)");
 DEFINE_string(json, "batch_rpc.json", "where to write the figures");
 DEFINE_string(task, "", "(internal) what a worker process runs: ps:<trainers> or cartpole:<world>");
 DEFINE_string(result_file, "", "(internal) where rank 0 writes its figures");
@@ -367,7 +368,9 @@ Figures run_ps(int trainers) {
     });
     const int64_t iterations = FLAGS_warmup + FLAGS_iters;
     std::vector<rpc::Future<int64_t>> futs;
-    for (auto& t : ts) futs.push_back(t.rpc_async(&Trainer::train, iterations));
+    for (auto& t : ts) {
+      futs.push_back(t.rpc_async(rpc::CallOptions{absl::Seconds(FLAGS_timeout_s)}, &Trainer::train, iterations));
+    }
     int64_t received = 0;
     for (int64_t r : rpc::wait_all(futs)) received += r;
     stop = true;
@@ -529,7 +532,10 @@ class Agent {
   // (mean first-episode length, running reward).
   std::tuple<double, double> run_episode(const Self& self, int64_t n_steps) {
     std::vector<rpc::Future<std::tuple<at::Tensor, double, int64_t>>> futs;
-    for (auto& ob : ob_rrefs_) futs.push_back(ob.rpc_async(&Observer::run_episode, self, n_steps));
+    for (auto& ob : ob_rrefs_) {
+      futs.push_back(ob.rpc_async(rpc::CallOptions{absl::Seconds(FLAGS_timeout_s)}, &Observer::run_episode,
+                                  self, n_steps));
+    }
     auto rets = rpc::wait_all(futs);
     std::vector<at::Tensor> per_observer;
     double ep_rewards = 0;
@@ -643,7 +649,7 @@ int worker() {
   const int world = ps ? n + 1 : n;
   rpc::RpcBackendOptions options;
   options.num_worker_threads = FLAGS_num_worker_threads;
-  options.rpc_timeout = absl::Seconds(FLAGS_timeout_s);
+  options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   const std::string name = rank == 0 ? (ps ? "ps" : "agent") : (ps ? trainer_name(rank - 1) : observer_name(rank));
   rpc::init_rpc(name, rank, world, options);
   int rc = 0;

@@ -109,7 +109,9 @@ DEFINE_int32(pytorch_iters, 20,
              "and 8x8 at 100 iterations would take minutes");
 DEFINE_int32(pytorch_warmup, 2, "warm-up iterations of PyTorch's reference (at most --warmup)");
 DEFINE_string(pytorch_anchor, "", "path of the PyTorch reference script (default: found in ../shared)");
-DEFINE_int32(timeout_s, 1800, "stop everything after this many seconds (also the RPC timeout)");
+DEFINE_int32(timeout_s, 1800, "wall-clock limit of the whole run, in seconds (stops every process)");
+DEFINE_int32(rpc_timeout_s, 60,
+             "deadline of each RPC, in seconds: a stopped or unreachable worker ends the job within it");
 DEFINE_string(result_file, "",
               "internal, set by the local launch: where the master leaves its report");
 
@@ -313,11 +315,15 @@ TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables,
   auto store = std::make_shared<rpc::Store>(store_host, store_port, absl::Seconds(FLAGS_timeout_s));
   ddprpc::ddp::ProcessGroupOptions group_options;
   group_options.listen_address = split_host_port(agent->self().address).first;
+  // A collective waiting on a stopped or unreachable trainer fails like an RPC would.
+  group_options.timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   auto make_group = FLAGS_backend == "nccl" ? ddprpc::ddp::make_nccl_group
                                             : ddprpc::ddp::make_gloo_group;
   auto group = make_group(store, "ddp/trainers/", static_cast<int>(rank), FLAGS_trainers,
                           group_options);
-  ddprpc::ddp::DistributedDataParallel ddp(model.dense().ptr(), group);
+  ddprpc::ddp::DdpOptions ddp_options;
+  ddp_options.timeout = absl::Seconds(FLAGS_rpc_timeout_s);
+  ddprpc::ddp::DistributedDataParallel ddp(model.dense().ptr(), group, ddp_options);
   ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", FLAGS_lr}},
                                                 model.parameter_rrefs());
   std::vector<double> seconds, losses;
@@ -627,7 +633,7 @@ int worker(const Placement& where) {
   at::manual_seed(derived_seed(where.rank));  // the tables' and dense stack's initial values
   rpc::RpcBackendOptions options;
   options.num_worker_threads = FLAGS_num_worker_threads;
-  options.rpc_timeout = absl::Seconds(FLAGS_timeout_s);
+  options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   options.init_method = absl::StrCat("tcp://", where.master_addr, ":", where.master_port);
   options.listen_address = FLAGS_listen_address.empty()
                                ? local_address_towards(where.master_addr)

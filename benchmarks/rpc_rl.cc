@@ -72,7 +72,8 @@ DEFINE_bool(pytorch, true,
             "also run PyTorch's benchmark (benchmarks/reference/rpc_rl.py with /usr/bin/python3) "
             "on the same configuration and print both");
 DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
-DEFINE_int32(timeout_s, 600, "stop everything after this many seconds per configuration");
+DEFINE_int32(timeout_s, 600, "wall-clock limit of each configuration, in seconds (stops its processes)");
+DEFINE_int32(rpc_timeout_s, 60, "deadline of each RPC, in seconds (episodes get --timeout_s)");
 DEFINE_string(result_file, "", "internal: where the coordinator writes its results");
 
 namespace ddprpc {
@@ -384,7 +385,7 @@ int coordinator(const Config& c) {
     std::vector<rpc::Future<std::tuple<at::Tensor, std::vector<double>, std::vector<double>, int64_t>>>
         futs;
     for (auto& ob : obs) {
-      futs.push_back(ob.rpc_async(&RlObserver::run_ob_episode, agent, c.episode_steps,
+      futs.push_back(ob.rpc_async(rpc::CallOptions{absl::Seconds(FLAGS_timeout_s)}, &RlObserver::run_ob_episode, agent, c.episode_steps,
                                   c.out_features));
     }
     for (auto& ret : rpc::wait_all(futs)) {
@@ -419,7 +420,7 @@ int worker(const Config& c) {
   const int rank = bench::env_rank();
   rpc::RpcBackendOptions options;
   options.num_worker_threads = FLAGS_num_worker_threads;
-  options.rpc_timeout = absl::Seconds(FLAGS_timeout_s);
+  options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   rpc::init_rpc(worker_name(rank), rank, c.world_size, options);
   int rc = 0;
   if (rank == 0) {

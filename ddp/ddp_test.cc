@@ -13,6 +13,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
@@ -159,6 +160,46 @@ MULTIPROCESS_TEST(DdpTest, FourReplicasMatchSingleProcessTraining, 4) {
   auto params = model->parameters(), ref = reference->parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(at::allclose(params[i], ref[i], 1e-5, 1e-5)) << "parameter " << i;
+  }
+}
+
+// Between two layers: its backward throws while `armed` (a pass that fails
+// after the last layer's gradients reached DDP, before the first's did).
+bool g_throw_in_backward = false;
+struct ThrowInBackward : public torch::autograd::Function<ThrowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, at::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    if (g_throw_in_backward) throw std::runtime_error("backward failed on purpose");
+    return grads;
+  }
+};
+
+// A backward pass that throws partway must not leave DDP thinking a pass is
+// still under way: the next pass is averaged as usual.
+MULTIPROCESS_TEST(DdpTest, PassAfterAFailedBackwardIsStillAveraged, 2) {
+  auto pg = group();
+  torch::nn::Linear first(6, 16), last(16, 3);
+  auto model = torch::nn::Sequential(first, last);
+  ddp::DistributedDataParallel ddp_model(model.ptr(), pg);
+  auto [x, y] = full_batch(0);
+  const int r = mp::rank();
+  auto forward = [&] {
+    at::Tensor h = ThrowInBackward::apply(first->forward(x.narrow(0, 2 * r, 2)));
+    return at::mse_loss(last->forward(h), y.narrow(0, 2 * r, 2));
+  };
+  g_throw_in_backward = true;
+  EXPECT_THROW(forward().backward(), std::exception);
+  g_throw_in_backward = false;
+  for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+  forward().backward();
+  // Averaged: the same gradient on both ranks, though their data differ.
+  for (const auto& p : model->parameters()) {
+    ASSERT_TRUE(p.grad().defined());
+    at::Tensor lo = p.grad().clone(), hi = p.grad().clone();
+    pg->allreduce({lo}, ddp::ReduceOp::kMin)->wait(absl::Seconds(30));
+    pg->allreduce({hi}, ddp::ReduceOp::kMax)->wait(absl::Seconds(30));
+    EXPECT_TRUE(at::equal(lo, hi)) << "the pass after the failed one was not averaged";
   }
 }
 

@@ -189,6 +189,12 @@ class DistributedDataParallel::Reducer {
     if (dist_autograd::current_context_id() >= 0) return;  // reduce_in_pass does it
     absl::MutexLock lock(&mu_);
     if (!sync_) return;
+    // A pass whose backward threw never reached finalize(): its callback
+    // went with its graph task, and so did the token that callback held.
+    if (in_pass_ && pass_token_.expired()) {
+      notify("abandoned");
+      in_pass_ = false;
+    }
     if (!in_pass_) {
       in_pass_ = true;
       for (Bucket& b : buckets_) {
@@ -197,7 +203,10 @@ class DistributedDataParallel::Reducer {
       }
       next_launch_ = 0;
       ready_.assign(params_.size(), false);
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+      auto token = std::make_shared<int>(0);
+      pass_token_ = token;
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [this, token] { finalize(); });
     }
     notify(absl::StrCat("grad ", k));
     // What .grad will hold after accumulation: the earlier (no_sync) value plus this one.
@@ -268,6 +277,9 @@ class DistributedDataParallel::Reducer {
   std::function<void(const std::string&)> observer_ ABSL_GUARDED_BY(mu_);
   bool sync_ ABSL_GUARDED_BY(mu_) = true;
   bool in_pass_ ABSL_GUARDED_BY(mu_) = false;
+  // Held by the pass's finalize() callback, which lives as long as its
+  // graph task: expired while in_pass_, that pass failed.
+  std::weak_ptr<int> pass_token_ ABSL_GUARDED_BY(mu_);
   size_t next_launch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<bool> ready_ ABSL_GUARDED_BY(mu_);
 };

@@ -131,6 +131,8 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   limits.max_message_bytes = options_.max_message_bytes;
   limits.max_pending_requests = options_.max_pending_requests_per_stream;
   limits.max_pending_reply_bytes = options_.max_pending_reply_bytes;
+  limits.keepalive_interval = options_.keepalive_interval;
+  limits.keepalive_timeout = options_.keepalive_timeout;
   limits.max_buffered_bytes = options_.max_receive_buffer_bytes;
   if (limits.max_buffered_bytes <= 0) {
     const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);
@@ -151,6 +153,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   {
     absl::MutexLock lock(&mu_);
     in_flight_.assign(world_size, 0);
+    unreachable_.assign(world_size, "");
   }
   try {
     rendezvous(name, world_size);
@@ -162,6 +165,10 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   {
     absl::MutexLock lock(&mu_);
     running_ = true;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    next_connection_check_ = absl::Now() + options_.keepalive_interval;
   }
   timer_ = std::thread([this] { timer_loop(); });
   if (serve_now) start_serving();
@@ -341,6 +348,15 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
   return future;
 }
 
+internal::PeerOptions RpcAgent::peer_options() const {
+  internal::PeerOptions options;
+  options.self = rank_;
+  options.max_message_bytes = options_.max_message_bytes;
+  options.keepalive_interval = options_.keepalive_interval;
+  options.keepalive_timeout = options_.keepalive_timeout;
+  return options;
+}
+
 std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
   PeerSlot& slot = *peers_[to];
   absl::MutexLock lock(&slot.mu);
@@ -353,7 +369,7 @@ std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
       if (slot.stream) broken_.push_back(std::move(slot.stream));
     }
     slot.stream = internal::PeerStream::open(
-        workers_[to].address, rank_, options_.max_message_bytes, client_queue_.get(),
+        workers_[to].address, peer_options(), client_queue_.get(),
         [this, to](Frame frame) { return on_reply(to, std::move(frame)); },
         [this, to](const grpc::Status& status) {
           std::string why;
@@ -364,7 +380,7 @@ std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
           } else {
             why = absl::StrCat("the connection failed (", status.error_message(), ")");
           }
-          on_peer_closed(to, why);
+          on_peer_closed(to, why, status.error_code() == grpc::StatusCode::UNAVAILABLE);
         });
   }
   return slot.stream;
@@ -388,6 +404,7 @@ absl::Status RpcAgent::on_reply(int from, Frame frame) {
     auto it = pending_.find(header.id());
     // Timed out or failed already; a reply to a call made to another
     // worker is ignored likewise.
+    unreachable_[from].clear();  // it answers
     if (it == pending_.end() || it->second.to != from) return absl::OkStatus();
     call = take_pending(it);
   }
@@ -430,11 +447,34 @@ RpcAgent::PendingCall RpcAgent::take_pending(
   return call;
 }
 
-void RpcAgent::on_peer_closed(int peer, const std::string& why) {
+bool RpcAgent::is_reachable(int id) const {
+  absl::MutexLock lock(&mu_);
+  return id >= 0 && id < static_cast<int>(unreachable_.size()) && unreachable_[id].empty();
+}
+
+void RpcAgent::check_connections() {
+  for (auto& slot : peers_) {
+    std::shared_ptr<internal::PeerStream> stream;
+    {
+      absl::MutexLock lock(&slot->mu);
+      stream = slot->stream;
+    }
+    if (stream) stream->check_connection();
+  }
+}
+
+void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable) {
   std::vector<PendingCall> failed;
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
+    if (unreachable) {
+      if (unreachable_[peer].empty()) {
+        LOG(WARNING) << "rpc on '" << workers_[rank_].name << "': lost the connection to worker '"
+                     << workers_[peer].name << "': " << why;
+      }
+      unreachable_[peer] = why;
+    }
     for (auto it = pending_.begin(); it != pending_.end();) {
       if (it->second.to == peer) {
         failed.push_back(take_pending(it++));
@@ -461,7 +501,7 @@ void RpcAgent::timer_loop() {
       auto earliest = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         absl::Time t = deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
         if (!timers_.empty()) t = std::min(t, timers_.begin()->first);
-        return t;
+        return std::min(t, next_connection_check_);
       };
       const absl::Time wake = earliest();
       auto due = [this, wake, &earliest]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -482,6 +522,11 @@ void RpcAgent::timer_loop() {
       while (!timers_.empty() && timers_.begin()->first <= now) {
         due_timers.push_back(std::move(timers_.begin()->second));
         timers_.erase(timers_.begin());
+      }
+      if (next_connection_check_ <= now) {
+        // Idle streams learn of a dead connection within a keepalive round.
+        next_connection_check_ = now + std::max(options_.keepalive_interval, absl::Milliseconds(100));
+        due_timers.push_back([this] { check_connections(); });
       }
     }
     for (const auto& call : expired) {
@@ -572,7 +617,7 @@ int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing(
 
 bool RpcAgent::peer_alive(int id) const {
   auto channel = grpc::CreateCustomChannel(workers_[id].address, grpc::InsecureChannelCredentials(),
-                                           internal::channel_arguments(options_.max_message_bytes));
+                                           internal::channel_arguments(peer_options()));
   return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
 }
 
@@ -597,7 +642,7 @@ bool RpcAgent::store_barrier(const std::string& prefix, bool wait, absl::Duratio
     std::vector<int> still;
     for (int r : waiting) {
       if (store_->check({absl::StrCat(prefix, "/", r)})) continue;
-      if (!peer_alive(r)) {
+      if (!is_reachable(r) || !peer_alive(r)) {
         LOG(WARNING) << "rpc shutdown: worker '" << workers_[r].name
                      << "' is unreachable; not waiting for it";
         continue;
@@ -615,11 +660,21 @@ void RpcAgent::shutdown(bool graceful) {
     if (stopped_) return;
   }
   bool barrier_ok = false;
-  auto drain_own_calls = [this] {
-    // Each call ends by its deadline at the latest.
+  // This worker's own calls get at most the RPC timeout (60 s without one)
+  // to end: calls without a deadline, or to a peer that never answers, are
+  // failed by stop() after it.
+  const absl::Duration rpc_timeout = options_.rpc_timeout;
+  const absl::Time calls_deadline =
+      absl::Now() + (rpc_timeout > absl::ZeroDuration() && rpc_timeout != absl::InfiniteDuration()
+                         ? rpc_timeout
+                         : absl::Seconds(60));
+  auto drain_own_calls = [this, calls_deadline] {
     absl::MutexLock lock(&mu_);
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_.empty(); };
-    mu_.Await(absl::Condition(&idle));
+    if (!mu_.AwaitWithDeadline(absl::Condition(&idle), calls_deadline)) {
+      LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << pending_.size()
+                   << " call(s) of this worker still have no reply; they fail";
+    }
   };
   if (graceful) {
     drain_own_calls();

@@ -36,6 +36,7 @@ class RpcHook;
 
 namespace internal {
 struct Frame;
+struct PeerOptions;
 class Callee;
 class ClientQueue;
 class PeerStream;
@@ -56,8 +57,14 @@ struct RpcBackendOptions {
   // Default deadline of every call; zero or infinite means none.
   absl::Duration rpc_timeout = absl::Seconds(60);
   // How long a graceful shutdown waits for the other workers to reach
-  // shutdown too. Workers found dead are not waited for.
+  // shutdown too. Workers found dead or unreachable are not waited for.
   absl::Duration shutdown_timeout = absl::InfiniteDuration();
+  // Liveness of every connection, both ways: an HTTP/2 ping after
+  // keepalive_interval of silence; unanswered for keepalive_timeout, the
+  // peer counts as dead and the calls waiting on it fail (UNAVAILABLE). A
+  // peer that is only slow still answers pings.
+  absl::Duration keepalive_interval = absl::Seconds(2);
+  absl::Duration keepalive_timeout = absl::Seconds(5);
   // "tcp://host:port" (rank 0 hosts the store there) or "env://", which reads
   // MASTER_ADDR and MASTER_PORT.
   std::string init_method = "env://";
@@ -151,6 +158,11 @@ class RpcAgent {
   // One-way message: no reply, no completion; failures are only logged.
   void notify(int to, const std::string& function, std::vector<c10::IValue> args);
 
+  // False once a connection to worker `id` failed (keepalive found it
+  // stopped, dead or cut off; it refused to connect), until it answers a
+  // call again. Calls to it are still tried.
+  bool is_reachable(int id) const;
+
   // graceful: waits for this worker's outstanding calls and for every other
   // worker to reach shutdown, then stops; bounded by rpc_timeout even if a
   // peer died. Otherwise fails pending calls and stops at once.
@@ -195,13 +207,17 @@ class RpcAgent {
   bool peer_alive(int id) const;
   // The open stream to `to` (opened anew if broken); nullptr once stopped.
   std::shared_ptr<internal::PeerStream> peer(int to);
+  internal::PeerOptions peer_options() const;
   // Serves a request on a pool thread (when the stream's threads are busy).
   void offload(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
   void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame,
              absl::Time received);
   // A reply from worker `from`; an error status if it breaks the protocol.
   absl::Status on_reply(int from, internal::Frame frame);
-  void on_peer_closed(int peer, const std::string& why);
+  // `unreachable`: the connection failed, not closed.
+  void on_peer_closed(int peer, const std::string& why, bool unreachable);
+  // check_connection() of every open stream.
+  void check_connections();
   void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);
   // Removes the call at `it` from pending_, deadlines_ and in_flight_.
   PendingCall take_pending(absl::flat_hash_map<uint64_t, PendingCall>::iterator it)
@@ -247,6 +263,9 @@ class RpcAgent {
   std::vector<int> in_flight_ ABSL_GUARDED_BY(mu_);  // entries of pending_ per peer
   std::set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
   std::multimap<absl::Time, std::function<void()>> timers_ ABSL_GUARDED_BY(mu_);  // run_at()
+  // Per worker: why it is unreachable ("" while it is reachable).
+  std::vector<std::string> unreachable_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_connection_check_ ABSL_GUARDED_BY(mu_);
   // Streams that broke; closed at shutdown.
   std::vector<std::shared_ptr<internal::PeerStream>> broken_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,6 +4,9 @@
 #include <ATen/ops/ones.h>
 #include <grpcpp/grpcpp.h>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <thread>
 
@@ -137,6 +140,60 @@ MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 
+// A peer that stops (SIGSTOP: its port still accepts connections, nothing
+// answers) is found by keepalive within seconds: a call waiting on it fails
+// naming the worker and the function, and a worker with only an idle
+// connection to it marks it unreachable. Once it resumes, it serves again.
+MULTIPROCESS_TEST(RpcErrorsTest, KeepaliveFindsAStoppedPeer, 3) {
+  rpc::RpcBackendOptions options;
+  options.keepalive_interval = absl::Milliseconds(500);
+  options.keepalive_timeout = absl::Milliseconds(1500);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
+  auto agent = rpc::current_agent();
+  rpc::Store& store = agent->store();
+  if (mp::rank() == 1) {
+    store.set("pid1", std::to_string(::getpid()));
+    store.get("resumed");  // stopped and continued meanwhile
+  }
+  if (mp::rank() == 2) {
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", 1), 1);  // an idle connection
+    store.set("connected", "1");
+    store.get("stopped");
+    const absl::Time start = absl::Now();
+    while (agent->is_reachable(1) && absl::Now() - start < absl::Seconds(15)) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_FALSE(agent->is_reachable(1));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+    store.set("noticed", "1");
+  }
+  if (mp::rank() == 0) {
+    const pid_t pid = std::stoi(store.get("pid1"));
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", 1), 1);
+    store.get("connected");
+    ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+    store.set("stopped", "1");
+    const absl::Time start = absl::Now();
+    auto f = rpc::rpc_async<int64_t>(rpc::CallOptions{absl::Seconds(60)}, "worker1", "sleep_ms", 5);
+    ASSERT_TRUE(f.wait_for(absl::Seconds(30)));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(8));
+    try {
+      f.value();
+      ADD_FAILURE() << "a call to a stopped worker succeeded";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kUnavailable) << e.what();
+      EXPECT_NE(std::string(e.what()).find("'sleep_ms') on worker 'worker1'"), std::string::npos)
+          << e.what();
+    }
+    store.get("noticed");
+    ASSERT_EQ(::kill(pid, SIGCONT), 0);
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", 2), 2);  // reconnects
+    EXPECT_TRUE(agent->is_reachable(1));
+    store.set("resumed", "1");
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownWaitsForCallsInFlight, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   std::vector<rpc::Future<int64_t>> futures;
@@ -147,6 +204,29 @@ MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownWaitsForCallsInFlight, 2) {
   for (auto& f : futures) {
     ASSERT_TRUE(f.completed());
     EXPECT_EQ(f.value(), 100);
+  }
+}
+
+// A call without a deadline does not hold a graceful shutdown beyond the
+// RPC timeout: it fails with SHUTDOWN. (Rank 0, which hosts the store, also
+// waits for the others to leave; the caller here is rank 1.)
+MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownFailsCallsWithoutADeadline, 3) {
+  rpc::RpcBackendOptions options;
+  options.rpc_timeout = absl::Seconds(1);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
+  if (mp::rank() == 1) {
+    auto f = rpc::rpc_async<int64_t>(rpc::CallOptions{absl::ZeroDuration()}, "worker2", "sleep_ms",
+                                     4000);
+    const absl::Time start = absl::Now();
+    rpc::shutdown();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+    ASSERT_TRUE(f.completed());
+    EXPECT_TRUE(f.has_error());
+    EXPECT_NE(f.error_message().find("shut down"), std::string::npos) << f.error_message();
+    EXPECT_NE(f.error_message().find("'sleep_ms') on worker 'worker2'"), std::string::npos)
+        << f.error_message();
+  } else {
+    rpc::shutdown();
   }
 }
 

@@ -95,9 +95,15 @@ class RRef {
     }
   }
 
-  // Calls `method` on the object at its owner.
-  template <typename M, typename... A>
+  // Calls `method` on the object at its owner; with CallOptions first, under
+  // that call's timeout instead of the agent's rpc_timeout.
+  template <typename M, typename... A,
+            typename = std::enable_if_t<std::is_member_function_pointer_v<M>>>
   auto rpc_async(M method, A&&... args) const {
+    return rpc_async(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <typename M, typename... A>
+  auto rpc_async(const CallOptions& options, M method, A&&... args) const {
     using R = typename internal::UnwrapFuture<typename internal::FunctionTraits<M>::result>::type;
     static_assert(std::is_invocable_v<M, T&, A...>,
                   "RRef<T>::rpc_*: the arguments do not match the method's parameters");
@@ -106,17 +112,22 @@ class RRef {
     try {
       const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
       raw = internal::rref_context(agent).call_method(
-          state(), name, internal::pack_args(std::forward<A>(args)...), kDefaultTimeout);
+          state(), name, internal::pack_args(std::forward<A>(args)...), options.timeout);
     } catch (const RpcError& e) {
       raw.set_error(e);
     }
     return internal::typed_future<R>(std::move(raw));
   }
 
-  template <typename M, typename... A>
+  template <typename M, typename... A,
+            typename = std::enable_if_t<std::is_member_function_pointer_v<M>>>
   auto rpc_sync(M method, A&&... args) const {
+    return rpc_sync(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <typename M, typename... A>
+  auto rpc_sync(const CallOptions& options, M method, A&&... args) const {
     SyncCallScope waits_at_once;
-    return rpc_async(method, std::forward<A>(args)...).value();
+    return rpc_async(options, method, std::forward<A>(args)...).value();
   }
 
   // Runs `method` on the owner and keeps its result there.

@@ -106,7 +106,7 @@ _fuzzer_binary = rule(
     },
 )
 
-def cc_fuzzer(name, srcs, deps, corpus, instrumented = [], smoke_seconds = 20, tags = []):
+def cc_fuzzer(name, srcs, deps, corpus, instrumented = [], smoke_seconds = 20, tags = ["fuzz"]):
     _fuzzer_binary(
         name = name + "_bin",
         srcs = srcs,

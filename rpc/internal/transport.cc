@@ -32,8 +32,18 @@ constexpr char kStreamMethod[] = "/ddprpc.Transport/Stream";
 // GRPC_POLL_STRATEGY in the environment wins.
 const bool kPollStrategySet = [] {
   ::setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
+  // With "poll", sockets are read only by threads that poll a queue, and a
+  // caller's queue is polled only while it waits for replies. gRPC's backup
+  // poller reads an idle connection meanwhile, so that keepalive pings are
+  // answered and their acks seen well within the keepalive timeout (its
+  // default interval, 5 s, is not).
+  ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "500", /*overwrite=*/0);
   return true;
 }();
+
+int millis(absl::Duration d) {
+  return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT_MAX));
+}
 
 }  // namespace
 
@@ -68,9 +78,15 @@ int grpc_message_limit(int64_t max_message_bytes) {
 }
 }  // namespace
 
-grpc::ChannelArguments channel_arguments(int64_t max_message_bytes) {
+grpc::ChannelArguments channel_arguments(const PeerOptions& options) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(grpc_message_limit(max_message_bytes));
+  args.SetMaxReceiveMessageSize(grpc_message_limit(options.max_message_bytes));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, millis(options.keepalive_interval));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, millis(options.keepalive_timeout));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Pings keep going on a stream that sends nothing (the default stops
+  // after 2 and keepalive silently ends).
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   args.SetMaxSendMessageSize(-1);  // the agent checks what it sends
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
@@ -868,6 +884,14 @@ std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
   builder.SetResourceQuota(quota);
   // One stream per connection is what callers open.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, limits.max_streams_per_worker);
+  // Liveness both ways: this end pings its callers, and takes their pings
+  // (one per keepalive_interval) without calling them abusive.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, millis(limits.keepalive_interval));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, millis(limits.keepalive_timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             millis(limits.keepalive_interval / 4));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 16 << 20);
@@ -1039,12 +1063,12 @@ void ClientQueue::background_loop() {
   }
 }
 
-std::shared_ptr<PeerStream> PeerStream::open(const std::string& address, int self,
-                                             int64_t max_message_bytes, ClientQueue* queue,
+std::shared_ptr<PeerStream> PeerStream::open(const std::string& address,
+                                             const PeerOptions& options, ClientQueue* queue,
                                              OnFrame on_frame, OnClose on_close) {
-  std::shared_ptr<PeerStream> s(new PeerStream(address, max_message_bytes, queue,
-                                               std::move(on_frame), std::move(on_close)));
-  s->ctx_.AddMetadata(kWorkerMetadataKey, absl::StrCat(self));
+  std::shared_ptr<PeerStream> s(
+      new PeerStream(address, options, queue, std::move(on_frame), std::move(on_close)));
+  s->ctx_.AddMetadata(kWorkerMetadataKey, absl::StrCat(options.self));
   grpc::GenericStub stub(s->channel_);
   s->call_ = stub.PrepareCall(&s->ctx_, kStreamMethod, queue->cq());
   {
@@ -1057,14 +1081,14 @@ std::shared_ptr<PeerStream> PeerStream::open(const std::string& address, int sel
   return s;
 }
 
-PeerStream::PeerStream(const std::string& address, int64_t max_message_bytes,
+PeerStream::PeerStream(const std::string& address, const PeerOptions& options,
                        ClientQueue* queue, OnFrame on_frame, OnClose on_close)
     : on_frame_(std::move(on_frame)),
       on_close_(std::move(on_close)),
-      max_message_bytes_(max_message_bytes),
+      max_message_bytes_(options.max_message_bytes),
       client_queue_(queue),
       channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                         channel_arguments(max_message_bytes))) {
+                                         channel_arguments(options))) {
   for (int i = 0; i < kNumOps; ++i) tags_[i] = ClientQueue::Tag{this, i};
   // Initial metadata goes out with the first frame, so opening never blocks.
   ctx_.set_initial_metadata_corked(true);
@@ -1228,6 +1252,7 @@ void PeerStream::on_read(bool ok) {
   {
     absl::MutexLock lock(&mu_);
     read_pending_ = false;
+    connected_ = true;
     if (expecting_ > 0) --expecting_;
     // Reading on only while replies are due (or the stream is closing and
     // its end must be seen): a read posted on an idle stream sends a
@@ -1246,6 +1271,18 @@ void PeerStream::on_read(bool ok) {
   if (!accepted.ok()) {
     fail(grpc::Status(grpc::StatusCode::DATA_LOSS, std::string(accepted.message())));
   }
+}
+
+void PeerStream::check_connection() {
+  const grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/false);
+  if (state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_CONNECTING) return;
+  void* read_tag = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!connected_ || closing_ || !claim_read()) return;
+    read_tag = post(kRead);
+  }
+  call_->Read(&read_buffer_, read_tag);
 }
 
 void PeerStream::fail(const grpc::Status& why) {

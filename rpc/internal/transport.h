@@ -73,6 +73,10 @@ struct ServerLimits {
   int64_t max_pending_reply_bytes = int64_t{64} << 20;
   // Open streams naming the same worker (a caller reopens a broken one).
   int max_streams_per_worker = 4;
+  // HTTP/2 pings to callers silent this long; unanswered for
+  // keepalive_timeout, the caller's streams end (UNAVAILABLE).
+  absl::Duration keepalive_interval = absl::Seconds(2);
+  absl::Duration keepalive_timeout = absl::Seconds(5);
   // Bytes gRPC may buffer for all connections together. gRPC 1.51 checks a
   // message's size only once it has received all of it (and not at all
   // with a minimal stack), so this quota is what bounds the memory of a
@@ -108,6 +112,19 @@ class TransportServer {
 };
 
 class PeerStream;
+
+// How a PeerStream connects.
+struct PeerOptions {
+  int self = 0;  // this worker's id, sent in the stream's metadata
+  // Replies larger than this end the stream.
+  int64_t max_message_bytes = int64_t{1} << 31;
+  // An HTTP/2 ping goes to the peer after this much silence; unanswered for
+  // keepalive_timeout, the stream ends with UNAVAILABLE ("keepalive watchdog
+  // timeout"): a peer that stopped, died without closing or was cut off is
+  // found within seconds, whether or not calls are outstanding.
+  absl::Duration keepalive_interval = absl::Seconds(2);
+  absl::Duration keepalive_timeout = absl::Seconds(5);
+};
 
 // The completion queue of all of a process's PeerStreams, read by one
 // thread at a time (the reading role): a caller waiting for a reply
@@ -172,17 +189,19 @@ class PeerStream {
   using OnClose = std::function<void(const grpc::Status&)>;
 
   // `queue` must outlive the stream's operations (close() waits for them).
-  // `self` is this worker's id, sent in the stream's initial metadata.
-  // Replies larger than `max_message_bytes` end the stream.
-  static std::shared_ptr<PeerStream> open(const std::string& address, int self,
-                                          int64_t max_message_bytes, ClientQueue* queue,
-                                          OnFrame on_frame, OnClose on_close);
+  static std::shared_ptr<PeerStream> open(const std::string& address, const PeerOptions& options,
+                                          ClientQueue* queue, OnFrame on_frame, OnClose on_close);
   ~PeerStream();
 
   // Queues a frame; false when the stream is closed or broken.
   // `expects_reply`: the peer answers it with one frame.
   bool send(grpc::ByteBuffer frame, bool expects_reply);
   bool broken() const;
+  // An idle stream (no read posted) learns that its connection died (e.g.
+  // keepalive found the peer gone) only from its next operation: if the
+  // connection is gone, this posts a read, whose failure ends the stream
+  // (OnClose) now. Cheap: it looks at the channel's state.
+  void check_connection();
   // graceful: half-close and wait (at most 5 s) for the peer to end the
   // stream; otherwise cancel at once. Returns once every operation of the
   // stream has completed: no callback runs after it.
@@ -191,7 +210,7 @@ class PeerStream {
  private:
   friend class ClientQueue;
   enum Op { kStart, kRead, kWrite, kWritesDone, kFinish, kNumOps };
-  PeerStream(const std::string& address, int64_t max_message_bytes, ClientQueue* queue,
+  PeerStream(const std::string& address, const PeerOptions& options, ClientQueue* queue,
              OnFrame on_frame, OnClose on_close);
   // Counts operation `op` and returns its tag; the caller posts it (it may
   // do so after releasing mu_).
@@ -243,11 +262,12 @@ class PeerStream {
   bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;       // the stream has ended
   bool closing_ ABSL_GUARDED_BY(mu_) = false;        // close() was called
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;      // a reply has come (the channel was up)
   int64_t expecting_ ABSL_GUARDED_BY(mu_) = 0;       // replies not yet read
 };
 
-// Channel arguments tuned for large tensors on fast links; gRPC refuses
-// received messages over `max_message_bytes`.
-grpc::ChannelArguments channel_arguments(int64_t max_message_bytes);
+// Channel arguments tuned for large tensors on fast links, with `options`'
+// keepalive; gRPC refuses received messages over its max_message_bytes.
+grpc::ChannelArguments channel_arguments(const PeerOptions& options);
 
 }  // namespace ddprpc::rpc::internal

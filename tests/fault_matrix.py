@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""Fault matrix: ddp_rpc across three hosts (network namespaces on a bridge).
+
+Runs ddp_rpc with its roles spread over three namespaces exactly as the
+README's multi-host recipe says (RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT, --listen_address), once without a fault and once per fault:
+kill -9 and kill -STOP of a trainer, a parameter server, the master and
+rank 0 (which hosts the store); one host's link down for 3 s, then up; one
+host's link down for good. Each case must either complete (the master
+prints the table) or end with an error naming a worker and a call, within
+the RPC timeout + 10 s of the fault. Prints a table of cases; leaves no
+process and no namespace behind. Needs root (ip netns).
+
+    fault_matrix.py BINARY [--rpc_timeout_s=20] [--cases=a,b,...]
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+TRAINERS, PS = 2, 2
+WORLD = TRAINERS + PS + 1
+# rank -> host: trainer0 (rank 0, the store) and ps0 on h1; trainer1 and ps1
+# on h2; the master on h3.
+HOST_OF = {0: 1, 2: 1, 1: 2, 3: 2, 4: 3}
+ROLE = {0: "trainer0", 1: "trainer1", 2: "ps0", 3: "ps1", 4: "master"}
+
+CASES = [
+    ("none", None, None),
+    ("kill -9 trainer1", "KILL", 1),
+    ("kill -STOP trainer1", "STOP", 1),
+    ("kill -9 ps1", "KILL", 3),
+    ("kill -STOP ps1", "STOP", 3),
+    ("kill -9 master", "KILL", 4),
+    ("kill -STOP master", "STOP", 4),
+    ("kill -9 rank 0 (trainer0, store)", "KILL", 0),
+    ("kill -STOP rank 0 (trainer0, store)", "STOP", 0),
+    ("link of host 2 down 3 s, then up", "FLAP", 2),
+    ("link of host 2 down for good", "CUT", 2),
+]
+
+
+def sh(*args, check=True):
+    return subprocess.run(args, check=check, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+class Hosts:
+    """Three namespaces h1..h3 on a bridge, 10.<a>.<b>.1..3/24."""
+
+    def __init__(self):
+        tag = os.getpid() % 100000
+        self.prefix = f"ddpf{tag}"
+        self.bridge = f"bf{tag}"
+        self.net = f"10.{77 + tag % 100}.{tag % 250}"
+        self.ns = {i: f"{self.prefix}h{i}" for i in (1, 2, 3)}
+        self.veth = {i: f"vf{tag}{i}" for i in (1, 2, 3)}
+
+    def addr(self, host):
+        return f"{self.net}.{host}"
+
+    def up(self):
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "link", "set", self.bridge, "up")
+        for i in (1, 2, 3):
+            ns, veth = self.ns[i], self.veth[i]
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "link", "set", veth, "master", self.bridge)
+            sh("ip", "link", "set", veth, "up")
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+
+    def link(self, host, up):
+        sh("ip", "link", "set", self.veth[host], "up" if up else "down")
+
+    def down(self):
+        for i in (1, 2, 3):
+            sh("ip", "netns", "pids", self.ns[i], check=False)
+            for pid in sh("ip", "netns", "pids", self.ns[i], check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            sh("ip", "link", "del", self.veth[i], check=False)
+            sh("ip", "netns", "del", self.ns[i], check=False)
+        sh("ip", "link", "del", self.bridge, check=False)
+
+    def leftovers(self):
+        names = sh("ip", "netns", "list", check=False).stdout
+        links = sh("ip", "-o", "link", "show", check=False).stdout
+        return [n for n in list(self.ns.values()) if n in names] + \
+               [l for l in list(self.veth.values()) + [self.bridge] if f" {l}@" in links or f" {l}:" in links]
+
+
+def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
+    name, fault, target = case
+    bound = rpc_timeout_s + 10
+    procs, logs = {}, {}
+    for rank in range(WORLD):
+        host = HOST_OF[rank]
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
+                   MASTER_ADDR=hosts.addr(1), MASTER_PORT=str(port))
+        log = open(os.path.join(logdir, f"{port}_{ROLE[rank]}.log"), "w+")
+        logs[rank] = log
+        procs[rank] = subprocess.Popen(
+            ["ip", "netns", "exec", hosts.ns[host], binary, f"--trainers={TRAINERS}", f"--ps={PS}",
+             "--iters=400", "--warmup=2", "--pytorch=false", f"--listen_address={hosts.addr(host)}",
+             f"--rpc_timeout_s={rpc_timeout_s}", "--timeout_s=120",
+             f"--json={os.path.join(logdir, f'{port}.json')}"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(rank):
+        logs[rank].flush()
+        with open(logs[rank].name, errors="replace") as f:
+            return f.read()
+
+    # The fault lands once training is under way.
+    t_start = time.time()
+    while time.time() - t_start < 60 and "iteration 20/" not in text(0):
+        if any(p.poll() is not None for p in procs.values()):
+            break
+        time.sleep(0.05)
+    t_fault = time.time()
+    stopped = None
+    if fault in ("KILL", "STOP"):
+        os.killpg(procs[target].pid, signal.SIGKILL if fault == "KILL" else signal.SIGSTOP)
+        if fault == "STOP":
+            stopped = target
+    elif fault == "FLAP":
+        hosts.link(target, False)
+        time.sleep(3)
+        hosts.link(target, True)
+    elif fault == "CUT":
+        hosts.link(target, False)
+
+    # Wait for every process that can end (a stopped one cannot) to end.
+    deadline = t_fault + bound + 20
+    while time.time() < deadline:
+        if all(p.poll() is not None for r, p in procs.items() if r != stopped):
+            break
+        time.sleep(0.05)
+    t_end = time.time()
+    lingering = [ROLE[r] for r, p in procs.items() if p.poll() is None and r != stopped]
+    for r, p in procs.items():
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    if fault == "CUT":
+        hosts.link(target, True)
+
+    master = text(4)
+    completed = procs[4].returncode == 0 and "All:" in master
+    message = ""
+    if not completed:
+        # The first error that names a worker and a call, in the master's
+        # output first, then the others'.
+        pattern = re.compile(r"(\w+(?:\.\w+)*\('[^']*'\) on worker '\w+'[^\n]*)")
+        for rank in [4, 0, 1, 2, 3]:
+            m = pattern.search(text(rank))
+            if m:
+                message = f"{ROLE[rank]}: {m.group(1)}"
+                break
+        if not message:
+            # Without the master, the others report the worker they lost.
+            for rank in [0, 1, 2, 3, 4]:
+                m = re.search(r"[^\n]*worker '\w+'[^\n]*(?:unreachable|failed)[^\n]*", text(rank))
+                if m and rank != stopped:
+                    message = f"{ROLE[rank]}: {m.group(0).split('] ')[-1]}"
+                    break
+    for log in logs.values():
+        log.close()
+    return {
+        "case": name,
+        "outcome": "completed" if completed else "error",
+        "seconds": t_end - t_fault if fault else t_end - t_start,
+        "lingering": lingering,
+        "message": message[:300],
+        "bound": bound,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("binary")
+    parser.add_argument("--rpc_timeout_s", type=int, default=20)
+    parser.add_argument("--cases", default="", help="comma-separated case numbers (1-based)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("fault_matrix: needs root for ip netns", file=sys.stderr)
+        return 1
+    binary = os.path.abspath(args.binary)
+    cases = CASES
+    if args.cases:
+        cases = [CASES[int(i) - 1] for i in args.cases.split(",")]
+    hosts = Hosts()
+    logdir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tempfile.mkdtemp(prefix="fault_matrix.")
+    results = []
+    try:
+        hosts.up()
+        for i, case in enumerate(cases):
+            print(f"fault_matrix: case {i + 1}/{len(cases)}: {case[0]}", file=sys.stderr, flush=True)
+            results.append(run_case(hosts, binary, case, 29600 + i, args.rpc_timeout_s, logdir))
+    finally:
+        hosts.down()
+    left = hosts.leftovers()
+
+    print(f"\nddp_rpc {TRAINERS} trainers + {PS} PS + master on 3 hosts (network namespaces), "
+          f"RPC timeout {args.rpc_timeout_s} s")
+    print(f"{'case':38} {'outcome':10} {'s to end':>8}  message")
+    print("-" * 110)
+    failed = []
+    for r in results:
+        print(f"{r['case']:38} {r['outcome']:10} {r['seconds']:8.1f}  {r['message']}")
+        if r["case"] == "none" and r["outcome"] != "completed":
+            failed.append(f"{r['case']}: the job without a fault did not complete")
+        if r["seconds"] > r["bound"]:
+            failed.append(f"{r['case']}: ended after {r['seconds']:.1f} s (bound {r['bound']} s)")
+        if r["outcome"] == "error" and not r["message"]:
+            failed.append(f"{r['case']}: ended without an error naming a worker")
+        if r["lingering"]:
+            failed.append(f"{r['case']}: still running at the bound: {', '.join(r['lingering'])}")
+    if left:
+        failed.append(f"left behind: {left}")
+    print(f"logs: {logdir}")
+    for f in failed:
+        print(f"FAIL {f}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
