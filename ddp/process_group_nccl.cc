@@ -5,9 +5,12 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "ddp/internal/op_queue.h"
 #include "ddp/process_group.h"
 #include "rpc/store.h"
@@ -54,8 +57,8 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
 class ProcessGroupNccl : public ProcessGroup {
  public:
   ProcessGroupNccl(const std::shared_ptr<rpc::Store>& store, const std::string& prefix, int rank,
-                   int size)
-      : rank_(rank), size_(size) {
+                   int size, absl::Duration timeout)
+      : rank_(rank), size_(size), timeout_(timeout) {
     int devices = 0;
     check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
     device_ = rank % devices;
@@ -75,7 +78,11 @@ class ProcessGroupNccl : public ProcessGroup {
   ~ProcessGroupNccl() override {
     ops_.reset();  // finish queued operations first
     if (buffer_) cudaFree(buffer_);
-    ncclCommDestroy(comm_);
+    if (aborted_) {
+      // ncclCommAbort freed the communicator.
+    } else {
+      ncclCommDestroy(comm_);
+    }
     cudaStreamDestroy(stream_);
   }
 
@@ -153,11 +160,43 @@ class ProcessGroupNccl : public ProcessGroup {
     op(buffer_);
     check(cudaMemcpyAsync(host.data_ptr(), buffer_, bytes, cudaMemcpyDeviceToHost, stream_),
           "cudaMemcpy to host");
-    check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    synchronize();
     if (!host.is_same(t)) t.copy_(host);
   }
 
+  // Waits for the stream, at most the group's timeout: NCCL blocks forever
+  // on a peer that died or stopped, so past the timeout (or on NCCL's own
+  // asynchronous error) the communicator is aborted and the operation, and
+  // every later one, fails.
+  void synchronize() {
+    if (aborted_) throw std::runtime_error("the NCCL communicator was aborted after an earlier failure");
+    const absl::Time deadline = timeout_ == absl::InfiniteDuration()
+                                    ? absl::InfiniteFuture()
+                                    : absl::Now() + timeout_;
+    absl::Duration pause = absl::Microseconds(10);
+    while (true) {
+      const cudaError_t state = cudaStreamQuery(stream_);
+      if (state == cudaSuccess) return;
+      if (state != cudaErrorNotReady) check(state, "cudaStreamQuery");
+      ncclResult_t async_error = ncclSuccess;
+      check(ncclCommGetAsyncError(comm_, &async_error), "ncclCommGetAsyncError");
+      if (async_error != ncclSuccess || absl::Now() >= deadline) {
+        ncclCommAbort(comm_);
+        aborted_ = true;
+        throw std::runtime_error(
+            async_error != ncclSuccess
+                ? absl::StrCat("NCCL failed: ", ncclGetErrorString(async_error))
+                : absl::StrCat("did not complete within ", absl::FormatDuration(timeout_),
+                               " (a rank stopped or is unreachable); communicator aborted"));
+      }
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Milliseconds(1));
+    }
+  }
+
   const int rank_, size_;
+  const absl::Duration timeout_;
+  bool aborted_ = false;  // used only on the op thread (and the destructor after it)
   int device_ = 0;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -172,12 +211,11 @@ class ProcessGroupNccl : public ProcessGroup {
 std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<rpc::Store> store,
                                               const std::string& prefix, int rank, int size,
                                               ProcessGroupOptions options) {
-  (void)options;
 #ifdef DDPRPC_WITH_NCCL
   if (!nccl_available()) throw std::runtime_error("NCCL backend: no CUDA device is visible");
-  return std::make_shared<ProcessGroupNccl>(store, prefix, rank, size);
+  return std::make_shared<ProcessGroupNccl>(store, prefix, rank, size, options.timeout);
 #else
-  (void)store, (void)prefix, (void)rank, (void)size;
+  (void)store, (void)prefix, (void)rank, (void)size, (void)options;
   throw std::runtime_error("NCCL backend: built without CUDA (no /usr/local/cuda at build time)");
 #endif
 }

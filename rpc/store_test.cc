@@ -87,14 +87,15 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   EXPECT_TRUE(counters.add(req, &resp).ok());
   EXPECT_TRUE(counters.add(req, &resp).ok() == false);
 
-  // kMaxWaiters requests block; the next is refused at once.
-  StoreState waits;
+  // max_waiters requests block; the next is refused at once.
+  constexpr int kWaiters = 16;
+  StoreState waits(kWaiters);
   wire::StoreRequest wait;
   wait.add_keys("never");
-  wait.set_timeout_ms(30000);
+  wait.set_timeout_ms(600000);  // stop() ends them
   std::vector<std::thread> waiters;
   std::atomic<int> unavailable{0};
-  for (int i = 0; i < StoreState::kMaxWaiters; ++i) {
+  for (int i = 0; i < kWaiters; ++i) {
     waiters.emplace_back([&] {
       wire::StoreResponse r;
       if (waits.wait(wait, &r, [] { return false; }).error_code() == grpc::StatusCode::UNAVAILABLE) {
@@ -103,7 +104,7 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
     });
   }
   grpc::Status refused;
-  const absl::Time until = absl::Now() + absl::Seconds(20);
+  const absl::Time until = absl::Now() + absl::Seconds(30);
   do {
     absl::SleepFor(absl::Milliseconds(10));
     refused = waits.wait(wait, &resp, [] { return false; });
@@ -111,7 +112,7 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
   waits.stop();  // wakes them all
   for (auto& t : waiters) t.join();
-  EXPECT_EQ(unavailable.load(), StoreState::kMaxWaiters);
+  EXPECT_EQ(unavailable.load(), kWaiters);
 }
 
 }  // namespace

@@ -144,7 +144,7 @@ grpc::Status StoreState::await_keys(const std::vector<std::string>& keys, int64_
   };
   if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the store is stopping");
   if (present()) return grpc::Status::OK;
-  if (waiters_ >= kMaxWaiters) {
+  if (waiters_ >= max_waiters_) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat(waiters_, " requests wait for keys already"));
   }

@@ -19,12 +19,14 @@ namespace ddprpc::rpc::internal {
 
 class StoreState {
  public:
+  explicit StoreState(int max_waiters = kMaxWaiters) : max_waiters_(max_waiters) {}
+
   static constexpr size_t kMaxKeyBytes = 4096;
   static constexpr size_t kMaxValueBytes = 1 << 20;
   static constexpr int kMaxKeysPerRequest = 4096;
   static constexpr size_t kMaxKeys = 1 << 16;           // keys held
   static constexpr size_t kMaxBytes = size_t{64} << 20;  // keys and values held
-  static constexpr int kMaxWaiters = 1024;               // get()/wait() blocked at once
+  static constexpr int kMaxWaiters = 1024;               // get()/wait() blocked at once (default)
   static constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
   // Largest request worth reading (gRPC refuses larger ones).
   static constexpr int kMaxRequestBytes = kMaxValueBytes + kMaxKeysPerRequest * (kMaxKeyBytes + 8);
@@ -50,6 +52,7 @@ class StoreState {
                           const std::function<bool()>& cancelled)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const int max_waiters_;
   absl::Mutex mu_;
   // State below is protected by mu_.
   std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
