@@ -74,6 +74,11 @@ struct ContextState {
   std::vector<std::shared_ptr<Node>> recvs ABSL_GUARDED_BY(mu);
   std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> grads ABSL_GUARDED_BY(mu);
   std::set<int> workers ABSL_GUARDED_BY(mu);
+  // Nodes the backward passes of this context ran, and whether one asked to
+  // retain the graph: passes keep the saved tensors (see run_pass), which
+  // the release frees unless so asked.
+  std::unordered_set<std::shared_ptr<Node>> visited ABSL_GUARDED_BY(mu);
+  bool retain_graph ABSL_GUARDED_BY(mu) = false;
 };
 
 class Container {
@@ -482,14 +487,42 @@ class DistAutogradHook : public rpc::RpcHook {
   }
 };
 
+// Makes `id` the current context of this thread within its scope (what the
+// hooks of the nodes a pass runs see, e.g. DDP's).
+class CurrentContext {
+ public:
+  explicit CurrentContext(ContextId id) : saved_(t_current) { t_current = id; }
+  ~CurrentContext() { t_current = saved_; }
+
+ private:
+  const ContextId saved_;
+};
+
+// The gradients `grads` after the pre-hooks of `node`, which the engine runs
+// for the nodes it runs but not for those whose inputs a pass captures
+// (leaves' AccumulateGrad, received tensors' RecvRpcBackward), so that their
+// hooks run as in local autograd.
+torch::autograd::variable_list after_pre_hooks(Node* node, torch::autograd::variable_list grads) {
+  for (const auto& hook : node->pre_hooks()) grads = (*hook)(grads);
+  return grads;
+}
+
 // Runs the local engine from `roots` and, for every recv function reached,
 // sends its gradients back to the sender. Returns those sends' futures.
+//
+// A node may be reached by several passes of one context: gradients come
+// back through several send functions (a tensor both used here and sent on
+// in a nested call; one received tensor passed to two calls). Each pass runs
+// it on its share of the gradient; a backward function is linear in the
+// gradient it gets, so the shares add up to what local autograd computes.
+// Passes therefore keep the saved tensors (keep_graph), and the context's
+// release frees them, unless a backward asked to retain the graph.
 std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextState>& ctx,
                                                const torch::autograd::edge_list& roots,
                                                const std::vector<at::Tensor>& grads,
                                                bool retain_graph) {
   torch::autograd::edge_list outputs, recv_outputs;  // leaves first, then recv inputs
-  std::vector<at::Tensor> leaves;
+  std::vector<torch::autograd::AccumulateGrad*> leaves;
   std::vector<RecvRpcBackward*> recvs;
   std::unordered_set<Node*> seen;
   std::vector<Node*> stack;
@@ -501,7 +534,7 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
     stack.pop_back();
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
       outputs.emplace_back(acc->shared_from_this(), 0);
-      leaves.push_back(acc->variable);
+      leaves.push_back(acc);
       continue;
     }
     if (auto* recv = dynamic_cast<RecvRpcBackward*>(node)) {
@@ -519,16 +552,23 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
   }
   outputs.insert(outputs.end(), recv_outputs.begin(), recv_outputs.end());
   if (outputs.empty()) return {};
+  {
+    absl::MutexLock lock(&ctx->mu);
+    if (retain_graph) ctx->retain_graph = true;
+    for (Node* node : seen) ctx->visited.insert(node->shared_from_this());
+  }
+  CurrentContext in_context(ctx->id);
   torch::autograd::variable_list results = torch::autograd::Engine::get_default_engine().execute(
-      roots, grads, retain_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
+      roots, grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
 
   // First send the gradients of the received tensors back to their senders,
   // so the other workers' passes overlap with the rest of this one.
   std::vector<rpc::Future<c10::IValue>> sends;
   size_t next = leaves.size();
   for (RecvRpcBackward* recv : recvs) {
-    std::vector<at::Tensor> recv_grads(results.begin() + next,
-                                       results.begin() + next + recv->num_inputs());
+    std::vector<at::Tensor> recv_grads = after_pre_hooks(
+        recv, torch::autograd::variable_list(results.begin() + next,
+                                             results.begin() + next + recv->num_inputs()));
     next += recv->num_inputs();
     sends.push_back(rpc::current_agent()->call(
         recv->src, kPropagate,
@@ -536,11 +576,22 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
          c10::IValue(c10::List<at::Tensor>(recv_grads)), c10::IValue(retain_graph)},
         rpc::kDefaultTimeout, "dist_autograd.backward"));
   }
-  std::vector<at::Tensor> params(leaves.begin(), leaves.end());
-  // Moved out of `results`, so that a gradient no other tensor refers to
-  // has a use count of 1 (below).
-  std::vector<at::Tensor> param_grads(std::make_move_iterator(results.begin()),
-                                      std::make_move_iterator(results.begin() + leaves.size()));
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> param_grads;
+  params.reserve(leaves.size());
+  param_grads.reserve(leaves.size());
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    params.push_back(leaves[i]->variable);
+    // Moved out of `results`, so that a gradient no other tensor refers to
+    // has a use count of 1 (below). The leaf's tensor hooks run as in
+    // AccumulateGrad::apply, after any hooks of the node itself.
+    at::Tensor grad = std::move(results[i]);
+    if (!leaves[i]->pre_hooks().empty()) grad = after_pre_hooks(leaves[i], {std::move(grad)})[0];
+    if (grad.defined() && !torch::autograd::impl::hooks(leaves[i]->variable).empty()) {
+      grad = torch::autograd::AccumulateGrad::callHooks(leaves[i]->variable, std::move(grad));
+    }
+    param_grads.push_back(std::move(grad));
+  }
   results.clear();
   if (GradientHook hook = container().gradient_hook()) hook(ctx->id, params, param_grads);
   {
@@ -562,6 +613,12 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
         slot = {params[i], grad.clone(at::MemoryFormat::Contiguous)};
       }
     }
+  }
+  // Post-accumulate hooks (of AccumulateGrad) see the gradient this pass added.
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    if (leaves[i]->post_hooks().empty()) continue;
+    const torch::autograd::variable_list inputs = {param_grads[i]};
+    for (const auto& hook : leaves[i]->post_hooks()) (*hook)({}, inputs);
   }
   return sends;
 }
@@ -622,10 +679,14 @@ void release_context(ContextId id, int from) {
   std::shared_ptr<ContextState> ctx = container().erase(id);
   if (!ctx) return;
   std::set<int> workers;
+  std::unordered_set<std::shared_ptr<Node>> visited;
   {
     absl::MutexLock lock(&ctx->mu);
     workers = ctx->workers;
+    if (!ctx->retain_graph) visited.swap(ctx->visited);
   }
+  // The saved tensors the passes kept (run_pass).
+  for (const auto& node : visited) node->release_variables();
   int self;
   try {
     self = self_id();

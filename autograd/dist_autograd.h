@@ -18,7 +18,15 @@
 // gradients go back to the worker that sent the tensors, which continues from
 // the matching send function; it returns when every worker involved is done
 // and throws the first remote error. Gradients accumulate in the context, per
-// worker, never in .grad.
+// worker, never in .grad. The result equals local autograd's:
+// - a node reached through several send functions (a tensor used here and
+//   also sent on in a nested call, one received tensor passed to two calls)
+//   runs once per pass on that pass's share of the gradient (backward
+//   functions are linear in it); the passes keep the saved tensors, which the
+//   context's release frees unless backward was asked to retain the graph;
+// - hooks on tensors run, leaves' and received tensors' included.
+// Unlike PyTorch's FAST mode, backward also completes when an RPC's result
+// is not used by the loss (no gradient ever comes for its send function).
 #pragma once
 
 #include <ATen/core/Dict.h>

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "rpc/internal/fault.h"
 #include "rpc/rpc.h"
+#include "rpc/rref.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 
@@ -142,13 +143,28 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, LateReplyDoesNotRecreateALeftContext,
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   if (mp::rank() == 0) {
     ASSERT_EQ(dist_autograd::num_contexts(), 0u);
+    const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
     rpc::Future<int64_t> in_flight;
+    rpc::RRef<at::Tensor> outer;
     {
       dist_autograd::Context context;
       in_flight = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 200);
-    }  // left before the reply
+      outer = rpc::remote<at::Tensor>("worker1", "square", at::ones({2}));
+      // Declared after the context, so destroyed first: its delete goes out
+      // inside the context.
+      rpc::RRef<at::Tensor> inner = rpc::remote<at::Tensor>("worker1", "square", at::ones({2}));
+      EXPECT_TRUE(at::allclose(inner.to_here(), at::ones({2})));
+    }  // left before these replies
+    outer = rpc::RRef<at::Tensor>();  // its delete is answered after the context ended
     EXPECT_EQ(in_flight.value(), 200);
+    absl::SleepFor(absl::Milliseconds(200));  // the deletes' replies
     EXPECT_EQ(dist_autograd::num_contexts(), 0u);
+    // The callee's copy of the context is released too.
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (rpc::rpc_sync<int64_t>("worker1", "contexts_here") > before && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
   }
   rpc::shutdown();
 }

@@ -6,6 +6,7 @@
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/embedding_bag.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/randint.h>
@@ -98,6 +99,103 @@ at::Tensor scale_via(std::string next, at::Tensor x) {
   return rpc::rpc_sync<at::Tensor>(next, "scale", x * 2.0, 3.0);
 }
 DDPRPC_REGISTER_FUNCTION(scale_via);
+
+// Graphs in which one node is reached through several send functions, as
+// PyTorch's "nested function" tests build them: the distributed backward
+// gives what local autograd gives.
+at::Tensor times3(at::Tensor x) { return x * 3; }
+DDPRPC_REGISTER_FUNCTION(times3);
+
+// t is sent on to `next` and used here as well.
+at::Tensor use_and_send(std::string next, at::Tensor x) {
+  at::Tensor t = x * 2;
+  at::Tensor u = rpc::rpc_sync<at::Tensor>(next, "times3", t);
+  return t + u;
+}
+DDPRPC_REGISTER_FUNCTION(use_and_send);
+
+// One received tensor, through one local node, passed to two calls.
+at::Tensor two_calls(std::string next, at::Tensor x) {
+  at::Tensor z = x.sin();
+  return rpc::rpc_sync<at::Tensor>(next, "times3", z) + rpc::rpc_sync<at::Tensor>(next, "times3", z);
+}
+DDPRPC_REGISTER_FUNCTION(two_calls);
+
+MULTIPROCESS_TEST(DistAutogradTest, NodesReachedThroughSeveralSendsMatchLocalAutograd, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  if (mp::rank() == 0) {
+    const at::Tensor start = at::arange(1, 5, at::kFloat) / 4;
+    auto local = [&](auto f) {
+      at::Tensor x = start.clone().requires_grad_(true);
+      f(x).sum().backward();
+      return x.grad();
+    };
+    auto distributed = [&](auto f) {
+      at::Tensor x = start.clone().requires_grad_(true);
+      dist_autograd::Context context;
+      dist_autograd::backward(context.id(), {f(x).sum()});
+      auto grads = dist_autograd::get_gradients(context.id());
+      EXPECT_EQ(grads.size(), 1u);
+      return grads.size() == 1 ? grads.at(x) : at::Tensor();
+    };
+    auto expect_same = [&](const char* what, auto local_f, auto dist_f) {
+      at::Tensor want = local(local_f), got = distributed(dist_f);
+      ASSERT_TRUE(got.defined()) << what;
+      EXPECT_TRUE(at::allclose(got, want)) << what << ": got " << got << ", local autograd " << want;
+    };
+    auto local_use_and_send = [](at::Tensor x) {
+      at::Tensor t = x * 2;
+      return t + t * 3;
+    };
+    // worker0 -> worker1 -> worker2, and worker0 -> worker1 -> back to worker0.
+    expect_same("nested call", local_use_and_send, [](at::Tensor x) {
+      return rpc::rpc_sync<at::Tensor>("worker1", "use_and_send", "worker2", x);
+    });
+    expect_same("nested call back to the caller", local_use_and_send, [](at::Tensor x) {
+      return rpc::rpc_sync<at::Tensor>("worker1", "use_and_send", "worker0", x);
+    });
+    expect_same("received tensor passed to two calls",
+                [](at::Tensor x) { return x.sin() * 3 + x.sin() * 3; },
+                [](at::Tensor x) { return rpc::rpc_sync<at::Tensor>("worker1", "two_calls", "worker2", x); });
+    // The same tensor also used here and sent twice.
+    expect_same("tensor used here and in two calls",
+                [](at::Tensor x) { return x * x + x * 3 + x * 3; },
+                [](at::Tensor x) {
+                  return x * x + rpc::rpc_sync<at::Tensor>("worker1", "times3", x) +
+                         rpc::rpc_sync<at::Tensor>("worker2", "times3", x);
+                });
+  }
+  rpc::shutdown();
+}
+
+// Hooks on tensors run in the distributed backward as in local autograd: on
+// a leaf (a pre-hook of its AccumulateGrad, which the pass does not run) and
+// on a tensor in between.
+MULTIPROCESS_TEST(DistAutogradTest, TensorHooksRunInTheDistributedBackward, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    auto run = [](bool distributed) {
+      at::Tensor x = at::ones({3}).requires_grad_(true);
+      x.register_hook([](at::Tensor g) { return g * 2; });
+      auto forward = [&] {
+        at::Tensor h = x * 3;
+        h.register_hook([](at::Tensor g) { return g + 1; });
+        return distributed ? rpc::rpc_sync<at::Tensor>("worker1", "times3", h) : h * 3;
+      };
+      if (!distributed) {
+        forward().sum().backward();
+        return x.grad();
+      }
+      dist_autograd::Context context;
+      dist_autograd::backward(context.id(), {forward().sum()});
+      return dist_autograd::get_gradients(context.id()).at(x);
+    };
+    at::Tensor want = run(false), got = run(true);  // ((1 * 3) + 1) * 3 * 2 = 24
+    EXPECT_TRUE(at::allclose(got, want)) << "got " << got << ", local autograd " << want;
+    EXPECT_TRUE(at::allclose(want, at::full({3}, 24.0)));
+  }
+  rpc::shutdown();
+}
 
 MULTIPROCESS_TEST(DistAutogradTest, GradientsInContextThroughNestedCalls, 3) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
