@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <deque>
 #include <atomic>
 #include <map>
 #include <optional>
@@ -16,6 +17,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -115,6 +117,9 @@ class Container {
     }
     if (creator_of(id) == self) return nullptr;
     absl::MutexLock lock(&mu_);
+    // A request served after its context's release (it waited for a thread
+    // while the release came in on another) must not bring it back.
+    if (released_.count(id)) return nullptr;
     auto& slot = contexts_[id];
     if (slot) return slot;
     if (remote_ >= kMaxRemoteContexts) {
@@ -150,7 +155,10 @@ class Container {
     if (it == contexts_.end()) return nullptr;
     auto ctx = std::move(it->second);
     contexts_.erase(it);
-    if (ctx->remote) --remote_;
+    if (ctx->remote) {
+      --remote_;
+      remember_released(id);
+    }
     return ctx;
   }
   size_t size() {
@@ -167,6 +175,19 @@ class Container {
   }
 
  private:
+  // Released contexts of other workers, remembered for a while (bounded).
+  static constexpr size_t kMaxReleased = 1 << 16;
+  static constexpr absl::Duration kReleasedFor = absl::Minutes(2);
+  void remember_released(ContextId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    while (!released_order_.empty() &&
+           (released_order_.size() >= kMaxReleased || released_order_.front().first < now - kReleasedFor)) {
+      released_.erase(released_order_.front().second);
+      released_order_.pop_front();
+    }
+    if (released_.insert(id).second) released_order_.emplace_back(now, id);
+  }
+
   // Drops contexts of other workers that nothing has used for the idle
   // timeout (their creator died, or lost its release).
   void janitor_loop() {
@@ -202,6 +223,8 @@ class Container {
   absl::Mutex mu_;
   absl::flat_hash_map<ContextId, std::shared_ptr<ContextState>> contexts_ ABSL_GUARDED_BY(mu_);
   size_t remote_ ABSL_GUARDED_BY(mu_) = 0;  // contexts_ created by messages
+  absl::flat_hash_set<ContextId> released_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, ContextId>> released_order_ ABSL_GUARDED_BY(mu_);
   bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
   GradientHook hook_ ABSL_GUARDED_BY(mu_);
 };

@@ -648,6 +648,7 @@ int worker() {
   const bool ps = task[0] == "ps";
   const int world = ps ? n + 1 : n;
   rpc::RpcBackendOptions options;
+  options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   const std::string name = rank == 0 ? (ps ? "ps" : "agent") : (ps ? trainer_name(rank - 1) : observer_name(rank));

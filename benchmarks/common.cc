@@ -17,6 +17,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "rpc/security.h"
+
+DEFINE_string(auth_token_file, "",
+              "file holding the job's secret, the same for every rank (or DDPRPC_AUTH_TOKEN, "
+              "DDPRPC_AUTH_TOKEN_FILE); when this binary starts every rank itself, it makes one");
+DEFINE_string(tls_cert, "",
+              "this host's TLS certificate (PEM; with --tls_key and --tls_ca every connection of "
+              "the job is mutual TLS; or DDPRPC_TLS_CERT; see tools/make_certs.sh)");
+DEFINE_string(tls_key, "", "the private key of --tls_cert (or DDPRPC_TLS_KEY)");
+DEFINE_string(tls_ca, "", "the CA that signed every rank's certificate (or DDPRPC_TLS_CA)");
+DEFINE_bool(allow_insecure, false,
+            "let a rank started on its own listen on an address other than loopback with "
+            "neither a token nor TLS (anyone who reaches its ports can then call it)");
 
 namespace ddprpc::benchmarks {
 
@@ -24,11 +37,25 @@ void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
   gflags::ParseCommandLineNonHelpFlags(argc, argv, /*remove_flags=*/false);
   std::string help;
   if (gflags::GetCommandLineOption("help", &help) && help == "true") {
-    gflags::ShowUsageWithFlagsRestrict((*argv)[0], flag_file_filter);
+    // This binary's own flags and the shared ones (common.cc).
+    (void)flag_file_filter;
+    gflags::ShowUsageWithFlagsRestrict((*argv)[0], "benchmarks/");
     std::exit(0);
   }
   gflags::HandleCommandLineHelpFlags();
+  // Every part of the runtime (agent, stores, process groups) reads the
+  // job's security from the environment (rpc/security.h), as do the ranks
+  // this process starts.
+  auto set = [](const char* name, const std::string& value) {
+    if (!value.empty()) ::setenv(name, value.c_str(), 1);
+  };
+  set(rpc::kAuthTokenFileEnv, FLAGS_auth_token_file);
+  set(rpc::kTlsCertEnv, FLAGS_tls_cert);
+  set(rpc::kTlsKeyEnv, FLAGS_tls_key);
+  set(rpc::kTlsCaEnv, FLAGS_tls_ca);
 }
+
+bool allow_insecure() { return FLAGS_allow_insecure; }
 
 int env_rank() {
   const char* r = std::getenv("RANK");

@@ -16,6 +16,8 @@ namespace ddprpc::benchmarks {
 // Parses gflags; --help lists only the flags defined in files whose path
 // contains `flag_file_filter` (not glog's), then exits.
 void parse_flags(int* argc, char*** argv, const char* flag_file_filter);
+// --allow_insecure (the other security flags go to the environment).
+bool allow_insecure();
 
 // RANK from the environment, or -1 when not launched as a worker.
 int env_rank();

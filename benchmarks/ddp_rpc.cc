@@ -632,6 +632,7 @@ int worker(const Placement& where) {
   at::set_num_threads(1);  // as the reference: many processes share the cores
   at::manual_seed(derived_seed(where.rank));  // the tables' and dense stack's initial values
   rpc::RpcBackendOptions options;
+  options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   options.init_method = absl::StrCat("tcp://", where.master_addr, ":", where.master_port);

@@ -67,6 +67,7 @@ constexpr Sizes kSizes[] = {
 // Runs in each of the two worker processes.
 int worker() {
   rpc::RpcBackendOptions options;
+  options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   rpc::init_rpc(absl::StrCat("w", bench::env_rank()), -1, 2, options);
   if (bench::env_rank() == 0) {

@@ -419,6 +419,7 @@ int worker(const Config& c) {
   at::set_num_threads(1);  // many processes share the cores (the reference does the same)
   const int rank = bench::env_rank();
   rpc::RpcBackendOptions options;
+  options.allow_insecure = ddprpc::benchmarks::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   rpc::init_rpc(worker_name(rank), rank, c.world_size, options);

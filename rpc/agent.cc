@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -13,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
+#include "rpc/internal/auth.h"
 #include "rpc/internal/callee.h"
 #include "rpc/internal/codec.h"
 #include "rpc/internal/fault.h"
@@ -91,9 +93,27 @@ const bool kDeadlockDetectionOff = [] {
 }();
 }  // namespace
 
+namespace {
+
+// Answers liveness pings at shutdown (peers_alive()).
+constexpr char kPing[] = "__rpc.ping";
+int64_t ping() { return 0; }
+DDPRPC_REGISTER_FUNCTION_AS(rpc_ping, kPing, ping);
+
+bool loopback(const std::string& host) {
+  return absl::StartsWith(host, "127.") || host == "::1" || host == "[::1]" || host == "localhost";
+}
+
+RpcBackendOptions resolved(RpcBackendOptions options) {
+  options.security = options.security.with_environment_defaults();
+  return options;
+}
+
+}  // namespace
+
 RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackendOptions options,
                    const FunctionRegistry* registry, bool serve_now)
-    : rank_(rank), options_(std::move(options)), registry_(registry) {
+    : rank_(rank), options_(resolved(std::move(options))), registry_(registry) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw RpcError(ErrorCode::kInvalidArgument,
                    absl::StrCat("invalid rank ", rank, " for world_size ", world_size));
@@ -105,9 +125,27 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     throw RpcError(ErrorCode::kInvalidArgument, "num_worker_threads must be at least 1");
   }
   auto [host, port] = parse_init_method(options_.init_method);
-  if (rank == 0) store_server_ = StoreServer::start(host, port);
-  store_ = std::make_unique<Store>(host, port,
-                                   std::max(options_.rpc_timeout, absl::Seconds(60)));
+  const Security& security = options_.security;
+  if (!security.authenticated() && !security.encrypted() &&
+      !(loopback(options_.listen_address) && loopback(host))) {
+    if (!options_.allow_insecure) {
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     absl::StrCat("worker '", name, "' would listen on ", options_.listen_address,
+                                  " with no authentication: set ", kAuthTokenEnv, " (or ",
+                                  kAuthTokenFileEnv, ", or RpcBackendOptions::security) to the "
+                                  "job's secret, and/or TLS (", kTlsCertEnv, ", ", kTlsKeyEnv, ", ",
+                                  kTlsCaEnv, "); or pass allow_insecure to run open to anyone "
+                                  "who can reach these ports"));
+    }
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      LOG(WARNING) << "rpc: worker '" << name << "' accepts connections from anyone who can reach "
+                   << options_.listen_address << " (allow_insecure, no token, no TLS)";
+    });
+  }
+  if (rank == 0) store_server_ = StoreServer::start(host, port, security);
+  store_ = std::make_unique<Store>(host, port, std::max(options_.rpc_timeout, absl::Seconds(60)),
+                                   security);
   pool_ = std::make_unique<internal::ThreadPool>(options_.num_worker_threads);
   reply_sender_ = std::make_unique<internal::ThreadPool>(1);
   {
@@ -139,7 +177,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     limits.max_buffered_bytes = std::max(int64_t{256} << 20, 4 * message);
   }
   server_ = internal::TransportServer::start(
-      options_.listen_address, limits,
+      options_.listen_address, limits, security,
       [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
         if (!try_acquire_worker()) return offload(std::move(responder), std::move(frame));
         serve(responder, frame, absl::Now());
@@ -354,6 +392,7 @@ internal::PeerOptions RpcAgent::peer_options() const {
   options.max_message_bytes = options_.max_message_bytes;
   options.keepalive_interval = options_.keepalive_interval;
   options.keepalive_timeout = options_.keepalive_timeout;
+  options.security = options_.security;
   return options;
 }
 
@@ -616,7 +655,8 @@ int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing(
 // ----------------------------------------------------------------- shutdown
 
 bool RpcAgent::peer_alive(int id) const {
-  auto channel = grpc::CreateCustomChannel(workers_[id].address, grpc::InsecureChannelCredentials(),
+  auto channel = grpc::CreateCustomChannel(workers_[id].address,
+                                           internal::channel_credentials(options_.security),
                                            internal::channel_arguments(peer_options()));
   return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
 }
@@ -627,31 +667,67 @@ bool RpcAgent::store_barrier(const std::string& prefix, bool wait, absl::Duratio
   const absl::Time deadline = deadline_after(timeout);
   std::vector<int> waiting;
   for (int r = 0; r < static_cast<int>(workers_.size()); ++r) {
-    if (r != rank_) waiting.push_back(r);
+    // A worker found gone at an earlier barrier is not waited for again.
+    if (r != rank_ && !left_.count(r)) waiting.push_back(r);
   }
   while (!waiting.empty()) {
     std::vector<std::string> keys;
     for (int r : waiting) keys.push_back(absl::StrCat(prefix, "/", r));
     try {
-      store_->wait(keys, std::min(absl::Seconds(2), deadline - absl::Now()));
+      store_->wait(keys, std::min(absl::Seconds(1), deadline - absl::Now()));
       return true;
     } catch (const RpcError& e) {
       if (e.code() != ErrorCode::kTimeout) throw;
     }
     if (absl::Now() >= deadline) return false;
-    std::vector<int> still;
+    std::vector<int> missing;
     for (int r : waiting) {
-      if (store_->check({absl::StrCat(prefix, "/", r)})) continue;
-      if (!is_reachable(r) || !peer_alive(r)) {
-        LOG(WARNING) << "rpc shutdown: worker '" << workers_[r].name
+      if (!store_->check({absl::StrCat(prefix, "/", r)})) missing.push_back(r);
+    }
+    std::vector<bool> alive = peers_alive(missing);
+    std::vector<int> still;
+    for (size_t i = 0; i < missing.size(); ++i) {
+      if (alive[i]) {
+        still.push_back(missing[i]);
+      } else {
+        LOG(WARNING) << "rpc shutdown: worker '" << workers_[missing[i]].name
                      << "' is unreachable; not waiting for it";
-        continue;
+        left_.insert(missing[i]);
       }
-      still.push_back(r);
     }
     waiting.swap(still);
   }
   return true;
+}
+
+std::vector<bool> RpcAgent::peers_alive(const std::vector<int>& ids) {
+  // While serving, a peer is alive if it answers a ping within a second (a
+  // stopped process accepts connections but answers nothing); once stopped,
+  // if its port completes a connection.
+  constexpr absl::Duration kPingTimeout = absl::Seconds(1);
+  std::vector<bool> alive(ids.size(), false);
+  std::vector<Future<c10::IValue>> pings(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (is_reachable(ids[i])) pings[i] = call(ids[i], kPing, {}, kPingTimeout, "ping");
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (!is_reachable(ids[i])) continue;
+    pings[i].wait_for(kPingTimeout + absl::Milliseconds(500));
+    if (!pings[i].completed()) continue;
+    ErrorCode code = ErrorCode::kOk;
+    try {
+      pings[i].value();
+    } catch (const RpcError& e) {
+      code = e.code();
+    }
+    if (code == ErrorCode::kShutdown) {
+      alive[i] = peer_alive(ids[i]);
+    } else {
+      // Any answer (an error reply too, e.g. a registry without the ping).
+      alive[i] = code != ErrorCode::kTimeout && code != ErrorCode::kUnavailable;
+    }
+  }
+  return alive;
 }
 
 void RpcAgent::shutdown(bool graceful) {
@@ -730,13 +806,15 @@ void RpcAgent::stop(bool graceful) {
   }
   fail_pending(failed, ErrorCode::kShutdown, "RPC was shut down before the reply arrived");
   if (timer_.joinable()) timer_.join();
-  for (auto& slot : peers_) {
+  for (int to = 0; to < static_cast<int>(peers_.size()); ++to) {
     std::shared_ptr<internal::PeerStream> stream;
     {
-      absl::MutexLock lock(&slot->mu);
-      stream = std::move(slot->stream);
+      absl::MutexLock lock(&peers_[to]->mu);
+      stream = std::move(peers_[to]->stream);
     }
-    if (stream) stream->close(graceful);
+    // A graceful close waits for the peer to end the stream: not for one
+    // that is unreachable.
+    if (stream) stream->close(graceful && is_reachable(to));
   }
   std::vector<std::shared_ptr<internal::PeerStream>> broken;
   {
@@ -744,7 +822,9 @@ void RpcAgent::stop(bool graceful) {
     broken.swap(broken_);
   }
   for (auto& stream : broken) stream->close(/*graceful=*/false);
-  if (server_) server_->shutdown(graceful ? absl::Seconds(5) : absl::ZeroDuration());
+  // After the barriers every live worker has finished calling this one:
+  // what streams remain belong to workers that are gone or closing theirs.
+  if (server_) server_->shutdown(graceful ? absl::Seconds(2) : absl::ZeroDuration());
   pool_.reset();
   server_.reset();
   // Requests still waiting for an RRef's creation end now, while the reply

@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "rpc/future.h"
 #include "rpc/registry.h"
+#include "rpc/security.h"
 #include "rpc/store.h"
 
 namespace ddprpc::rpc {
@@ -80,6 +81,13 @@ struct RpcBackendOptions {
   int max_pending_requests_per_stream = 1024;
   int64_t max_pending_reply_bytes = int64_t{64} << 20;
   int max_queued_requests = 1 << 16;
+  // Who may connect (security.h): the job's token and TLS material; what
+  // is left empty comes from the environment (DDPRPC_AUTH_TOKEN,
+  // DDPRPC_AUTH_TOKEN_FILE, DDPRPC_TLS_CERT/KEY/CA). A worker that listens
+  // or meets the store on an address other than loopback refuses to start
+  // without a token or TLS, unless allow_insecure (then it warns).
+  Security security;
+  bool allow_insecure = false;
   // Bytes of received messages this worker buffers for all peers together;
   // 0: four times max_message_bytes, at least 256 MiB. gRPC checks a
   // message's size only once all of it has arrived, so this is what bounds
@@ -205,6 +213,8 @@ class RpcAgent {
   // worker published it or is found dead. False if it gave up at `timeout`.
   bool store_barrier(const std::string& prefix, bool wait, absl::Duration timeout);
   bool peer_alive(int id) const;
+  // Which of `ids` answer now (in parallel, at most about a second).
+  std::vector<bool> peers_alive(const std::vector<int>& ids);
   // The open stream to `to` (opened anew if broken); nullptr once stopped.
   std::shared_ptr<internal::PeerStream> peer(int to);
   internal::PeerOptions peer_options() const;
@@ -231,7 +241,7 @@ class RpcAgent {
   void stop(bool graceful);
 
   const int rank_;
-  const RpcBackendOptions options_;
+  const RpcBackendOptions options_;  // options_.security holds the environment's defaults too
   const FunctionRegistry* const registry_;
   // Fixed once the constructor returns.
   std::vector<WorkerInfo> workers_;
@@ -248,6 +258,8 @@ class RpcAgent {
   // drivers (weakly), which let a waiting caller read it.
   std::shared_ptr<internal::ClientQueue> client_queue_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
+  // Workers a shutdown barrier found gone (used by the thread shutting down).
+  std::set<int> left_;
   std::thread timer_;
   std::atomic<int64_t> rrefs_alive_at_shutdown_{-1};
   absl::Mutex workers_mu_;

@@ -1,5 +1,7 @@
 #include "rpc/launch.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -106,6 +108,27 @@ int pick_free_port() {
   return port;
 }
 
+// 32 bytes from the kernel's generator, in hex.
+static std::string random_token() {
+  unsigned char bytes[32];
+  size_t got = 0;
+  if (FILE* f = std::fopen("/dev/urandom", "rb")) {
+    got = std::fread(bytes, 1, sizeof(bytes), f);
+    std::fclose(f);
+  }
+  if (got != sizeof(bytes)) {
+    std::fprintf(stderr, "launch: no random bytes for the job token\n");
+    std::abort();
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  }
+  return out;
+}
+
 LaunchResult launch(const LaunchOptions& options) {
   LaunchResult result;
   if (options.argv.empty() || options.nprocs < 1) {
@@ -114,6 +137,14 @@ LaunchResult launch(const LaunchOptions& options) {
     return result;
   }
   const int port = options.master_port > 0 ? options.master_port : pick_free_port();
+  // The children's job token (see launch.h).
+  std::string token;
+  const bool token_given = std::getenv("DDPRPC_AUTH_TOKEN") || std::getenv("DDPRPC_AUTH_TOKEN_FILE") ||
+                           std::any_of(options.env.begin(), options.env.end(), [](const auto& kv) {
+                             return kv.first == "DDPRPC_AUTH_TOKEN" ||
+                                    kv.first == "DDPRPC_AUTH_TOKEN_FILE";
+                           });
+  if (!token_given) token = random_token();
   std::vector<Child> children(options.nprocs);
   ::fflush(stdout);
   ::fflush(stderr);
@@ -138,6 +169,7 @@ LaunchResult launch(const LaunchOptions& options) {
       ::setenv("WORLD_SIZE", std::to_string(options.nprocs).c_str(), 1);
       ::setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      if (!token.empty()) ::setenv("DDPRPC_AUTH_TOKEN", token.c_str(), 1);
       for (const auto& [k, v] : options.env) {
         if (v.empty()) {
           ::unsetenv(k.c_str());

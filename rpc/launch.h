@@ -2,7 +2,10 @@
 // runs `nprocs` copies of a program with RANK, WORLD_SIZE, LOCAL_RANK,
 // MASTER_ADDR and MASTER_PORT set, streams their output prefixed by rank,
 // and stops the rest as soon as one fails (or the timeout passes).
-// Children die with the launcher (PR_SET_PDEATHSIG).
+// Children die with the launcher (PR_SET_PDEATHSIG). Unless the launcher's
+// environment names one (DDPRPC_AUTH_TOKEN or DDPRPC_AUTH_TOKEN_FILE), the
+// children share a new random job token: the job is authenticated with no
+// configuration.
 #pragma once
 
 #include <string>

@@ -2,41 +2,44 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <grpcpp/impl/codegen/method_handler.h>
 #include <grpcpp/resource_quota.h>
+
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "glog/logging.h"
 #include "rpc/errors.h"
+#include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
 #include "rpc/internal/store_state.h"
 #include "rpc/wire.grpc.pb.h"
 
 namespace ddprpc::rpc {
 
-class StoreServer::Service final : public wire::Store::Service {
+// The store's methods take raw bytes: a request is authenticated (its
+// metadata) before its protobuf is parsed.
+class StoreServer::Service final : public grpc::Service {
  public:
-  grpc::Status Set(grpc::ServerContext* ctx, const wire::StoreRequest* req,
-                   wire::StoreResponse* resp) override {
-    return guarded(ctx, "set", [&] { return state_.set(*req, resp); });
-  }
-  grpc::Status Get(grpc::ServerContext* ctx, const wire::StoreRequest* req,
-                   wire::StoreResponse* resp) override {
-    return guarded(ctx, "get",
-                   [&] { return state_.get(*req, resp, [ctx] { return ctx->IsCancelled(); }); });
-  }
-  grpc::Status Add(grpc::ServerContext* ctx, const wire::StoreRequest* req,
-                   wire::StoreResponse* resp) override {
-    return guarded(ctx, "add", [&] { return state_.add(*req, resp); });
-  }
-  grpc::Status Wait(grpc::ServerContext* ctx, const wire::StoreRequest* req,
-                    wire::StoreResponse* resp) override {
-    return guarded(ctx, "wait",
-                   [&] { return state_.wait(*req, resp, [ctx] { return ctx->IsCancelled(); }); });
-  }
-  grpc::Status Check(grpc::ServerContext* ctx, const wire::StoreRequest* req,
-                     wire::StoreResponse* resp) override {
-    return guarded(ctx, "check", [&] { return state_.check(*req, resp); });
+  enum Method { kSet, kGet, kAdd, kWait, kCheck };
+
+  explicit Service(const Security& security)
+      : auth_(security.authenticated() ? std::make_unique<internal::AuthChecker>(security.token)
+                                       : nullptr) {
+    static const char* const kNames[] = {"/ddprpc.wire.Store/Set", "/ddprpc.wire.Store/Get",
+                                         "/ddprpc.wire.Store/Add", "/ddprpc.wire.Store/Wait",
+                                         "/ddprpc.wire.Store/Check"};
+    for (int m = kSet; m <= kCheck; ++m) {
+      AddMethod(new grpc::internal::RpcServiceMethod(
+          kNames[m], grpc::internal::RpcMethod::NORMAL_RPC,
+          new grpc::internal::RpcMethodHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
+              [m](Service* service, grpc::ServerContext* ctx, const grpc::ByteBuffer* req,
+                  grpc::ByteBuffer* resp) {
+                return service->handle(static_cast<Method>(m), ctx, *req, resp);
+              },
+              this)));
+    }
   }
 
   void stop() { state_.stop(); }
@@ -44,32 +47,62 @@ class StoreServer::Service final : public wire::Store::Service {
  private:
   // Runs one request; what it throws becomes its error status, and a
   // refused request is logged with the client's address.
-  template <typename F>
-  grpc::Status guarded(grpc::ServerContext* ctx, const char* op, F&& run) {
+  grpc::Status handle(Method method, grpc::ServerContext* ctx, const grpc::ByteBuffer& raw,
+                      grpc::ByteBuffer* raw_resp) {
+    static const char* const kOps[] = {"set", "get", "add", "wait", "check"};
     grpc::Status status;
     try {
       internal::fault_point("store.request");
-      status = run();
+      if (auth_) status = auth_->check(ctx->client_metadata(), "store", -1);
+      wire::StoreRequest req;
+      wire::StoreResponse resp;
+      if (status.ok() && !parse(raw, &req)) {
+        status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed store request");
+      }
+      if (status.ok()) {
+        auto cancelled = [ctx] { return ctx->IsCancelled(); };
+        switch (method) {
+          case kSet: status = state_.set(req, &resp); break;
+          case kGet: status = state_.get(req, &resp, cancelled); break;
+          case kAdd: status = state_.add(req, &resp); break;
+          case kWait: status = state_.wait(req, &resp, cancelled); break;
+          case kCheck: status = state_.check(req, &resp); break;
+        }
+      }
+      if (status.ok()) {
+        grpc::Slice slice(resp.SerializeAsString());
+        *raw_resp = grpc::ByteBuffer(&slice, 1);
+      }
     } catch (const std::exception& e) {
       status = grpc::Status(grpc::StatusCode::INTERNAL, e.what());
     }
     const grpc::StatusCode code = status.error_code();
     if (code != grpc::StatusCode::OK && code != grpc::StatusCode::DEADLINE_EXCEEDED &&
         code != grpc::StatusCode::UNAVAILABLE) {
-      LOG(WARNING) << "rendezvous store: refused " << op << " from " << ctx->peer() << ": "
-                   << status.error_message();
+      LOG(WARNING) << "rendezvous store: refused " << kOps[method] << " from " << ctx->peer()
+                   << ": " << status.error_message();
     }
     return status;
   }
 
+  static bool parse(const grpc::ByteBuffer& raw, wire::StoreRequest* req) {
+    std::vector<grpc::Slice> slices;
+    if (!raw.Dump(&slices).ok()) return false;
+    std::string bytes;
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    return req->ParseFromString(bytes);
+  }
+
+  const std::unique_ptr<internal::AuthChecker> auth_;
   internal::StoreState state_;
 };
 
-std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int port) {
+std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int port,
+                                               const Security& security) {
   std::unique_ptr<StoreServer> s(new StoreServer());
-  s->service_ = std::make_unique<Service>();
+  s->service_ = std::make_unique<Service>(security);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
+  builder.AddListeningPort(absl::StrCat(host, ":", port), internal::server_credentials(security),
                            &s->port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(internal::StoreState::kMaxRequestBytes);
@@ -103,8 +136,8 @@ StoreServer::~StoreServer() {
   server_->Wait();
 }
 
-Store::Store(const std::string& host, int port, absl::Duration timeout)
-    : address_(absl::StrCat(host, ":", port)), timeout_(timeout) {
+Store::Store(const std::string& host, int port, absl::Duration timeout, const Security& security)
+    : address_(absl::StrCat(host, ":", port)), timeout_(timeout), token_(security.token) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
@@ -115,7 +148,7 @@ Store::Store(const std::string& host, int port, absl::Duration timeout)
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  channel_ = grpc::CreateCustomChannel(address_, internal::channel_credentials(security), args);
 }
 
 Store::~Store() = default;
@@ -126,10 +159,11 @@ using Method = grpc::Status (wire::Store::Stub::*)(grpc::ClientContext*, const w
                                                  wire::StoreResponse*);
 
 wire::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, const std::string& address,
-                         Method method, const char* what, const wire::StoreRequest& req,
-                         absl::Duration timeout, bool fail_fast) {
+                         const std::string& token, Method method, const char* what,
+                         const wire::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
   wire::Store::Stub stub(channel);
   grpc::ClientContext ctx;
+  if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, "store", -1));
   ctx.set_wait_for_ready(!fail_fast);  // at rendezvous the server may not be up yet
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(1)));
   wire::StoreResponse resp;
@@ -150,21 +184,21 @@ void Store::set(const std::string& key, const std::string& value) {
   wire::StoreRequest req;
   req.set_key(key);
   req.set_value(value);
-  call(channel_, address_, &wire::Store::Stub::Set, "set", req, timeout_, fail_fast_);
+  call(channel_, address_, token_, &wire::Store::Stub::Set, "set", req, timeout_, fail_fast_);
 }
 
 std::string Store::get(const std::string& key) {
   wire::StoreRequest req;
   req.set_key(key);
   req.set_timeout_ms(absl::ToInt64Milliseconds(timeout_));
-  return call(channel_, address_, &wire::Store::Stub::Get, "get", req, timeout_, fail_fast_).value();
+  return call(channel_, address_, token_, &wire::Store::Stub::Get, "get", req, timeout_, fail_fast_).value();
 }
 
 int64_t Store::add(const std::string& key, int64_t amount) {
   wire::StoreRequest req;
   req.set_key(key);
   req.set_amount(amount);
-  return call(channel_, address_, &wire::Store::Stub::Add, "add", req, timeout_, fail_fast_).number();
+  return call(channel_, address_, token_, &wire::Store::Stub::Add, "add", req, timeout_, fail_fast_).number();
 }
 
 void Store::wait(const std::vector<std::string>& keys, absl::Duration timeout) {
@@ -172,13 +206,13 @@ void Store::wait(const std::vector<std::string>& keys, absl::Duration timeout) {
   for (const auto& k : keys) req.add_keys(k);
   req.set_key(absl::StrJoin(keys, ","));
   req.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
-  call(channel_, address_, &wire::Store::Stub::Wait, "wait", req, timeout, fail_fast_);
+  call(channel_, address_, token_, &wire::Store::Stub::Wait, "wait", req, timeout, fail_fast_);
 }
 
 bool Store::check(const std::vector<std::string>& keys) {
   wire::StoreRequest req;
   for (const auto& k : keys) req.add_keys(k);
-  return call(channel_, address_, &wire::Store::Stub::Check, "check", req, timeout_, fail_fast_).number() == 1;
+  return call(channel_, address_, token_, &wire::Store::Stub::Check, "check", req, timeout_, fail_fast_).number() == 1;
 }
 
 }  // namespace ddprpc::rpc

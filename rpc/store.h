@@ -13,6 +13,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "rpc/security.h"
 
 namespace grpc {
 class Channel;
@@ -23,9 +24,13 @@ namespace ddprpc::rpc {
 
 class StoreServer {
  public:
-  // Listens on host:port (port 0 picks a free one). Throws RpcError when
-  // the address cannot be bound.
-  static std::unique_ptr<StoreServer> start(const std::string& host, int port);
+  // Listens on host:port (port 0 picks a free one). With an authenticated
+  // `security`, requests without the job's proof are refused
+  // (UNAUTHENTICATED) before they are parsed; with TLS, clients need a
+  // certificate from the job's CA. Throws RpcError when the address cannot
+  // be bound.
+  static std::unique_ptr<StoreServer> start(const std::string& host, int port,
+                                            const Security& security = Security::from_environment());
   ~StoreServer();
   int port() const { return port_; }
 
@@ -41,7 +46,8 @@ class StoreServer {
 class Store {
  public:
   // Calls wait up to `timeout` for the server to come up and for keys.
-  Store(const std::string& host, int port, absl::Duration timeout);
+  Store(const std::string& host, int port, absl::Duration timeout,
+        const Security& security = Security::from_environment());
   ~Store();
 
   void set(const std::string& key, const std::string& value);
@@ -63,6 +69,7 @@ class Store {
  private:
   const std::string address_;
   const absl::Duration timeout_;
+  const std::string token_;  // proves each call (security.h)
   std::shared_ptr<grpc::Channel> channel_;
   bool fail_fast_ = false;
 };

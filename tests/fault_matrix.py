@@ -8,8 +8,10 @@ kill -9 and kill -STOP of a trainer, a parameter server, the master and
 rank 0 (which hosts the store); one host's link down for 3 s, then up; one
 host's link down for good. Each case must either complete (the master
 prints the table) or end with an error naming a worker and a call, within
-the RPC timeout + 10 s of the fault. Prints a table of cases; leaves no
-process and no namespace behind. Needs root (ip netns).
+the RPC timeout + 10 s of the fault, and every process that can end must
+have ended 20 s after that. Prints a table of cases (seconds from the fault
+to the first error, and to the last process's end); leaves no process and
+no namespace behind. Needs root (ip netns).
 
     fault_matrix.py BINARY [--rpc_timeout_s=20] [--cases=a,b,...]
 """
@@ -103,10 +105,11 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
     name, fault, target = case
     bound = rpc_timeout_s + 10
     procs, logs = {}, {}
+    token = os.urandom(32).hex()  # the job's secret, as the README says
     for rank in range(WORLD):
         host = HOST_OF[rank]
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR=hosts.addr(1), MASTER_PORT=str(port))
+                   MASTER_ADDR=hosts.addr(1), MASTER_PORT=str(port), DDPRPC_AUTH_TOKEN=token)
         log = open(os.path.join(logdir, f"{port}_{ROLE[rank]}.log"), "w+")
         logs[rank] = log
         procs[rank] = subprocess.Popen(
@@ -140,13 +143,25 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
     elif fault == "CUT":
         hosts.link(target, False)
 
-    # Wait for every process that can end (a stopped one cannot) to end.
+    # Wait for every process that can end (a stopped one cannot) to end,
+    # noting when the first error that names a worker appears.
     deadline = t_fault + bound + 20
+    t_error = {}  # kind of error -> when it first appeared
+    def note_errors(now):
+        for kind in ("call", "worker"):
+            if kind not in t_error and first_error(text, stopped, kind):
+                t_error[kind] = now
     while time.time() < deadline:
+        if fault:
+            note_errors(time.time())
         if all(p.poll() is not None for r, p in procs.items() if r != stopped):
             break
         time.sleep(0.05)
     t_end = time.time()
+    if fault:
+        note_errors(t_end)
+    # An error naming the call, else one naming the worker that was lost.
+    kind = "call" if "call" in t_error else "worker"
     lingering = [ROLE[r] for r, p in procs.items() if p.poll() is None and r != stopped]
     for r, p in procs.items():
         if p.poll() is None:
@@ -160,33 +175,40 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
 
     master = text(4)
     completed = procs[4].returncode == 0 and "All:" in master
-    message = ""
-    if not completed:
-        # The first error that names a worker and a call, in the master's
-        # output first, then the others'.
-        pattern = re.compile(r"(\w+(?:\.\w+)*\('[^']*'\) on worker '\w+'[^\n]*)")
-        for rank in [4, 0, 1, 2, 3]:
-            m = pattern.search(text(rank))
-            if m:
-                message = f"{ROLE[rank]}: {m.group(1)}"
-                break
-        if not message:
-            # Without the master, the others report the worker they lost.
-            for rank in [0, 1, 2, 3, 4]:
-                m = re.search(r"[^\n]*worker '\w+'[^\n]*(?:unreachable|failed)[^\n]*", text(rank))
-                if m and rank != stopped:
-                    message = f"{ROLE[rank]}: {m.group(0).split('] ')[-1]}"
-                    break
+    message = "" if completed else first_error(text, stopped, kind)
     for log in logs.values():
         log.close()
     return {
         "case": name,
         "outcome": "completed" if completed else "error",
-        "seconds": t_end - t_fault if fault else t_end - t_start,
+        "to_error": None if completed or kind not in t_error else t_error[kind] - t_fault,
+        "to_end": t_end - t_fault if fault else t_end - t_start,
         "lingering": lingering,
         "message": message[:300],
         "bound": bound,
     }
+
+
+def first_error(text, stopped, kind):
+    """The first error naming a worker and a call ("call"; the master's
+    first), or naming the worker a rank lost ("worker"); "" if none yet."""
+    if kind == "call":
+        pattern = re.compile(r"(\w+(?:\.\w+)*\('[^']*'\) on worker '\w+'[^\n]*)")
+        for rank in [4, 0, 1, 2, 3]:
+            if rank == stopped:
+                continue
+            m = pattern.search(text(rank))
+            if m:
+                return f"{ROLE[rank]}: {m.group(1)}"
+        return ""
+    # Without the master, the others report the worker they lost.
+    for rank in [0, 1, 2, 3, 4]:
+        if rank == stopped:
+            continue
+        m = re.search(r"[^\n]*worker '\w+'[^\n]*(?:unreachable|failed)[^\n]*", text(rank))
+        if m:
+            return f"{ROLE[rank]}: {m.group(0).split('] ')[-1]}"
+    return ""
 
 
 def main():
@@ -216,19 +238,22 @@ def main():
 
     print(f"\nddp_rpc {TRAINERS} trainers + {PS} PS + master on 3 hosts (network namespaces), "
           f"RPC timeout {args.rpc_timeout_s} s")
-    print(f"{'case':38} {'outcome':10} {'s to end':>8}  message")
-    print("-" * 110)
+    print(f"{'case':38} {'outcome':10} {'s to error':>10} {'s to end':>8}  message")
+    print("-" * 120)
     failed = []
     for r in results:
-        print(f"{r['case']:38} {r['outcome']:10} {r['seconds']:8.1f}  {r['message']}")
+        to_error = "-" if r["to_error"] is None else f"{r['to_error']:.1f}"
+        print(f"{r['case']:38} {r['outcome']:10} {to_error:>10} {r['to_end']:8.1f}  {r['message']}")
         if r["case"] == "none" and r["outcome"] != "completed":
             failed.append(f"{r['case']}: the job without a fault did not complete")
-        if r["seconds"] > r["bound"]:
-            failed.append(f"{r['case']}: ended after {r['seconds']:.1f} s (bound {r['bound']} s)")
         if r["outcome"] == "error" and not r["message"]:
             failed.append(f"{r['case']}: ended without an error naming a worker")
+        if r["to_error"] is not None and r["to_error"] > r["bound"]:
+            failed.append(f"{r['case']}: the error came after {r['to_error']:.1f} s "
+                          f"(bound: RPC timeout + 10 s = {r['bound']} s)")
         if r["lingering"]:
-            failed.append(f"{r['case']}: still running at the bound: {', '.join(r['lingering'])}")
+            failed.append(f"{r['case']}: still running {r['bound'] + 20} s after the fault: "
+                          f"{', '.join(r['lingering'])}")
     if left:
         failed.append(f"left behind: {left}")
     print(f"logs: {logdir}")

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "rpc/errors.h"
+#include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
 
 namespace ddprpc::rpc::internal {
@@ -425,8 +426,10 @@ void Responder::send(grpc::ByteBuffer reply) {
 // thread (started if none) takes over the queue.
 class TransportServer::Service {
  public:
-  Service(const ServerLimits& limits, OnRequest run_inline, OnRequest offload)
+  Service(const ServerLimits& limits, const Security& security, OnRequest run_inline,
+          OnRequest offload)
       : limits_(limits),
+        auth_(security.authenticated() ? std::make_unique<AuthChecker>(security.token) : nullptr),
         run_inline_(std::move(run_inline)),
         offload_(std::move(offload)),
         streams_of_worker_(std::max(limits.world_size, 1), 0) {}
@@ -670,6 +673,10 @@ class TransportServer::Service {
                           absl::StrCat("a stream must name a worker id in [0, ", limits_.world_size,
                                        ") in its '", kWorkerMetadataKey, "' metadata"));
     }
+    if (auth_) {
+      grpc::Status proven = auth_->check(metadata, "rpc", id);
+      if (!proven.ok()) return proven;
+    }
     absl::MutexLock lock(&mu_);
     if (streams_of_worker_[id] >= limits_.max_streams_per_worker) {
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -838,6 +845,7 @@ class TransportServer::Service {
   }
 
   const ServerLimits limits_;
+  const std::unique_ptr<AuthChecker> auth_;  // null: streams are not authenticated
   const OnRequest run_inline_;
   const OnRequest offload_;
   grpc::AsyncGenericService generic_;
@@ -869,11 +877,13 @@ class TransportServer::Service {
 
 std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
                                                         const ServerLimits& limits,
+                                                        const Security& security,
                                                         OnRequest run_inline, OnRequest offload) {
   std::unique_ptr<TransportServer> s(new TransportServer());
-  s->service_ = std::make_unique<Service>(limits, std::move(run_inline), std::move(offload));
+  s->service_ =
+      std::make_unique<Service>(limits, security, std::move(run_inline), std::move(offload));
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(host, ":0"), grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(absl::StrCat(host, ":0"), server_credentials(security), &s->port_);
   // gRPC enforces this only without a minimal stack (and after receiving
   // the whole message); check_request() checks every frame, and the quota
   // bounds what is buffered before.
@@ -1069,6 +1079,9 @@ std::shared_ptr<PeerStream> PeerStream::open(const std::string& address,
   std::shared_ptr<PeerStream> s(
       new PeerStream(address, options, queue, std::move(on_frame), std::move(on_close)));
   s->ctx_.AddMetadata(kWorkerMetadataKey, absl::StrCat(options.self));
+  if (options.security.authenticated()) {
+    s->ctx_.AddMetadata(kAuthMetadataKey, auth_proof(options.security.token, "rpc", options.self));
+  }
   grpc::GenericStub stub(s->channel_);
   s->call_ = stub.PrepareCall(&s->ctx_, kStreamMethod, queue->cq());
   {
@@ -1087,7 +1100,7 @@ PeerStream::PeerStream(const std::string& address, const PeerOptions& options,
       on_close_(std::move(on_close)),
       max_message_bytes_(options.max_message_bytes),
       client_queue_(queue),
-      channel_(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+      channel_(grpc::CreateCustomChannel(address, channel_credentials(options.security),
                                          channel_arguments(options))) {
   for (int i = 0; i < kNumOps; ++i) tags_[i] = ClientQueue::Tag{this, i};
   // Initial metadata goes out with the first frame, so opening never blocks.

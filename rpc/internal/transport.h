@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/internal/codec.h"
+#include "rpc/security.h"
 
 namespace ddprpc::rpc::internal {
 
@@ -92,8 +93,13 @@ class TransportServer {
   // hand it to another thread (when the caller has more requests in flight).
   // Neither should throw; if one does, the stream ends with INTERNAL.
   // Throws RpcError if it cannot listen.
+  // With an authenticated `security`, a stream must prove the job's token
+  // for the worker it names (internal/auth.h) before anything it sends is
+  // read; otherwise it ends with UNAUTHENTICATED and a log line naming its
+  // address. With TLS, callers need a certificate from the job's CA.
   static std::unique_ptr<TransportServer> start(const std::string& host,
-                                                const ServerLimits& limits, OnRequest run_inline,
+                                                const ServerLimits& limits,
+                                                const Security& security, OnRequest run_inline,
                                                 OnRequest offload);
   ~TransportServer();
   int port() const { return port_; }
@@ -124,6 +130,8 @@ struct PeerOptions {
   // found within seconds, whether or not calls are outstanding.
   absl::Duration keepalive_interval = absl::Seconds(2);
   absl::Duration keepalive_timeout = absl::Seconds(5);
+  // The job's token (proven in the stream's metadata) and TLS material.
+  Security security;
 };
 
 // The completion queue of all of a process's PeerStreams, read by one

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "rpc/internal/auth.h"
 #include "rpc/internal/transport.h"
 
 namespace ddprpc::rpc::testing {
@@ -20,17 +21,25 @@ const grpc::internal::RpcMethod& stream_method() {
 }  // namespace
 
 RawStream::RawStream(const std::string& address, std::optional<int> worker,
-                     absl::Duration timeout, const std::string& worker_text) {
+                     absl::Duration timeout, const std::string& worker_text, Auth auth,
+                     std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  const Security security = Security::from_environment();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!credentials) credentials = internal::channel_credentials(security);
+  channel_ = grpc::CreateCustomChannel(address, credentials, args);
   ctx_.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   if (!worker_text.empty()) {
     ctx_.AddMetadata(internal::kWorkerMetadataKey, worker_text);
   } else if (worker) {
     ctx_.AddMetadata(internal::kWorkerMetadataKey, absl::StrCat(*worker));
+  }
+  if (auth != Auth::kNone && security.authenticated()) {
+    const std::string token = auth == Auth::kJobToken ? security.token : security.token + "x";
+    ctx_.AddMetadata(internal::kAuthMetadataKey,
+                     internal::auth_proof(token, "rpc", worker ? *worker : -1));
   }
   stream_.reset(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(

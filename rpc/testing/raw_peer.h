@@ -18,11 +18,20 @@ namespace ddprpc::rpc::testing {
 
 class RawStream {
  public:
+  // How the stream proves the job's token (DDPRPC_AUTH_TOKEN, as the local
+  // launcher sets it): as a worker of the job would, not at all, or with a
+  // token that is not the job's. TLS material also comes from the
+  // environment (security.h).
+  enum class Auth { kJobToken, kNone, kWrongToken };
+
   // Opens a stream to the worker listening at `address`, naming worker
   // `worker` in its metadata (none if nullopt, `worker_text` verbatim if
   // set). Every operation gives up after `timeout` from opening.
+  // `credentials`: the channel's (default: the job's, from the environment).
   RawStream(const std::string& address, std::optional<int> worker,
-            absl::Duration timeout = absl::Seconds(20), const std::string& worker_text = "");
+            absl::Duration timeout = absl::Seconds(20), const std::string& worker_text = "",
+            Auth auth = Auth::kJobToken,
+            std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);
   ~RawStream();
 
   // Writes raw bytes as one message; false once the stream is broken.

@@ -1,0 +1,168 @@
+#include "rpc/internal/auth.h"
+
+#include <openssl/crypto.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "rpc/errors.h"
+
+namespace ddprpc::rpc {
+namespace {
+
+std::string read_file(const char* what, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("cannot read ", what, " file '", path, "'"));
+  }
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string env_or_empty(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+std::string random_hex(size_t bytes) {
+  std::vector<unsigned char> buf(bytes);
+  if (RAND_bytes(buf.data(), static_cast<int>(buf.size())) != 1) {
+    throw RpcError(ErrorCode::kInternal, "no random bytes from OpenSSL");
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(buf.data()), buf.size()));
+}
+
+}  // namespace
+
+Security Security::from_environment() { return Security().with_environment_defaults(); }
+
+Security Security::with_environment_defaults() const {
+  Security s = *this;
+  if (s.token.empty()) {
+    s.token = env_or_empty(kAuthTokenEnv);
+    const std::string file = env_or_empty(kAuthTokenFileEnv);
+    if (s.token.empty() && !file.empty()) {
+      s.token = read_file("auth token", file);
+      while (!s.token.empty() && (s.token.back() == '\n' || s.token.back() == '\r')) {
+        s.token.pop_back();
+      }
+      if (s.token.empty()) {
+        throw RpcError(ErrorCode::kInvalidArgument, "the auth token file '" + file + "' is empty");
+      }
+    }
+  }
+  if (s.tls_cert.empty() && s.tls_key.empty() && s.tls_ca.empty()) {
+    const std::string cert = env_or_empty(kTlsCertEnv), key = env_or_empty(kTlsKeyEnv),
+                      ca = env_or_empty(kTlsCaEnv);
+    if (!cert.empty() || !key.empty() || !ca.empty()) {
+      if (cert.empty() || key.empty() || ca.empty()) {
+        throw RpcError(ErrorCode::kInvalidArgument,
+                       absl::StrCat("TLS needs all of ", kTlsCertEnv, ", ", kTlsKeyEnv, " and ",
+                                    kTlsCaEnv));
+      }
+      s.tls_cert = read_file("TLS certificate", cert);
+      s.tls_key = read_file("TLS key", key);
+      s.tls_ca = read_file("TLS CA", ca);
+    }
+  } else if (s.tls_cert.empty() || s.tls_key.empty() || s.tls_ca.empty()) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   "TLS needs a certificate, its key and the CA, all three");
+  }
+  return s;
+}
+
+std::string Security::random_token() { return random_hex(32); }
+
+namespace internal {
+namespace {
+
+std::string mac(const std::string& token, const std::string& message) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), token.data(), static_cast<int>(token.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &len);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(out), len));
+}
+
+std::string signed_message(const std::string& purpose, int worker, const std::string& ms,
+                           const std::string& nonce) {
+  return absl::StrCat("ddprpc/1|", purpose, "|", worker, "|", ms, "|", nonce);
+}
+
+grpc::Status refused(const std::string& why) {
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, why);
+}
+
+}  // namespace
+
+std::string auth_proof(const std::string& token, const std::string& purpose, int worker) {
+  const std::string ms = absl::StrCat(absl::ToUnixMillis(absl::Now()));
+  const std::string nonce = random_hex(16);
+  return absl::StrCat(ms, ".", nonce, ".", mac(token, signed_message(purpose, worker, ms, nonce)));
+}
+
+grpc::Status AuthChecker::check(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
+                                const std::string& purpose, int worker) {
+  auto it = metadata.find(kAuthMetadataKey);
+  if (it == metadata.end()) return refused("no proof of the job's token (ddprpc-auth metadata)");
+  const absl::string_view proof(it->second.data(), it->second.size());
+  std::vector<absl::string_view> parts = absl::StrSplit(proof, '.');
+  int64_t ms = 0;
+  if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &ms) || parts[1].size() != 32 ||
+      parts[2].size() != 64) {
+    return refused("malformed proof of the job's token");
+  }
+  const absl::Time when = absl::FromUnixMillis(ms);
+  const absl::Time now = absl::Now();
+  if (when < now - kWindow || when > now + kWindow) {
+    return refused("the proof of the job's token is too old or from the future (clock skew?)");
+  }
+  const std::string expected =
+      mac(token_, signed_message(purpose, worker, std::string(parts[0]), std::string(parts[1])));
+  if (CRYPTO_memcmp(expected.data(), parts[2].data(), expected.size()) != 0) {
+    return refused("wrong job token");
+  }
+  std::string nonce(parts[1]);
+  absl::MutexLock lock(&mu_);
+  // Nonces past the window cannot come back (their time is refused).
+  while (!order_.empty() && (order_.front().first < now - 2 * kWindow || order_.size() >= kMaxRemembered)) {
+    seen_.erase(order_.front().second);
+    order_.pop_front();
+  }
+  if (!seen_.insert(nonce).second) return refused("a proof of the job's token was replayed");
+  order_.emplace_back(now, std::move(nonce));
+  return grpc::Status::OK;
+}
+
+std::shared_ptr<grpc::ServerCredentials> server_credentials(const Security& security) {
+  if (!security.encrypted()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options(
+      GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_root_certs = security.tls_ca;
+  options.pem_key_cert_pairs.push_back({security.tls_key, security.tls_cert});
+  return grpc::SslServerCredentials(options);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const Security& security) {
+  if (!security.encrypted()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = security.tls_ca;
+  options.pem_private_key = security.tls_key;
+  options.pem_cert_chain = security.tls_cert;
+  return grpc::SslCredentials(options);
+}
+
+}  // namespace internal
+}  // namespace ddprpc::rpc

@@ -1,0 +1,58 @@
+// Proof of the job's secret on a connection (see rpc/security.h), and the
+// gRPC credentials of the job's TLS material.
+#pragma once
+
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/support/status.h>
+#include <grpcpp/support/string_ref.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "rpc/security.h"
+
+namespace ddprpc::rpc::internal {
+
+// Initial metadata carrying the proof: "<unix ms>.<nonce>.<mac>", the mac
+// being HMAC-SHA256(token, "ddprpc/1|<purpose>|<worker>|<unix ms>|<nonce>").
+inline constexpr char kAuthMetadataKey[] = "ddprpc-auth";
+
+// The proof that a client opening `purpose` ("rpc", "store") as `worker`
+// (-1: no worker) knows `token`.
+std::string auth_proof(const std::string& token, const std::string& purpose, int worker);
+
+// Checks proofs against one token. Thread-safe.
+class AuthChecker {
+ public:
+  // Proofs older or newer than this (clock skew) are refused.
+  static constexpr absl::Duration kWindow = absl::Minutes(5);
+  // Nonces remembered (each proof is accepted once).
+  static constexpr size_t kMaxRemembered = 1 << 16;
+
+  explicit AuthChecker(std::string token) : token_(std::move(token)) {}
+  // OK, or UNAUTHENTICATED saying what was wrong (never the token).
+  grpc::Status check(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
+                     const std::string& purpose, int worker);
+
+ private:
+  const std::string token_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  absl::flat_hash_set<std::string> seen_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, std::string>> order_ ABSL_GUARDED_BY(mu_);  // oldest first
+};
+
+// Credentials for the job's channels and servers: mutual TLS when
+// `security` has TLS material, else insecure.
+std::shared_ptr<grpc::ServerCredentials> server_credentials(const Security& security);
+std::shared_ptr<grpc::ChannelCredentials> channel_credentials(const Security& security);
+
+}  // namespace ddprpc::rpc::internal
