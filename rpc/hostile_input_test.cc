@@ -491,9 +491,15 @@ MULTIPROCESS_TEST(HostileInputTest, BadRepliesFailTheirCallsNotTheCaller, 2) {
     for (const char* barrier : {"arrived", "drained", "departed"}) {
       store.set(absl::StrCat("rpc/shutdown/", barrier, "/1"), "1");
     }
+    // Requests for calls made after the server's shutdown fail their tag, so
+    // the serving loop ends; only then may the queue shut down.
     server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
-    cq->Shutdown();
     serving.join();
+    cq->Shutdown();
+    void* tag;
+    bool ok;
+    while (cq->Next(&tag, &ok)) {
+    }
     return;
   }
   rpc::init_rpc(mp::worker_name(), 0, 2);
