@@ -133,11 +133,19 @@ class DistributedDataParallel::Reducer {
   // `params` in place (called once per distributed backward pass).
   void reduce_in_pass(std::vector<at::Tensor>& params, std::vector<at::Tensor>& grads) {
     std::vector<int64_t> where(params_.size(), -1);
+    bool ours = false;
     for (size_t i = 0; i < params.size(); ++i) {
       for (size_t k = 0; k < params_.size(); ++k) {
-        if (params[i].is_same(params_[k])) where[k] = static_cast<int64_t>(i);
+        if (params[i].is_same(params_[k])) {
+          where[k] = static_cast<int64_t>(i);
+          ours = true;
+        }
       }
     }
+    // A pass that reaches none of the module's parameters (e.g. one that a
+    // peer's backward started here for a table this worker owns) takes no
+    // part: an allreduce of it would pair with another rank's real pass.
+    if (!ours) return;
     absl::MutexLock lock(&mu_);
     if (!sync_) return;
     // Fresh buckets each pass: the averages are handed out as views of
