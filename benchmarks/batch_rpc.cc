@@ -1,5 +1,5 @@
 // batch_rpc: batch RPC processing with async execution
-// (../shared/seeds/batch-rpc-async-execution.txt), both halves of the seed:
+// (PyTorch's batch-RPC tutorial), both halves:
 //
 // 1. Batch-updating parameter server. The PS's update_and_fetch_model
 //    returns an rpc::Future (async execution): each trainer's call adds its
@@ -90,6 +90,13 @@ DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
 DEFINE_int32(timeout_s, 300, "wall-clock limit of each configuration's processes, in seconds");
 DEFINE_int32(rpc_timeout_s, 60, "deadline of each RPC, in seconds (training and episodes get --timeout_s)");
 DEFINE_string(json, "batch_rpc.json", "where to write the figures");
+DEFINE_bool(pytorch, true,
+            "also run PyTorch's side (benchmarks/reference/batch_rpc.py, /usr/bin/python3: the "
+            "tutorial's async_execution parameter server and batch CartPole with the same model, "
+            "data sizes, trainer counts and world sizes) and print the ratios");
+DEFINE_string(pytorch_script, "",
+              "path of PyTorch's side (default: benchmarks/reference/batch_rpc.py from this "
+              "binary's runfiles)");
 DEFINE_string(task, "", "(internal) what a worker process runs: ps:<trainers> or cartpole:<world>");
 DEFINE_string(result_file, "", "(internal) where rank 0 writes its figures");
 
@@ -615,12 +622,15 @@ Figures run_cartpole(int world_size) {
     std::shared_ptr<Agent> agent = agent_rref.local_value();
     std::vector<double> rewards, running;
     absl::Time t0 = absl::Now();
+    // One line per world size and mode unless on a terminal.
+    bench::Progress progress(
+        absl::StrFormat("batch_rpc: world %d %s episode", world_size, batch ? "batch" : "no-batch"),
+        FLAGS_episodes, 1);
     for (int i = 0; i < FLAGS_episodes; ++i) {
       auto [last, avg] = agent->run_episode(agent_rref, FLAGS_steps);
       rewards.push_back(last);
       running.push_back(avg);
-      std::fprintf(stderr, "batch_rpc: world %d %s episode %d\tLast reward: %.2f\tAverage reward: %.2f\n",
-                   world_size, batch ? "batch" : "no-batch", i, last, avg);
+      progress.update(i + 1, absl::StrFormat("last reward %.2f, average reward %.2f", last, avg));
     }
     out[tag + "seconds"] = {absl::ToDoubleSeconds(absl::Now() - t0)};
     out[tag + "rewards"] = rewards;
@@ -716,6 +726,65 @@ std::string count_cell(double requests, double answers) {
   return absl::StrFormat("%.0f/%.0f", requests, answers);
 }
 
+// PyTorch's side, run with this run's configuration: its updates/s per
+// trainer count, and its (batch, no-batch) seconds per world size.
+struct PytorchFigures {
+  std::map<int, double> updates_per_s;
+  std::map<int, std::pair<double, double>> cartpole_s;
+  bool ran = false;
+};
+
+PytorchFigures run_pytorch(const std::string& mode) {
+  PytorchFigures out;
+  const std::string script = FLAGS_pytorch_script.empty()
+                                 ? bench::source_path("benchmarks/reference/batch_rpc.py")
+                                 : FLAGS_pytorch_script;
+  if (!FLAGS_pytorch || script.empty()) {
+    std::printf("\nPyTorch's side not run (--pytorch=false or reference script not found)\n");
+    return out;
+  }
+  std::fprintf(stderr, "batch_rpc: running PyTorch's side (%s)\n", script.c_str());
+  const std::string json = bench::temp_path("batch_rpc_pytorch") + ".json";
+  std::string output;
+  const int rc = bench::run_command(
+      {"/usr/bin/python3", script, "--mode", mode, "--trainers", FLAGS_trainers, "--iters",
+       absl::StrCat(FLAGS_iters), "--warmup", absl::StrCat(FLAGS_warmup), "--ps_lr",
+       absl::StrCat(FLAGS_ps_lr), "--world_sizes", FLAGS_world_sizes, "--episodes",
+       absl::StrCat(FLAGS_episodes), "--steps", absl::StrCat(FLAGS_steps), "--seed",
+       absl::StrCat(FLAGS_seed), "--gamma", absl::StrCat(FLAGS_gamma), "--lr",
+       absl::StrCat(FLAGS_lr), "--num_worker_threads", absl::StrCat(FLAGS_num_worker_threads),
+       "--timeout_s", absl::StrCat(FLAGS_timeout_s), "--json", json},
+      &output);
+  bench::JsonValue doc;
+  std::string error;
+  const bool parsed = bench::parse_json(bench::read_file(json), &doc, &error);
+  std::remove(json.c_str());
+  if (rc != 0 || !parsed) {
+    std::printf("\nPyTorch's side failed (exit %d%s):\n%s\n", rc,
+                parsed ? "" : (", " + error).c_str(), output.c_str());
+    return out;
+  }
+  out.ran = true;
+  if (const bench::JsonValue* ps = bench::json_at(doc, {"ps"})) {
+    for (const auto& row : ps->list_value().values()) {
+      out.updates_per_s[static_cast<int>(bench::json_number(row, {"trainers"}))] =
+          bench::json_number(row, {"updates_per_s"});
+    }
+  }
+  if (const bench::JsonValue* cp = bench::json_at(doc, {"cartpole"})) {
+    for (const auto& row : cp->list_value().values()) {
+      out.cartpole_s[static_cast<int>(bench::json_number(row, {"world_size"}))] = {
+          bench::json_number(row, {"batch_s"}), bench::json_number(row, {"nobatch_s"})};
+    }
+  }
+  return out;
+}
+
+std::string ratio_cell(double ours, double theirs, bool higher_is_better) {
+  if (ours <= 0 || theirs <= 0) return "-";
+  return absl::StrFormat("%.2fx", higher_is_better ? ours / theirs : theirs / ours);
+}
+
 int coordinator(int argc, char** argv) {
   std::vector<int> trainer_counts, world_sizes;
   const bool do_ps = FLAGS_mode == "ps" || FLAGS_mode == "all";
@@ -750,6 +819,8 @@ int coordinator(int argc, char** argv) {
   json.key("steps").value(FLAGS_steps).key("gamma").value(FLAGS_gamma).key("lr").value(FLAGS_lr);
   json.end_object();
   bool ok = true;
+  std::map<int, double> our_updates_per_s;                   // async execution
+  std::map<int, std::pair<double, double>> our_cartpole_s;  // batch, no-batch
 
   if (do_ps) {
     std::printf("\nBatch-updating parameter server: small CNN (3x32x32, batch %lld, %lld classes), "
@@ -772,6 +843,7 @@ int coordinator(int argc, char** argv) {
         const std::string tag = std::string(mode) + ".";
         if (!f.count(tag + "updates")) continue;
         const double ups = get(f, tag + "updates_per_s");
+        if (std::string(mode) == "async") our_updates_per_s[t] = ups;
         table.add({absl::StrCat(t), std::string(mode) == "async" ? "async execution" : "blocking",
                    absl::StrFormat("%.1f", ups), absl::StrFormat("%.1f", ups * t),
                    absl::StrFormat("%.2f", get(f, tag + "blocked_mean")),
@@ -821,6 +893,7 @@ int coordinator(int argc, char** argv) {
         continue;
       }
       const double b = get(f, "batch.seconds"), nb = get(f, "nobatch.seconds");
+      our_cartpole_s[w] = {b, nb};
       auto [b0, b1] = halves(f["batch.rewards"]);
       auto [n0, n1] = halves(f["nobatch.rewards"]);
       table.add({absl::StrCat(w), absl::StrFormat("%.3f", b), absl::StrFormat("%.3f", nb),
@@ -852,6 +925,46 @@ int coordinator(int argc, char** argv) {
     std::printf("reward: mean first-episode length (capped at --steps), first half of the episodes "
                 "-> second half\nworld_size, batch seconds, no-batch seconds (the seed's output):\n%s",
                 csv.c_str());
+  }
+  const PytorchFigures theirs = run_pytorch(FLAGS_mode);
+  if (theirs.ran) {
+    std::printf("\n------------------ PyTorch (same machine, same run) ---------------------\n");
+    json.key("pytorch").begin_object();
+    if (do_ps) {
+      std::printf("Parameter server, async execution on both sides (@rpc.functions.async_execution):\n");
+      bench::Table table({"trainers", "ddprpc updates/s", "PyTorch updates/s", "ddprpc vs PyTorch"});
+      json.key("ps").begin_array();
+      for (int t : trainer_counts) {
+        const double ours = our_updates_per_s.count(t) ? our_updates_per_s[t] : 0;
+        const double pt = theirs.updates_per_s.count(t) ? theirs.updates_per_s.at(t) : 0;
+        table.add({absl::StrCat(t), absl::StrFormat("%.1f", ours), absl::StrFormat("%.1f", pt),
+                   ratio_cell(ours, pt, true)});
+        json.begin_object().key("trainers").value(t).key("updates_per_s").value(pt);
+        json.key("ddprpc_vs_pytorch").value(ours > 0 && pt > 0 ? ours / pt : 0.0).end_object();
+      }
+      json.end_array();
+      std::printf("%s", table.str().c_str());
+    }
+    if (do_cartpole) {
+      std::printf("CartPole, seconds for %d episodes (lower is better; ratio = PyTorch s / ddprpc s):\n",
+                  FLAGS_episodes);
+      bench::Table table({"world size", "ddprpc batch s", "PyTorch batch s", "ratio",
+                          "ddprpc no-batch s", "PyTorch no-batch s", "ratio"});
+      json.key("cartpole").begin_array();
+      for (int w : world_sizes) {
+        const auto ours = our_cartpole_s.count(w) ? our_cartpole_s[w] : std::make_pair(0.0, 0.0);
+        const auto pt = theirs.cartpole_s.count(w) ? theirs.cartpole_s.at(w) : std::make_pair(0.0, 0.0);
+        table.add({absl::StrCat(w), absl::StrFormat("%.3f", ours.first),
+                   absl::StrFormat("%.3f", pt.first), ratio_cell(ours.first, pt.first, false),
+                   absl::StrFormat("%.3f", ours.second), absl::StrFormat("%.3f", pt.second),
+                   ratio_cell(ours.second, pt.second, false)});
+        json.begin_object().key("world_size").value(w);
+        json.key("batch_s").value(pt.first).key("nobatch_s").value(pt.second).end_object();
+      }
+      json.end_array();
+      std::printf("%s", table.str().c_str());
+    }
+    json.end_object();
   }
   json.end_object();
   const std::string path = bench::output_path(FLAGS_json);

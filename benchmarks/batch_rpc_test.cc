@@ -56,7 +56,7 @@ TEST(BatchRpcBenchmarkTest, ParameterServerAnswersEveryTrainerAndHoldsNoThread) 
   const int iters = 3, warmup = 1;
   const std::string out =
       run({"--mode=ps", "--trainers=2,3", absl::StrCat("--iters=", iters),
-           absl::StrCat("--warmup=", warmup), "--json=" + json},
+           absl::StrCat("--warmup=", warmup), "--pytorch=false", "--json=" + json},
           "ps");
   ASSERT_FALSE(out.empty());
   // trainers, mode, updates/s, grads/s, blocked mean, max, busy mean, max, requests/answers
@@ -131,7 +131,7 @@ TEST(BatchRpcBenchmarkTest, CartPoleAnswersEveryObserverOnceWithAndWithoutBatchi
   const int episodes = 2, steps = 30;
   const std::string out = run({"--mode=cartpole", "--world_sizes=3..4",
                                absl::StrCat("--episodes=", episodes), absl::StrCat("--steps=", steps),
-                               "--json=" + json},
+                               "--pytorch=false", "--json=" + json},
                               "cartpole");
   ASSERT_FALSE(out.empty());
   std::vector<CartPoleRow> rows = cartpole_rows(out);
@@ -172,13 +172,36 @@ TEST(BatchRpcBenchmarkTest, ReinforceRewardImprovesForTheDefaultSeed) {
   // Runs are reproducible for a seed (seeded environments, policy and
   // sampling generators), so this checks one fixed trajectory per mode.
   const std::string out = run({"--mode=cartpole", "--world_sizes=3", "--episodes=10", "--steps=100",
-                               "--seed=543", "--json=" + test_tmp("learning.json")},
+                               "--seed=543", "--pytorch=false", "--json=" + test_tmp("learning.json")},
                               "learning");
   ASSERT_FALSE(out.empty());
   std::vector<CartPoleRow> rows = cartpole_rows(out);
   ASSERT_EQ(rows.size(), 1u) << out;
   EXPECT_GT(rows[0].batch_second, rows[0].batch_first * 1.2) << out;
   EXPECT_GT(rows[0].nobatch_second, rows[0].nobatch_first * 1.2) << out;
+}
+
+TEST(BatchRpcBenchmarkTest, PytorchsSideRunsWithTheSameConfigurationAndGivesRatios) {
+  const std::string json = test_tmp("pytorch.json");
+  const std::string out = run({"--mode=all", "--trainers=2", "--iters=3", "--warmup=1",
+                               "--world_sizes=2", "--episodes=2", "--steps=5", "--blocking=false",
+                               "--json=" + json},
+                              "pytorch");
+  ASSERT_FALSE(out.empty());
+  EXPECT_NE(out.find("PyTorch (same machine, same run)"), std::string::npos) << out;
+  JsonValue report;
+  ASSERT_TRUE(parse_json(read_file(json), &report)) << read_file(json);
+  ASSERT_NE(json_at(report, {"pytorch"}), nullptr) << read_file(json);
+  const std::vector<JsonValue> ps = json_array(*json_at(report, {"pytorch"}), "ps");
+  ASSERT_EQ(ps.size(), 1u) << read_file(json);
+  EXPECT_EQ(json_number(ps[0], {"trainers"}), 2);
+  EXPECT_GT(json_number(ps[0], {"updates_per_s"}), 0);
+  EXPECT_GT(json_number(ps[0], {"ddprpc_vs_pytorch"}), 0);
+  const std::vector<JsonValue> cartpole = json_array(*json_at(report, {"pytorch"}), "cartpole");
+  ASSERT_EQ(cartpole.size(), 1u) << read_file(json);
+  EXPECT_EQ(json_number(cartpole[0], {"world_size"}), 2);
+  EXPECT_GT(json_number(cartpole[0], {"batch_s"}), 0);
+  EXPECT_GT(json_number(cartpole[0], {"nobatch_s"}), 0);
 }
 
 TEST(BatchRpcBenchmarkTest, RejectsAnUnknownMode) {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -83,12 +84,51 @@ std::string self_exe() {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
+namespace {
+
+constexpr char kProgressTerminalEnv[] = "DDPRPC_PROGRESS_TTY";
+
+bool progress_on_terminal() {
+  const char* inherited = std::getenv(kProgressTerminalEnv);
+  if (inherited != nullptr && *inherited) return std::string(inherited) == "1";
+  return ::isatty(STDERR_FILENO) == 1;
+}
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
 rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv) {
   rpc::LaunchOptions launch;
   launch.nprocs = nprocs;
   launch.argv = {self_exe()};
   for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
+  // The workers' stderr is a pipe to the launcher: tell them what it shows.
+  launch.env.emplace_back(kProgressTerminalEnv, progress_on_terminal() ? "1" : "0");
   return launch;
+}
+
+Progress::Progress(std::string what, int64_t total, int max_lines)
+    : what_(std::move(what)),
+      total_(std::max<int64_t>(total, 1)),
+      every_(std::max<int64_t>(1, (total_ + std::max(max_lines, 1) - 1) / std::max(max_lines, 1))),
+      terminal_(progress_on_terminal()),
+      start_s_(now_s()) {}
+
+void Progress::update(int64_t done, const std::string& detail) {
+  const bool last = done >= total_;
+  if (!terminal_ && !last && done % every_ != 0) return;
+  const double elapsed = now_s() - start_s_;
+  std::string line = absl::StrFormat("%s %d/%d, %.1f s", what_, done, total_, elapsed);
+  if (!last && done > 0) absl::StrAppendFormat(&line, ", ETA %.1f s", elapsed / done * (total_ - done));
+  if (!detail.empty()) absl::StrAppend(&line, ", ", detail);
+  // On a terminal: clear to the end of the line, and stay on it until the last.
+  if (terminal_) line += last ? "\033[K\n" : "\033[K\r";
+  else line += "\n";
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
 }
 
 std::string read_file(const std::string& path) {
@@ -103,22 +143,14 @@ std::string temp_path(const std::string& stem) {
   return absl::StrCat(dir && *dir ? dir : "/tmp", "/", stem, ".", ::getpid());
 }
 
-std::string shared_path(const std::string& relative) {
-  std::vector<std::string> roots;
-  if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY")) roots.push_back(ws);
-  char cwd[4096];
-  if (::getcwd(cwd, sizeof(cwd))) roots.push_back(cwd);
-  for (const auto& root : roots) {
-    std::string candidate = absl::StrCat(root, "/../shared/", relative);
-    if (::access(candidate.c_str(), R_OK) == 0) return candidate;
-  }
-  return "";
-}
-
 std::string source_path(const std::string& relative) {
   std::vector<std::string> roots;
   if (const char* ws = std::getenv("BUILD_WORKSPACE_DIRECTORY")) roots.push_back(ws);
   if (const char* src = std::getenv("TEST_SRCDIR")) roots.push_back(absl::StrCat(src, "/ddprpc"));
+  // The binary's own runfiles (a data dependency), wherever it is started from.
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n > 0) roots.push_back(absl::StrCat(std::string(exe, n), ".runfiles/ddprpc"));
   char cwd[4096];
   if (::getcwd(cwd, sizeof(cwd))) roots.push_back(cwd);
   for (const auto& root : roots) {

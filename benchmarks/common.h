@@ -38,11 +38,28 @@ std::string self_exe();
 // workers (RANK etc. set by rpc::launch).
 rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv);
 std::string temp_path(const std::string& stem);
+
+// Progress of a long phase on stderr. When stderr is a terminal (or was in
+// the process that launched this one: relaunch_self passes it on), one line
+// updated in place; otherwise at most `max_lines` lines for the phase
+// (every total/max_lines steps, and the last). A line reads
+// "<what> <done>/<total>, <elapsed> s, ETA <s> s, <detail>".
+class Progress {
+ public:
+  Progress(std::string what, int64_t total, int max_lines = 20);
+  void update(int64_t done, const std::string& detail = "");
+
+ private:
+  const std::string what_;
+  const int64_t total_;
+  const int64_t every_;  // steps between lines when not on a terminal
+  const bool terminal_;
+  const double start_s_;
+};
 // The whole file, or "" if it cannot be read.
 std::string read_file(const std::string& path);
-// `relative` under ../shared beside the workspace, or "" if it is not there.
-std::string shared_path(const std::string& relative);
-// A file of this repository (e.g. a reference script), or "" if not found.
+// A file of this repository (e.g. a reference script in the binary's
+// runfiles), or "" if not found.
 std::string source_path(const std::string& relative);
 // Resolves a relative output path against the directory `bazel run` was
 // started from.

@@ -1,5 +1,5 @@
-// ddp_rpc: the DDP + RPC hybrid benchmark (../shared/seeds/ddp-rpc-hybrid-benchmark.txt),
-// with PyTorch's own stack measured in the same run (../shared/anchors/ref_ddp_rpc.py).
+// ddp_rpc: the DDP + RPC hybrid benchmark, with PyTorch's own stack measured
+// in the same run (benchmarks/reference/ddp_rpc.py, in this binary's runfiles).
 //
 //   ./bazelw run //benchmarks:ddp_rpc -- --trainers=8 --ps=8
 //
@@ -47,6 +47,7 @@
 #include "models/hybrid_model.h"
 #include "optim/distributed_optimizer.h"
 #include "rpc/launch.h"
+#include "rpc/launch_env.h"
 #include "rpc/rref.h"
 #include "rpc/store.h"
 
@@ -81,8 +82,8 @@ DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
 DEFINE_int32(rank, -1,
              "run only this role (trainers 0..T-1, parameter servers T..T+P-1, master T+P), for "
              "launchers that start every rank themselves (torchrun, Slurm, Kubernetes); every "
-             "rank needs the same flags. -1: the RANK environment variable if set, else start "
-             "every role on this host");
+             "rank needs the same flags. -1: RANK (or a Slurm task's SLURM_PROCID) if set, else "
+             "start every role on this host");
 DEFINE_int32(world_size, 0,
              "with a rank: the number of processes, which must be trainers + ps + 1; 0: the "
              "WORLD_SIZE environment variable");
@@ -101,14 +102,15 @@ DEFINE_string(json, "ddp_rpc.json",
               "where to write every figure and the configuration (relative to the directory "
               "bazel run started in)");
 DEFINE_bool(pytorch, true,
-            "also run PyTorch's reference (../shared/anchors/ref_ddp_rpc.py, /usr/bin/python3) on "
+            "also run PyTorch's reference (benchmarks/reference/ddp_rpc.py, /usr/bin/python3) on "
             "the same tables and trainers and print the ratio (not with --check_convergence or "
             "a role started on its own)");
 DEFINE_int32(pytorch_iters, 20,
              "measured iterations of PyTorch's reference (at most --iters): it is ~2.5x slower, "
              "and 8x8 at 100 iterations would take minutes");
 DEFINE_int32(pytorch_warmup, 2, "warm-up iterations of PyTorch's reference (at most --warmup)");
-DEFINE_string(pytorch_anchor, "", "path of the PyTorch reference script (default: found in ../shared)");
+DEFINE_string(pytorch_anchor, "", "path of the PyTorch reference script (default: benchmarks/reference/ddp_rpc.py "
+              "from this binary's runfiles)");
 DEFINE_int32(timeout_s, 1800, "wall-clock limit of the whole run, in seconds (stops every process)");
 DEFINE_int32(rpc_timeout_s, 60,
              "deadline of each RPC, in seconds: a stopped or unreachable worker ends the job within it");
@@ -156,33 +158,29 @@ struct Placement {
   int master_port = 0;
 };
 
-// An integer environment variable, or `fallback` when it is unset.
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  int out;
-  if (!absl::SimpleAtoi(v, &out)) usage_error(absl::StrCat(name, "='", v, "' is not an integer"));
-  return out;
-}
-
-// Flags win over the torchrun-style environment (RANK, WORLD_SIZE,
+// Flags win over the launcher's environment: torchrun's (RANK, WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT), which is also how the local launch tells its
-// children their rank.
+// children their rank, or a Slurm task's (rpc/launch_env.h).
 Placement placement() {
+  rpc::LaunchEnv env;
+  try {
+    env = rpc::launch_env();
+  } catch (const std::invalid_argument& e) {
+    usage_error(e.what());
+  }
   Placement p;
-  p.rank = FLAGS_rank >= 0 ? FLAGS_rank : env_int("RANK", -1);
+  p.rank = FLAGS_rank >= 0 ? FLAGS_rank : env.rank;
   p.master_addr = FLAGS_master_addr;
   p.master_port = FLAGS_master_port;
   if (p.rank < 0) return p;  // the local launch (picks a port when it is 0)
 
-  const char* env_addr = std::getenv("MASTER_ADDR");
-  if (gflags::GetCommandLineFlagInfoOrDie("master_addr").is_default && env_addr && *env_addr) {
-    p.master_addr = env_addr;
+  if (gflags::GetCommandLineFlagInfoOrDie("master_addr").is_default && !env.master_addr.empty()) {
+    p.master_addr = env.master_addr;
   }
-  if (p.master_port == 0) p.master_port = env_int("MASTER_PORT", 0);
+  if (p.master_port == 0) p.master_port = env.master_port;
   const int world = FLAGS_trainers + FLAGS_ps + 1;
-  const int world_size = FLAGS_world_size > 0 ? FLAGS_world_size : env_int("WORLD_SIZE", 0);
-  if (world_size <= 0) usage_error("a rank needs --world_size (or WORLD_SIZE)");
+  const int world_size = FLAGS_world_size > 0 ? FLAGS_world_size : env.world_size;
+  if (world_size <= 0) usage_error("a rank needs --world_size (or WORLD_SIZE, SLURM_NTASKS)");
   if (world_size != world) {
     usage_error(absl::StrFormat(
         "world size %d does not match --trainers=%d --ps=%d: the ranks are trainers 0..%d, "
@@ -331,6 +329,7 @@ TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables,
   std::vector<double> phase_ms(4, 0.0);  // forward, backward, step, release
   int64_t measured_batches = 0;
   const int total = FLAGS_iters + FLAGS_warmup;
+  bench::Progress progress("ddp_rpc: trainer0 iteration", total);
   for (int it = 0; it < total; ++it) {
     const bool measured = it >= FLAGS_warmup;
     absl::Time start = absl::Now();
@@ -362,8 +361,11 @@ TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables,
     }
     losses.push_back(loss_sum / FLAGS_batches_per_iter);
     if (rank == 0) {
-      std::fprintf(stderr, "ddp_rpc: trainer0 iteration %d/%d (%s), mean loss %.4f\n", it + 1,
-                   total, measured ? "measured" : "warm-up", losses.back());
+      const double seconds_this = absl::ToDoubleSeconds(absl::Now() - start);
+      progress.update(it + 1, absl::StrFormat("%s, trainer0 %.0f ex/s, mean loss %.4f",
+                                              measured ? "measured" : "warm-up",
+                                              seconds_this > 0 ? n / seconds_this : 0.0,
+                                              losses.back()));
     }
   }
   for (double& ms : phase_ms) ms /= std::max<int64_t>(1, measured_batches);
@@ -745,14 +747,14 @@ int coordinator(int argc, char** argv) {
 
   std::string theirs;
   const std::string anchor = FLAGS_pytorch_anchor.empty()
-                                 ? bench::shared_path("anchors/ref_ddp_rpc.py")
+                                 ? bench::source_path("benchmarks/reference/ddp_rpc.py")
                                  : FLAGS_pytorch_anchor;
   if (FLAGS_check_convergence) {
     std::printf("PyTorch reference not run (--check_convergence)\n");
   } else if (FLAGS_pytorch && !anchor.empty()) {
     theirs = run_pytorch_reference(anchor, tmp);
   } else {
-    std::printf("PyTorch reference not run (--pytorch=false or no anchor script found)\n");
+    std::printf("PyTorch reference not run (--pytorch=false or no reference script found)\n");
   }
   const double ours_p50 = all_p50(ours), theirs_p50 = all_p50(theirs);
   // sec/iter compare only when an iteration is the same work (10 batches).

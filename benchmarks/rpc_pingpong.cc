@@ -1,6 +1,6 @@
 // rpc_pingpong: round-trip latency and pipelined throughput of ddprpc's RPC
 // on loopback, next to PyTorch's own RPC measured in the same run
-// (../shared/anchors/pytorch_rpc_pingpong.py with /usr/bin/python3).
+// (benchmarks/reference/rpc_pingpong.py with /usr/bin/python3).
 //
 //   ./bazelw run //benchmarks:rpc_pingpong
 //
@@ -36,8 +36,8 @@ DEFINE_string(json, "rpc_pingpong.json",
               "where to write the results (relative paths are relative to the directory "
               "bazel run was started from)");
 DEFINE_string(pytorch_anchor, "",
-              "PyTorch reference script; default: ../shared/anchors/pytorch_rpc_pingpong.py "
-              "beside the workspace. Empty and not found: PyTorch is not measured");
+              "PyTorch reference script; default: benchmarks/reference/rpc_pingpong.py from this "
+              "binary's runfiles");
 DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs /usr/bin/python3 with torch)");
 DEFINE_string(result_file, "", "internal: where rank 0 writes its raw results");
 
@@ -156,7 +156,7 @@ int coordinator(int argc, char** argv) {
 
   std::map<std::string, double> theirs;
   std::string anchor = FLAGS_pytorch_anchor.empty()
-                           ? bench::shared_path("anchors/pytorch_rpc_pingpong.py")
+                           ? bench::source_path("benchmarks/reference/rpc_pingpong.py")
                            : FLAGS_pytorch_anchor;
   std::string pytorch_note;
   if (FLAGS_pytorch && !anchor.empty()) {
@@ -171,7 +171,7 @@ int coordinator(int argc, char** argv) {
     std::remove(json.c_str());
     if (rc != 0 || theirs.empty()) pytorch_note = "PyTorch reference failed: " + output;
   } else {
-    pytorch_note = "PyTorch reference not run (no anchor script found; pass --pytorch_anchor)";
+    pytorch_note = "PyTorch reference not run (reference script not found; pass --pytorch_anchor)";
   }
 
   bench::Table table({"rpc_sync identity", "ddprpc p50", "ddprpc p90", "PyTorch p50",

@@ -1,5 +1,5 @@
 // rpc_rl: RPC throughput and latency for reinforcement learning
-// (../shared/seeds/rpc-rl-benchmark.txt), with PyTorch's own benchmark
+// (PyTorch's RL benchmark), with PyTorch's own benchmark
 // (benchmarks/reference/rpc_rl.py) measured in the same run.
 //
 //   ./bazelw run //benchmarks:rpc_rl -- --world_size=3,5,10 --batch=true
@@ -380,6 +380,10 @@ int coordinator(const Config& c) {
   }
   std::vector<std::vector<double>> samples(4);
   int64_t requests = 0, answered = 0, valid = 0;
+  // One line per configuration unless on a terminal.
+  bench::Progress progress(absl::StrFormat("rpc_rl: world_size %d batch %s: episode", c.world_size,
+                                           c.batch ? "true" : "false"),
+                           c.episodes, 1);
   for (int64_t ep = 0; ep < c.episodes; ++ep) {
     const auto start = Clock::now();
     std::vector<rpc::Future<std::tuple<at::Tensor, std::vector<double>, std::vector<double>, int64_t>>>
@@ -399,9 +403,7 @@ int coordinator(const Config& c) {
     samples[0].insert(samples[0].end(), latency.begin(), latency.end());
     samples[1].insert(samples[1].end(), throughput.begin(), throughput.end());
     answered += n;
-    std::fprintf(stderr, "world_size %d batch %s: episode %ld/%ld - %.3f s\n", c.world_size,
-                 c.batch ? "true" : "false", static_cast<long>(ep + 1),
-                 static_cast<long>(c.episodes), seconds_since(start));
+    progress.update(ep + 1, absl::StrFormat("last episode %.3f s", seconds_since(start)));
   }
   bench::Json json;
   json.begin_object();

@@ -1,5 +1,4 @@
-// The hybrid model of the DDP + RPC benchmark (see
-// ../shared/seeds/ddp-rpc-hybrid-benchmark.txt):
+// The hybrid model of the DDP + RPC benchmark (benchmarks/ddp_rpc.cc):
 //
 // - a sparse part: one EmbeddingBag(num_embeddings, dim, mode=sum) table on
 //   each parameter server, created with rpc::remote<EmbeddingTable> and

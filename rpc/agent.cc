@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -21,6 +22,7 @@
 #include "rpc/internal/rref_context.h"
 #include "rpc/internal/thread_pool.h"
 #include "rpc/internal/transport.h"
+#include "rpc/launch_env.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -33,15 +35,19 @@ thread_local SyncCallScope* t_sync_scope = nullptr;
 std::pair<std::string, int> parse_init_method(const std::string& init_method) {
   std::string host, port;
   if (init_method.empty() || init_method == "env://") {
-    const char* addr = std::getenv("MASTER_ADDR");
-    const char* p = std::getenv("MASTER_PORT");
-    if (!addr || !p) {
+    LaunchEnv env;
+    try {
+      env = launch_env();
+    } catch (const std::invalid_argument& e) {
+      throw RpcError(ErrorCode::kInvalidArgument, std::string("init_method env://: ") + e.what());
+    }
+    if (env.master_addr.empty() || env.master_port == 0) {
       throw RpcError(ErrorCode::kInvalidArgument,
                      "init_method env:// needs the MASTER_ADDR and MASTER_PORT environment "
-                     "variables (or pass init_method=\"tcp://host:port\")");
+                     "variables, or a Slurm task's (or pass init_method=\"tcp://host:port\")");
     }
-    host = addr;
-    port = p;
+    host = env.master_addr;
+    port = std::to_string(env.master_port);
   } else if (absl::StartsWith(init_method, "tcp://")) {
     std::string rest = init_method.substr(6);
     size_t colon = rest.rfind(':');

@@ -41,16 +41,21 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
-// Emits the complete lines of `partial` (all of it at EOF) with a prefix.
+// Emits the complete lines of `partial` (all of it at EOF) with a prefix. A
+// line may also end in '\r' (a progress line redrawn in place): it goes out
+// at once. On a terminal each line clears what a longer progress line left.
 void emit(std::string& partial, const std::string& prefix, int to_fd, bool eof) {
   std::string out;
   size_t start = 0;
+  const bool terminal = ::isatty(to_fd) == 1;
   while (true) {
-    size_t nl = partial.find('\n', start);
-    if (nl == std::string::npos) break;
+    size_t end = partial.find_first_of("\n\r", start);
+    if (end == std::string::npos) break;
     out += prefix;
-    out.append(partial, start, nl - start + 1);
-    start = nl + 1;
+    out.append(partial, start, end - start);
+    if (terminal && partial[end] == '\n') out += "\033[K";
+    out += partial[end];
+    start = end + 1;
   }
   partial.erase(0, start);
   if (eof && !partial.empty()) {

@@ -1,10 +1,12 @@
 #include "rpc/rpc.h"
 
 #include <cstdlib>
+#include <stdexcept>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/synchronization/mutex.h"
+#include "rpc/launch_env.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -12,22 +14,27 @@ namespace {
 absl::Mutex g_mu;
 std::shared_ptr<RpcAgent> g_agent ABSL_GUARDED_BY(g_mu);
 
-int env_int(const char* name) {
-  const char* value = std::getenv(name);
-  int out = -1;
-  if (!value || !absl::SimpleAtoi(value, &out)) {
-    throw RpcError(ErrorCode::kInvalidArgument,
-                   std::string("init_rpc: pass rank/world_size or set the ") + name +
-                       " environment variable");
+// rank and world size from the launcher's environment (launch_env.h).
+void fill_from_environment(int* rank, int* world_size) {
+  LaunchEnv env;
+  try {
+    env = launch_env();
+  } catch (const std::invalid_argument& e) {
+    throw RpcError(ErrorCode::kInvalidArgument, std::string("init_rpc: ") + e.what());
   }
-  return out;
+  if (*rank < 0) *rank = env.rank;
+  if (*world_size < 0) *world_size = env.world_size;
+  if (*rank < 0 || *world_size <= 0) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   "init_rpc: pass rank/world_size or set RANK and WORLD_SIZE (or start the "
+                   "process with srun)");
+  }
 }
 
 }  // namespace
 
 void init_rpc(const std::string& name, int rank, int world_size, RpcBackendOptions options) {
-  if (rank < 0) rank = env_int("RANK");
-  if (world_size < 0) world_size = env_int("WORLD_SIZE");
+  if (rank < 0 || world_size < 0) fill_from_environment(&rank, &world_size);
   {
     absl::MutexLock lock(&g_mu);
     if (g_agent) {

@@ -109,7 +109,8 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
     for rank in range(WORLD):
         host = HOST_OF[rank]
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD),
-                   MASTER_ADDR=hosts.addr(1), MASTER_PORT=str(port), DDPRPC_AUTH_TOKEN=token)
+                   MASTER_ADDR=hosts.addr(1), MASTER_PORT=str(port), DDPRPC_AUTH_TOKEN=token,
+                   DDPRPC_PROGRESS_TTY="1")  # every iteration's progress, not 20 lines
         log = open(os.path.join(logdir, f"{port}_{ROLE[rank]}.log"), "w+")
         logs[rank] = log
         procs[rank] = subprocess.Popen(

@@ -1,24 +1,78 @@
 """System (Debian) dependencies of ddprpc.
 
 A workspace that depends on @ddprpc calls ddprpc_system_deps() from its
-WORKSPACE too, so the libtorch C++ API headers resolve the same way.
+WORKSPACE too, so libtorch and CUDA resolve the same way.
+
+libtorch is Debian's (libtorch-dev) unless the environment variable
+DDPRPC_LIBTORCH names another libtorch tree (include/ and lib/, as in
+pytorch.org's cxx11-ABI zip), e.g. a CUDA build:
+    ./bazelw build --repo_env=DDPRPC_LIBTORCH=/opt/libtorch //...
 """
 
-def ddprpc_system_deps():
-    # libtorch's C++ frontend headers live under a non-standard include root;
-    # exposing them as a repository lets cc_library propagate the include path.
-    native.new_local_repository(
-        name = "libtorch_api",
-        path = "/usr/include/torch/csrc/api/include",
-        build_file_content = """
+_SYSTEM_TORCH = """
+# Debian's libtorch: ATen/c10 headers in /usr/include (searched already), the
+# C++ frontend (torch/nn, torch/optim, ...) under api/.
 cc_library(
-    name = "headers",
-    hdrs = glob(["torch/**/*.h"]),
-    includes = ["."],
+    name = "torch",
+    hdrs = glob(["api/torch/**/*.h"]),
+    includes = ["api"],
+    defines = ["C10_USE_GLOG"],
+    linkopts = ["-ltorch", "-ltorch_cpu", "-lc10", "-lpthread"],
     visibility = ["//visibility:public"],
 )
-""",
-    )
+"""
+
+_TREE_TORCH = """
+# libtorch from {root}{cuda_note}.
+cc_library(
+    name = "torch",
+    hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.cuh"]),
+    includes = ["include", "include/torch/csrc/api/include"],
+    defines = {defines},
+    linkopts = [
+        "-L{root}/lib",
+        "-Wl,-rpath,{root}/lib",
+        # Kernels register themselves at load: keep every library linked.
+        "-Wl,--no-as-needed",
+    ] + {libs} + ["-Wl,--as-needed", "-lpthread"],
+    visibility = ["//visibility:public"],
+)
+"""
+
+def _libtorch_impl(ctx):
+    root = ctx.os.environ.get("DDPRPC_LIBTORCH", "")
+    if not root:
+        ctx.symlink("/usr/include/torch/csrc/api/include", "api")
+        ctx.file("BUILD.bazel", _SYSTEM_TORCH)
+        ctx.file("defs.bzl", "LIBTORCH = \"system\"\nLIBTORCH_CUDA = False\n")
+        return
+    for need in ["include/torch/csrc/api/include/torch/torch.h", "include/ATen/ATen.h", "lib/libtorch.so", "lib/libc10.so"]:
+        if not ctx.path(root + "/" + need).exists:
+            fail("DDPRPC_LIBTORCH=%s is not a libtorch tree: %s/%s is missing" % (root, root, need))
+    ctx.symlink(root + "/include", "include")
+    libs = ["-ltorch", "-ltorch_cpu", "-lc10"]
+    cuda = ctx.path(root + "/lib/libtorch_cuda.so").exists
+    defines = []
+    if cuda:
+        libs += ["-ltorch_cuda", "-lc10_cuda"]
+        defines.append("DDPRPC_LIBTORCH_CUDA=1")
+    ctx.file("BUILD.bazel", _TREE_TORCH.format(
+        root = root,
+        cuda_note = " (with CUDA)" if cuda else "",
+        defines = repr(defines),
+        libs = repr(libs),
+    ))
+    ctx.file("defs.bzl", "LIBTORCH = %r\nLIBTORCH_CUDA = %s\n" % (root, cuda))
+
+# libtorch: Debian's, or the tree named by DDPRPC_LIBTORCH.
+_libtorch = repository_rule(
+    implementation = _libtorch_impl,
+    environ = ["DDPRPC_LIBTORCH"],
+    local = True,
+)
+
+def ddprpc_system_deps():
+    _libtorch(name = "libtorch")
 
     _local_cuda(name = "local_cuda")
 
