@@ -29,8 +29,7 @@ int cpu_count();
 // allocated and freed every step; on this VM the faults cost ~20% of a
 // ddp_rpc iteration. Call first thing in main().
 void keep_freed_memory();
-// p in [0, 1]; the value at index floor(n * p) of the sorted samples, as the
-// PyTorch anchors compute it.
+// p in [0, 1]; the value at index floor(n * p) of the sorted samples.
 double percentile(std::vector<double> samples, double p);
 
 std::string self_exe();

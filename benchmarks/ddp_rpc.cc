@@ -109,7 +109,7 @@ DEFINE_int32(pytorch_iters, 20,
              "measured iterations of PyTorch's reference (at most --iters): it is ~2.5x slower, "
              "and 8x8 at 100 iterations would take minutes");
 DEFINE_int32(pytorch_warmup, 2, "warm-up iterations of PyTorch's reference (at most --warmup)");
-DEFINE_string(pytorch_anchor, "", "path of the PyTorch reference script (default: benchmarks/reference/ddp_rpc.py "
+DEFINE_string(pytorch_script, "", "path of the PyTorch reference script (default: benchmarks/reference/ddp_rpc.py "
               "from this binary's runfiles)");
 DEFINE_int32(timeout_s, 1800, "wall-clock limit of the whole run, in seconds (stops every process)");
 DEFINE_int32(rpc_timeout_s, 60,
@@ -685,14 +685,14 @@ double all_p50(const std::string& json) {
 }
 
 // Runs the reference on the same tables and trainers; returns its JSON.
-std::string run_pytorch_reference(const std::string& anchor, const std::string& tmp) {
+std::string run_pytorch_reference(const std::string& script, const std::string& tmp) {
   const int iters = std::min(FLAGS_iters, FLAGS_pytorch_iters);
   const int warmup = std::min(FLAGS_warmup, FLAGS_pytorch_warmup);
-  std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s)\n", anchor.c_str());
+  std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s)\n", script.c_str());
   const std::string json = tmp + ".pytorch.json";
   std::string output;
   int rc = bench::run_command(
-      {"/usr/bin/python3", anchor, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
+      {"/usr/bin/python3", script, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
        absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
        absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(iters), "--warmup",
        absl::StrCat(warmup), "--port", absl::StrCat(rpc::pick_free_port()), "--json", json},
@@ -746,13 +746,13 @@ int coordinator(int argc, char** argv) {
   }
 
   std::string theirs;
-  const std::string anchor = FLAGS_pytorch_anchor.empty()
+  const std::string script = FLAGS_pytorch_script.empty()
                                  ? bench::source_path("benchmarks/reference/ddp_rpc.py")
-                                 : FLAGS_pytorch_anchor;
+                                 : FLAGS_pytorch_script;
   if (FLAGS_check_convergence) {
     std::printf("PyTorch reference not run (--check_convergence)\n");
-  } else if (FLAGS_pytorch && !anchor.empty()) {
-    theirs = run_pytorch_reference(anchor, tmp);
+  } else if (FLAGS_pytorch && !script.empty()) {
+    theirs = run_pytorch_reference(script, tmp);
   } else {
     std::printf("PyTorch reference not run (--pytorch=false or no reference script found)\n");
   }

@@ -35,7 +35,7 @@ DEFINE_int32(num_worker_threads, 8, "callee threads (the PyTorch reference uses 
 DEFINE_string(json, "rpc_pingpong.json",
               "where to write the results (relative paths are relative to the directory "
               "bazel run was started from)");
-DEFINE_string(pytorch_anchor, "",
+DEFINE_string(pytorch_script, "",
               "PyTorch reference script; default: benchmarks/reference/rpc_pingpong.py from this "
               "binary's runfiles");
 DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs /usr/bin/python3 with torch)");
@@ -128,8 +128,8 @@ std::map<std::string, double> read_results(const std::string& path) {
   return out;
 }
 
-// Parses the anchor's flat JSON ({"sync_16B": {"p50_us": x, ...}, ...}).
-std::map<std::string, double> parse_anchor_json(const std::string& text) {
+// Parses the reference script's flat JSON ({"sync_16B": {"p50_us": x, ...}, ...}).
+std::map<std::string, double> parse_reference_json(const std::string& text) {
   std::map<std::string, double> out;
   std::regex nested("\"(sync_\\d+B)\"\\s*:\\s*\\{\\s*\"p50_us\"\\s*:\\s*([0-9.eE+-]+)\\s*,"
                     "\\s*\"p90_us\"\\s*:\\s*([0-9.eE+-]+)");
@@ -155,23 +155,23 @@ int coordinator(int argc, char** argv) {
   std::remove(tmp.c_str());
 
   std::map<std::string, double> theirs;
-  std::string anchor = FLAGS_pytorch_anchor.empty()
+  std::string script = FLAGS_pytorch_script.empty()
                            ? bench::source_path("benchmarks/reference/rpc_pingpong.py")
-                           : FLAGS_pytorch_anchor;
+                           : FLAGS_pytorch_script;
   std::string pytorch_note;
-  if (FLAGS_pytorch && !anchor.empty()) {
-    std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", anchor.c_str());
+  if (FLAGS_pytorch && !script.empty()) {
+    std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", script.c_str());
     const std::string json = bench::temp_path("pytorch_pingpong") + ".json";
     std::string output;
-    int rc = bench::run_command({"/usr/bin/python3", anchor, json}, &output);
+    int rc = bench::run_command({"/usr/bin/python3", script, json}, &output);
     std::ifstream in(json);
     std::stringstream text;
     text << in.rdbuf();
-    theirs = parse_anchor_json(text.str());
+    theirs = parse_reference_json(text.str());
     std::remove(json.c_str());
     if (rc != 0 || theirs.empty()) pytorch_note = "PyTorch reference failed: " + output;
   } else {
-    pytorch_note = "PyTorch reference not run (reference script not found; pass --pytorch_anchor)";
+    pytorch_note = "PyTorch reference not run (reference script not found; pass --pytorch_script)";
   }
 
   bench::Table table({"rpc_sync identity", "ddprpc p50", "ddprpc p90", "PyTorch p50",
