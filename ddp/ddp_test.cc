@@ -241,15 +241,24 @@ MULTIPROCESS_TEST(DdpTest, NoSyncUnusedParametersAndFp16Hook, 2) {
   ddp_model.set_event_observer([&](const std::string& e) { events.push_back(e); });
   const double r = mp::rank();
   at::Tensor x = at::full({1, 6}, r + 1);
+  at::Tensor local_w0;  // this rank's gradient of the first weight, one pass
   {
     auto guard = ddp_model.no_sync();  // local accumulation only
     model->forward(x).sum().backward();
+    local_w0 = model->parameters()[0].grad().clone();
   }
   EXPECT_TRUE(events.empty());
+  // The ranks' gradients differ (their inputs do); their average, by a plain
+  // allreduce, is what every averaged pass below must give.
+  at::Tensor average_w0 = local_w0.clone();
+  pg->allreduce({average_w0})->wait(absl::Seconds(30));
+  average_w0.div_(2);
+  EXPECT_FALSE(at::allclose(local_w0, average_w0)) << "the ranks' gradients must differ";
   at::Tensor local = model->parameters()[3].grad().clone();  // last bias: ones
   model->forward(x).sum().backward();
-  // Average of the two ranks' accumulated gradients: bias grads are 2 each.
+  // Average of the two ranks' accumulated gradients (two passes each).
   EXPECT_TRUE(at::allclose(model->parameters()[3].grad(), local * 2.0));
+  EXPECT_TRUE(at::allclose(model->parameters()[0].grad(), average_w0 * 2.0, 1e-5, 1e-6));
 
   // A parameter that gets no gradient (only the last layer is used).
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
@@ -264,7 +273,8 @@ MULTIPROCESS_TEST(DdpTest, NoSyncUnusedParametersAndFp16Hook, 2) {
   ddp_model.register_comm_hook(ddp::allreduce_hook());
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
   model->forward(x).sum().backward();
-  EXPECT_TRUE(at::allclose(fp16, model->parameters()[0].grad(), 1e-2, 1e-2));
+  EXPECT_TRUE(at::allclose(model->parameters()[0].grad(), average_w0, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(fp16, average_w0, 1e-2, 1e-2));
 }
 
 // The gradient sink (the seam for distributed autograd) gets every

@@ -1,6 +1,7 @@
 #include "rpc/store.h"
 
 #include <atomic>
+#include <string>
 #include <thread>
 
 #include <vector>
@@ -17,12 +18,19 @@ TEST(StoreTest, SetGetAddWaitAcrossThreads) {
   auto server = StoreServer::start("127.0.0.1", 0);
   Store a("127.0.0.1", server->port(), absl::Seconds(10));
   Store b("127.0.0.1", server->port(), absl::Seconds(10));
-  std::thread setter([&] {
-    absl::SleepFor(absl::Milliseconds(50));
-    a.set("k", "v");
+  // get() blocks until the key is set, then returns its value.
+  std::atomic<bool> got{false};
+  std::string value;
+  std::thread getter([&] {
+    value = b.get("k");
+    got = true;
   });
-  EXPECT_EQ(b.get("k"), "v");  // blocks until set
-  setter.join();
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(got.load()) << "get returned before the key was set";
+  a.set("k", "v");
+  getter.join();
+  EXPECT_TRUE(got.load());
+  EXPECT_EQ(value, "v");
   EXPECT_EQ(a.add("n", 2), 2);
   EXPECT_EQ(b.add("n", 3), 5);
   EXPECT_TRUE(a.check({"k", "n"}));
