@@ -33,6 +33,8 @@ int64_t sleep_ms(int64_t ms) {
   return ms;
 }
 DDPRPC_REGISTER_FUNCTION(sleep_ms);
+bool is_sleeping() { return g_sleeping.load(); }
+DDPRPC_REGISTER_FUNCTION(is_sleeping);
 
 at::Tensor make_tensor(int64_t numel) { return at::ones({numel}); }
 DDPRPC_REGISTER_FUNCTION(make_tensor);
@@ -234,8 +236,11 @@ MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   if (mp::rank() == 0) {
     auto f = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 2000);
-    while (!f.completed() && rpc::rpc_sync<int64_t>("worker1", "sleep_ms", 0) != 0) {
+    // The call is running on worker1 (not merely sent) when we shut down.
+    while (!f.completed() && !rpc::rpc_sync<bool>("worker1", "is_sleeping")) {
+      absl::SleepFor(absl::Milliseconds(5));
     }
+    ASSERT_FALSE(f.completed()) << "the 2 s call ended before the shutdown";
     absl::Time start = absl::Now();
     rpc::shutdown(/*graceful=*/false);
     EXPECT_LT(absl::Now() - start, absl::Seconds(3));
