@@ -1,7 +1,8 @@
 // NCCL backend of ProcessGroup, compiled when the CUDA toolkit was found at
-// build time (DDPRPC_WITH_NCCL). This libtorch build has no CUDA tensors,
-// so operations stage the (CPU) tensors through device buffers; with a CUDA
-// libtorch the staging would be skipped for CUDA tensors.
+// build time (DDPRPC_WITH_NCCL). CPU tensors (all a CPU-only libtorch has)
+// are staged through a device buffer; CUDA tensors on the group's device
+// (a CUDA libtorch, DDPRPC_LIBTORCH) are reduced in place, without copies
+// through host memory.
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 
@@ -143,10 +144,25 @@ class ProcessGroupNccl : public ProcessGroup {
                          std::move(op));
   }
 
-  // Copies `t` to the device, runs `op` on the device copy, copies back.
+  // Runs `op` on `t`'s data on the device: in place for a CUDA tensor on
+  // the group's device; otherwise copies `t` there and back.
   template <typename F>
   void staged(at::Tensor& t, F op) {
     check(cudaSetDevice(device_), "cudaSetDevice");
+    if (t.is_cuda()) {
+      if (t.device().index() != device_) {
+        throw std::invalid_argument(absl::StrCat("ProcessGroupNccl: a tensor on cuda:",
+                                                 t.device().index(), ", the group uses cuda:",
+                                                 device_));
+      }
+      at::Tensor dev = t.contiguous();
+      // Whatever libtorch's streams still write into the tensor comes first.
+      check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+      op(dev.data_ptr());
+      synchronize();
+      if (!dev.is_same(t)) t.copy_(dev);
+      return;
+    }
     at::Tensor host = t.contiguous();
     const size_t bytes = host.numel() * host.element_size();
     if (bytes > capacity_) {
