@@ -8,7 +8,6 @@
 #include <cstring>
 #include <memory>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "autograd/dist_autograd.h"
@@ -18,6 +17,7 @@
 #include "rpc/rpc.h"
 #include "rpc/store.h"
 #include "tests/multiprocess.h"
+#include "tests/rpc_store.h"
 
 namespace rpc = ddprpc::rpc;
 namespace mp = ddprpc::testing;
@@ -30,14 +30,6 @@ namespace {
 at::Tensor g_scale;
 at::Tensor scaled(at::Tensor x) { return x * g_scale; }
 DDPRPC_REGISTER_FUNCTION(scaled);
-
-std::shared_ptr<rpc::Store> connect_store() {
-  const std::string address = rpc::current_agent()->store().address();
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  EXPECT_TRUE(absl::SimpleAtoi(address.substr(colon + 1), &port)) << address;
-  return std::make_shared<rpc::Store>(address.substr(0, colon), port, absl::Seconds(60));
-}
 
 at::Tensor flat_grads(dist_autograd::ContextId id, torch::nn::Linear& model) {
   c10::Dict<at::Tensor, at::Tensor> grads = dist_autograd::get_gradients(id);
@@ -56,7 +48,7 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, PeerStartedPassesTakeNoPartInTheAllreduce
   {
     at::manual_seed(7);  // the same initial model on both workers
     torch::nn::Linear model(4, 2);
-    auto store = connect_store();
+    auto store = mp::connect_rpc_store();
     ddp::ProcessGroupOptions group_options;
     group_options.timeout = absl::Seconds(20);
     auto group = ddp::make_gloo_group(store, "test/ddp/", rank, 2, group_options);

@@ -8,7 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "autograd/dist_autograd.h"
 #include "ddp/distributed_data_parallel.h"
@@ -19,6 +18,7 @@
 #include "rpc/rpc.h"
 #include "rpc/store.h"
 #include "tests/multiprocess.h"
+#include "tests/rpc_store.h"
 
 namespace rpc = ddprpc::rpc;
 namespace mp = ddprpc::testing;
@@ -36,14 +36,6 @@ at::Tensor g_dense;
 at::Tensor dense_parameters() { return g_dense; }
 DDPRPC_REGISTER_FUNCTION(dense_parameters);
 
-std::shared_ptr<rpc::Store> connect_store() {
-  const std::string address = rpc::current_agent()->store().address();
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  EXPECT_TRUE(absl::SimpleAtoi(address.substr(colon + 1), &port)) << address;
-  return std::make_shared<rpc::Store>(address.substr(0, colon), port, absl::Seconds(60));
-}
-
 // Trains kSteps batches (rank-dependent data) with or without DDP; leaves the
 // flattened dense parameters in g_dense.
 void train(bool with_ddp, const std::string& tag) {
@@ -57,7 +49,8 @@ void train(bool with_ddp, const std::string& tag) {
   if (with_ddp) {
     ddp::ProcessGroupOptions options;
     options.timeout = absl::Seconds(30);
-    group = ddp::make_gloo_group(connect_store(), "test/" + tag + "/", rank, kTrainers, options);
+    group = ddp::make_gloo_group(mp::connect_rpc_store(), "test/" + tag + "/", rank, kTrainers,
+                                 options);
     averaged = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), group);
   }
   ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", 0.1}}, model.parameter_rrefs());
@@ -93,7 +86,7 @@ at::Tensor others(rpc::Store& store, const std::string& tag) {
 MULTIPROCESS_TEST(HybridModelDdpTest, DenseReplicasStayIdenticalOnlyWithDdp, 3) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
   if (mp::rank() < kTrainers) {
-    auto store = connect_store();
+    auto store = mp::connect_rpc_store();
     train(/*with_ddp=*/true, "ddp");
     at::Tensor other = others(*store, "ddp");
     EXPECT_TRUE(at::equal(other, g_dense))
