@@ -74,8 +74,10 @@ int cpu_count() { return static_cast<int>(std::thread::hardware_concurrency()); 
 double percentile(std::vector<double> samples, double p) {
   if (samples.empty()) return 0;
   std::sort(samples.begin(), samples.end());
-  size_t i = std::min(samples.size() - 1, static_cast<size_t>(samples.size() * p));
-  return samples[i];
+  const double pos = std::clamp(p, 0.0, 1.0) * static_cast<double>(samples.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, samples.size() - 1);
+  return samples[lo] + (samples[hi] - samples[lo]) * (pos - static_cast<double>(lo));
 }
 
 std::string self_exe() {

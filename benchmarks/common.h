@@ -29,7 +29,10 @@ int cpu_count();
 // allocated and freed every step; on this VM the faults cost ~20% of a
 // ddp_rpc iteration. Call first thing in main().
 void keep_freed_memory();
-// p in [0, 1]; the value at index floor(n * p) of the sorted samples.
+// The percentile method of every figure we print, ours and PyTorch's side
+// alike: numpy.percentile's default (linear interpolation between the two
+// nearest ranks). p in [0, 1]: the sorted samples' value at position
+// p * (n - 1), interpolated; 0 for no samples.
 double percentile(std::vector<double> samples, double p);
 
 std::string self_exe();

@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <regex>
@@ -41,6 +42,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "autograd/dist_autograd.h"
 #include "benchmarks/common.h"
 #include "ddp/distributed_data_parallel.h"
@@ -73,6 +76,15 @@ DEFINE_bool(check_convergence, false,
             "train on a learnable target (every index of a bag has index % 8 == the bag's "
             "target) and exit with code 3 unless the mean loss of the last iteration is at "
             "least 10% below the first one's and every parameter server's table changed");
+DEFINE_string(lookups, "concurrent",
+              "how a trainer's forward reaches the parameter servers: concurrent (rpc_async to "
+              "every server, then wait for all) or sequential (rpc_sync one after another, the "
+              "order of PyTorch's original benchmark); PyTorch's reference runs the same");
+DEFINE_string(dense_kernel, "xnnpack,aten",
+              "kernels of the dense layers, a comma list, one run of ddprpc each: xnnpack (ours) "
+              "or aten (libtorch's Linear, the kernel PyTorch's side runs). Against PyTorch, "
+              "aten gives the ratio of the runtimes alone and xnnpack the ratio of the product. "
+              "A rank started on its own uses the first");
 DEFINE_string(backend, "gloo",
               "DDP collective backend among trainers: gloo (CPU) or nccl (GPU; needs a CUDA build "
               "and a visible GPU)");
@@ -105,10 +117,14 @@ DEFINE_bool(pytorch, true,
             "also run PyTorch's reference (benchmarks/reference/ddp_rpc.py, /usr/bin/python3) on "
             "the same tables and trainers and print the ratio (not with --check_convergence or "
             "a role started on its own)");
-DEFINE_int32(pytorch_iters, 20,
-             "measured iterations of PyTorch's reference (at most --iters): it is ~2.5x slower, "
-             "and 8x8 at 100 iterations would take minutes");
-DEFINE_int32(pytorch_warmup, 2, "warm-up iterations of PyTorch's reference (at most --warmup)");
+DEFINE_int32(pytorch_iters, -1,
+             "measured iterations of PyTorch's reference; -1: --iters (the report says so when "
+             "the two sides differ)");
+DEFINE_int32(pytorch_warmup, -1, "warm-up iterations of PyTorch's reference; -1: --warmup");
+DEFINE_int32(pairs, 1,
+             "rounds of interleaved runs: ddprpc (once per --dense_kernel), then PyTorch's "
+             "reference; each ratio printed is the median of the rounds' ratios, so that drift "
+             "of the machine between runs cannot favour one side");
 DEFINE_string(pytorch_script, "", "path of the PyTorch reference script (default: benchmarks/reference/ddp_rpc.py "
               "from this binary's runfiles)");
 DEFINE_int32(timeout_s, 1800, "wall-clock limit of the whole run, in seconds (stops every process)");
@@ -133,6 +149,21 @@ constexpr double kMinLossFall = 0.10;  // --check_convergence: last <= 90% of fi
 [[noreturn]] void usage_error(const std::string& message) {
   std::fprintf(stderr, "ddp_rpc: %s (see --help)\n", message.c_str());
   std::exit(kUsageError);
+}
+
+// --dense_kernel as a list (validated by check_flags).
+std::vector<models::DenseKernel> dense_kernels() {
+  std::vector<models::DenseKernel> out;
+  for (const std::string& name :
+       std::vector<std::string>(absl::StrSplit(FLAGS_dense_kernel, ',', absl::SkipWhitespace()))) {
+    models::DenseKernel k;
+    if (!models::parse_dense_kernel(name, &k)) {
+      usage_error(absl::StrCat("--dense_kernel: '", name, "' is neither xnnpack nor aten"));
+    }
+    out.push_back(k);
+  }
+  if (out.empty()) usage_error("--dense_kernel names no kernel");
+  return out;
 }
 
 struct Role {
@@ -244,10 +275,11 @@ uint64_t derived_seed(int rank) {
 std::string workload_flags() {
   return absl::StrFormat(
       "--trainers=%d --ps=%d --num_embeddings=%d --embedding_dim=%d --iters=%d --warmup=%d "
-      "--batches_per_iter=%d --lr=%g --seed=%d --check_convergence=%d --backend=%s",
+      "--batches_per_iter=%d --lr=%g --seed=%d --check_convergence=%d --backend=%s "
+      "--lookups=%s --dense_kernel=%s",
       FLAGS_trainers, FLAGS_ps, FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_iters,
       FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed, FLAGS_check_convergence,
-      FLAGS_backend);
+      FLAGS_backend, FLAGS_lookups, models::dense_kernel_name(dense_kernels()[0]));
 }
 
 // ---------------------------------------------------------------------------
@@ -304,7 +336,12 @@ TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables,
                                              master_workload, ")"));
   }
   std::mt19937_64 rng(derived_seed(static_cast<int>(rank)));
-  models::HybridModel model(std::move(tables), FLAGS_embedding_dim);
+  models::HybridModelOptions model_options;
+  model_options.lookups = FLAGS_lookups == "sequential"
+                              ? models::HybridModelOptions::Lookups::kSequential
+                              : models::HybridModelOptions::Lookups::kConcurrent;
+  model_options.dense_kernel = dense_kernels()[0];
+  models::HybridModel model(std::move(tables), FLAGS_embedding_dim, model_options);
   // DDP among the trainers (rendezvous through the RPC store): the same
   // initial dense parameters everywhere, gradients averaged inside every
   // dist_autograd backward pass.
@@ -401,14 +438,21 @@ std::string pct_line(const std::string& name, const Percentiles& p) {
   return line;
 }
 
-void json_percentiles(bench::Json& json, const Percentiles& p) {
+// The percentiles, then the samples they come from: "seconds" and
+// "examples" per measured iteration.
+void json_percentiles(bench::Json& json, const Percentiles& p, const std::vector<double>& seconds,
+                      const std::vector<double>& examples) {
   json.begin_object();
   for (int i = 0; i < 4; ++i) {
     json.key(absl::StrCat("p", kPcts[i])).begin_object();
     json.key("sec_per_iter").value(p.sec[i]).key("ex_per_sec").value(p.ex[i]);
     json.end_object();
   }
-  json.end_object();
+  json.key("seconds").begin_array();
+  for (double v : seconds) json.value(v);
+  json.end_array().key("examples").begin_array();
+  for (double v : examples) json.value(v);
+  json.end_array().end_object();
 }
 
 // A copy of every table's weight, fetched from its parameter server.
@@ -498,7 +542,8 @@ int run_master(const Role& role, std::string* report, std::string* report_json) 
   const double wall = absl::ToDoubleSeconds(absl::Now() - start);
 
   std::ostringstream out;
-  out << "------------------ ddprpc Distributed Benchmark (DDP and RPC) ---------------------\n";
+  out << "------------------ ddprpc Distributed Benchmark (DDP and RPC), dense layers on "
+      << models::dense_kernel_name(dense_kernels()[0]) << " ------------------\n";
   out << "                sec/iter    ex/sec      sec/iter    ex/sec      sec/iter    ex/sec      "
          "sec/iter    ex/sec\n";
   bench::Json json;
@@ -512,7 +557,7 @@ int run_master(const Role& role, std::string* report, std::string* report_json) 
     Percentiles p = percentiles(sec, exd);
     out << pct_line(absl::StrCat("Trainer", r), p) << "\n";
     json.key(absl::StrCat("trainer", r));
-    json_percentiles(json, p);
+    json_percentiles(json, p, sec, exd);
     for (size_t i = 0; i < sec.size() && i < all_sec.size(); ++i) {
       all_sec[i] = std::max(all_sec[i], sec[i]);
       all_ex[i] += exd[i];
@@ -521,7 +566,7 @@ int run_master(const Role& role, std::string* report, std::string* report_json) 
   Percentiles all = percentiles(all_sec, all_ex);
   out << pct_line("All", all) << "\n";
   json.key("all");
-  json_percentiles(json, all);
+  json_percentiles(json, all, all_sec, all_ex);
   json.key("wall_s").value(wall);
   static const char* kPhases[] = {"forward", "backward", "optimizer_step", "context_release"};
   out << absl::StrFormat("Where a batch goes (mean over trainers, ms): ");
@@ -598,6 +643,10 @@ void print_info(const std::string& processes) {
       FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_ps * FLAGS_embedding_dim, FLAGS_iters,
       FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed,
       FLAGS_check_convergence ? "; learnable target (--check_convergence)" : "");
+  absl::PrintF(
+      "* lookups: %s; dense layers on: %s; percentiles: numpy's linear interpolation, both "
+      "sides\n",
+      FLAGS_lookups, FLAGS_dense_kernel);
   const std::string topo = run_or_empty({"nvidia-smi", "topo", "-m"});
   if (!topo.empty()) absl::PrintF("---------- nvidia-smi topo -m ---------\n%s", topo);
   std::fflush(stdout);
@@ -608,7 +657,27 @@ std::string trim_json(std::string s) {
   return s.empty() ? "null" : s;
 }
 
-void write_json(const std::string& ours, const std::string& theirs) {
+// Every figure of the local launch: the first run of each side in full,
+// then each round's "All" p50 and the ratios.
+struct Report {
+  std::map<std::string, std::string> ours;  // kernel -> the first run's JSON
+  std::string theirs;                        // PyTorch's first run's JSON
+  std::map<std::string, std::vector<double>> ours_p50;  // kernel -> All p50 per round
+  std::vector<double> theirs_p50;                       // per round
+};
+
+// PyTorch's All p50 over ours, per round (sec/iter: > 1 means ddprpc is faster).
+std::vector<double> round_ratios(const Report& r, const std::string& kernel) {
+  std::vector<double> out;
+  const auto it = r.ours_p50.find(kernel);
+  if (it == r.ours_p50.end()) return out;
+  for (size_t i = 0; i < it->second.size() && i < r.theirs_p50.size(); ++i) {
+    if (it->second[i] > 0 && r.theirs_p50[i] > 0) out.push_back(r.theirs_p50[i] / it->second[i]);
+  }
+  return out;
+}
+
+void write_json(const Report& r) {
   bench::Json config;
   config.begin_object();
   config.key("trainers").value(FLAGS_trainers).key("ps").value(FLAGS_ps);
@@ -619,10 +688,42 @@ void write_json(const std::string& ours, const std::string& theirs) {
   config.key("seed").value(static_cast<double>(FLAGS_seed));
   config.key("check_convergence").value(FLAGS_check_convergence);
   config.key("backend").value(FLAGS_backend).key("cpus").value(bench::cpu_count());
+  config.key("lookups").value(FLAGS_lookups).key("dense_kernel").value(FLAGS_dense_kernel);
+  config.key("pairs").value(FLAGS_pairs);
+  config.key("percentiles").value("numpy linear interpolation");
   config.end_object();
+  const std::string first_kernel = models::dense_kernel_name(dense_kernels()[0]);
+  std::string out = absl::StrCat("{\"config\":", config.str(), ",\"ddprpc\":",
+                                 trim_json(r.ours.count(first_kernel) ? r.ours.at(first_kernel) : ""),
+                                 ",\"ddprpc_by_kernel\":{");
+  bool first = true;
+  for (const auto& [kernel, json] : r.ours) {
+    absl::StrAppend(&out, first ? "" : ",", "\"", kernel, "\":", trim_json(json));
+    first = false;
+  }
+  absl::StrAppend(&out, "},\"pytorch\":", trim_json(r.theirs), ",\"rounds\":");
+  bench::Json rounds;
+  rounds.begin_object();
+  for (const auto& [kernel, p50s] : r.ours_p50) {
+    rounds.key(absl::StrCat("ddprpc_", kernel, "_all_p50")).begin_array();
+    for (double v : p50s) rounds.value(v);
+    rounds.end_array();
+  }
+  rounds.key("pytorch_all_p50").begin_array();
+  for (double v : r.theirs_p50) rounds.value(v);
+  rounds.end_array();
+  rounds.key("ratios").begin_object();
+  for (const auto& [kernel, p50s] : r.ours_p50) {
+    std::vector<double> ratios = round_ratios(r, kernel);
+    if (ratios.empty()) continue;
+    rounds.key(kernel).begin_object().key("per_round").begin_array();
+    for (double v : ratios) rounds.value(v);
+    rounds.end_array().key("median").value(bench::percentile(ratios, 0.5)).end_object();
+  }
+  rounds.end_object().end_object();
+  absl::StrAppend(&out, rounds.str(), "}\n");
   const std::string path = bench::output_path(FLAGS_json);
-  std::ofstream(path) << "{\"config\":" << config.str() << ",\"ddprpc\":" << trim_json(ours)
-                      << ",\"pytorch\":" << trim_json(theirs) << "}\n";
+  std::ofstream(path) << out;
   std::printf("wrote %s\n", path.c_str());
 }
 
@@ -663,7 +764,11 @@ int worker(const Placement& where) {
     rc = run_master(role, &report, &report_json);
     if (standalone) {
       std::printf("%sPyTorch reference not run (roles started on their own)\n", report.c_str());
-      if (rc != kTrainingFailed) write_json(report_json, "");
+      if (rc != kTrainingFailed) {
+        Report r;
+        r.ours[models::dense_kernel_name(dense_kernels()[0])] = report_json;
+        write_json(r);
+      }
     } else {
       std::ofstream(FLAGS_result_file + ".txt") << report;
       std::ofstream(FLAGS_result_file) << report_json << "\n";
@@ -684,57 +789,79 @@ double all_p50(const std::string& json) {
   return std::regex_search(json, m, re) ? std::stod(m[1].str()) : 0;
 }
 
-// Runs the reference on the same tables and trainers; returns its JSON.
-std::string run_pytorch_reference(const std::string& script, const std::string& tmp) {
-  const int iters = std::min(FLAGS_iters, FLAGS_pytorch_iters);
-  const int warmup = std::min(FLAGS_warmup, FLAGS_pytorch_warmup);
+int pytorch_iters() { return FLAGS_pytorch_iters >= 0 ? FLAGS_pytorch_iters : FLAGS_iters; }
+int pytorch_warmup() { return FLAGS_pytorch_warmup >= 0 ? FLAGS_pytorch_warmup : FLAGS_warmup; }
+
+// Runs the reference with the same workload; returns its JSON ("" when it
+// failed). `full`: prints its table, else only its "All" line.
+std::string run_pytorch_reference(const std::string& script, const std::string& tmp, bool full) {
   std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s)\n", script.c_str());
   const std::string json = tmp + ".pytorch.json";
   std::string output;
   int rc = bench::run_command(
       {"/usr/bin/python3", script, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
        absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
-       absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(iters), "--warmup",
-       absl::StrCat(warmup), "--port", absl::StrCat(rpc::pick_free_port()), "--json", json},
+       absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(pytorch_iters()), "--warmup",
+       absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--port",
+       absl::StrCat(rpc::pick_free_port()), "--json", json},
       &output);
-  const std::string theirs = bench::read_file(json);
+  const std::string theirs = rc == 0 ? bench::read_file(json) : "";
   std::remove(json.c_str());
-  std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
-  std::printf(
-      "(%d measured + %d warm-up iterations of 10 batches, lr 0.05, its own random data: "
-      "--pytorch_iters, --pytorch_warmup)\n",
-      iters, warmup);
+  if (full) {
+    std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
+    std::printf("(%d measured + %d warm-up iterations of 10 batches, lr 0.05, %s lookups, its own "
+                "random data)\n",
+                pytorch_iters(), pytorch_warmup(), FLAGS_lookups.c_str());
+  }
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);) {
     // Its table and summary, without its processes' log lines.
-    if (line.find(": p50:") != std::string::npos || line.rfind("PyTorch", 0) == 0 ||
-        line.rfind("wall", 0) == 0) {
-      std::printf("%s\n", line.c_str());
+    const bool all_row = line.find("All:") != std::string::npos;
+    if ((full && (line.find(": p50:") != std::string::npos || line.rfind("PyTorch", 0) == 0 ||
+                  line.rfind("wall", 0) == 0)) ||
+        (!full && all_row)) {
+      std::printf("%s%s\n", full ? "" : "PyTorch          ", line.c_str());
     }
   }
-  if (rc != 0) std::printf("PyTorch reference failed (exit %d)\n", rc);
+  if (rc != 0) {
+    std::printf("PyTorch reference failed (exit %d):\n%s\n", rc,
+                output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
+  }
+  std::fflush(stdout);
   return theirs;
 }
 
-int coordinator(int argc, char** argv) {
+// Starts every role of one run of ours with `kernel`; prints its table
+// (`full`) or its "All" line. Returns 0 with the master's JSON in *json, or
+// the exit code of a failed run.
+int run_ours(int argc, char** argv, const std::string& kernel, bool full, std::string* json) {
   const int world = FLAGS_trainers + FLAGS_ps + 1;
-  print_info(absl::StrFormat("processes on this host: %d trainers + %d parameter servers + 1 "
-                             "master",
-                             FLAGS_trainers, FLAGS_ps));
   const std::string tmp = bench::temp_path("ddp_rpc");
   auto launch = bench::relaunch_self(world, argc, argv);
+  launch.argv.push_back("--dense_kernel=" + kernel);
   launch.argv.push_back("--result_file=" + tmp);
   launch.master_addr = FLAGS_master_addr;
   launch.master_port = FLAGS_master_port;
   launch.timeout = absl::Seconds(FLAGS_timeout_s);
   launch.grace_period = absl::Seconds(20);  // let the master report which call failed
-  std::fprintf(stderr, "ddp_rpc: starting %d processes\n", world);
+  std::fprintf(stderr, "ddp_rpc: starting %d processes (dense layers on %s)\n", world,
+               kernel.c_str());
   rpc::LaunchResult r = rpc::launch(launch);
-  const std::string ours = bench::read_file(tmp);
-  std::printf("%s", bench::read_file(tmp + ".txt").c_str());  // also when the convergence check failed
-  std::fflush(stdout);  // the table shows before PyTorch's reference starts, also in a pipe
+  *json = bench::read_file(tmp);
+  const std::string table = bench::read_file(tmp + ".txt");
   std::remove(tmp.c_str());
   std::remove((tmp + ".txt").c_str());
+  if (full) {
+    std::printf("%s", table.c_str());  // also when the convergence check failed
+  } else {
+    std::istringstream lines(table);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.find("All:") != std::string::npos) {
+        std::printf("ddprpc %-9s %s\n", kernel.c_str(), line.c_str());
+      }
+    }
+  }
+  std::fflush(stdout);  // the table shows before PyTorch's reference starts, also in a pipe
   if (r.exit_code == kNotConverged && role_of(r.failed_rank).is_master()) {
     std::fprintf(stderr, "ddp_rpc: the convergence check failed (see the report above)\n");
     return kNotConverged;
@@ -744,26 +871,71 @@ int coordinator(int argc, char** argv) {
     std::fprintf(stderr, "ddp_rpc: failed: %s%s\n", who.c_str(), r.message.c_str());
     return kTrainingFailed;
   }
+  return 0;
+}
 
-  std::string theirs;
+// The ratios of the rounds, one line per kernel.
+void print_ratios(const Report& r) {
+  if (FLAGS_batches_per_iter != 10) return;  // sec/iter compare only for the same work
+  if (pytorch_iters() != FLAGS_iters || pytorch_warmup() != FLAGS_warmup) {
+    std::printf("NOTE: PyTorch measured %d iterations after %d warm-up, ddprpc %d after %d "
+                "(--pytorch_iters, --pytorch_warmup)\n",
+                pytorch_iters(), pytorch_warmup(), FLAGS_iters, FLAGS_warmup);
+  }
+  for (models::DenseKernel k : dense_kernels()) {
+    const std::string kernel = models::dense_kernel_name(k);
+    const std::vector<double> ratios = round_ratios(r, kernel);
+    if (ratios.empty()) continue;
+    const double m = bench::percentile(ratios, 0.5);
+    std::vector<std::string> each;
+    for (double v : ratios) each.push_back(absl::StrFormat("%.2fx", v));
+    std::printf(
+        "All p50 sec/iter, PyTorch / ddprpc with %s dense layers (%s): %.2fx%s, median of %zu "
+        "interleaved round(s) [%s]; ddprpc %s\n",
+        kernel.c_str(),
+        k == models::DenseKernel::kAten ? "the same kernels: the runtimes alone"
+                                        : "our kernels: the product",
+        m, m >= 1 ? " (ddprpc faster)" : " (ddprpc slower)", ratios.size(),
+        absl::StrJoin(each, " ").c_str(),
+        absl::StrFormat("%.3fs, PyTorch %.3fs in the first round", r.ours_p50.at(kernel)[0],
+                        r.theirs_p50[0])
+            .c_str());
+  }
+}
+
+int coordinator(int argc, char** argv) {
+  print_info(absl::StrFormat("processes on this host: %d trainers + %d parameter servers + 1 "
+                             "master",
+                             FLAGS_trainers, FLAGS_ps));
   const std::string script = FLAGS_pytorch_script.empty()
                                  ? bench::source_path("benchmarks/reference/ddp_rpc.py")
                                  : FLAGS_pytorch_script;
+  const bool pytorch = FLAGS_pytorch && !FLAGS_check_convergence && !script.empty();
+  const int rounds = pytorch ? FLAGS_pairs : 1;
+  Report report;
+  const std::string tmp = bench::temp_path("ddp_rpc_ref");
+  for (int round = 0; round < rounds; ++round) {
+    if (rounds > 1) std::fprintf(stderr, "ddp_rpc: round %d of %d\n", round + 1, rounds);
+    for (models::DenseKernel k : dense_kernels()) {
+      const std::string kernel = models::dense_kernel_name(k);
+      std::string json;
+      const int rc = run_ours(argc, argv, kernel, round == 0, &json);
+      if (rc != 0) return rc;
+      if (round == 0) report.ours[kernel] = json;
+      report.ours_p50[kernel].push_back(all_p50(json));
+    }
+    if (!pytorch) break;
+    std::string theirs = run_pytorch_reference(script, tmp, round == 0);
+    if (round == 0) report.theirs = theirs;
+    report.theirs_p50.push_back(all_p50(theirs));
+  }
   if (FLAGS_check_convergence) {
     std::printf("PyTorch reference not run (--check_convergence)\n");
-  } else if (FLAGS_pytorch && !script.empty()) {
-    theirs = run_pytorch_reference(script, tmp);
-  } else {
+  } else if (!pytorch) {
     std::printf("PyTorch reference not run (--pytorch=false or no reference script found)\n");
   }
-  const double ours_p50 = all_p50(ours), theirs_p50 = all_p50(theirs);
-  // sec/iter compare only when an iteration is the same work (10 batches).
-  if (ours_p50 > 0 && theirs_p50 > 0 && FLAGS_batches_per_iter == 10) {
-    std::printf("All p50 sec/iter: ddprpc %.3fs, PyTorch %.3fs: ddprpc is %.2fx %s\n", ours_p50,
-                theirs_p50, theirs_p50 >= ours_p50 ? theirs_p50 / ours_p50 : ours_p50 / theirs_p50,
-                theirs_p50 >= ours_p50 ? "faster" : "slower");
-  }
-  write_json(ours, theirs);
+  print_ratios(report);
+  write_json(report);
   return 0;
 }
 
@@ -782,6 +954,14 @@ void check_flags() {
     usage_error("--check_convergence needs --num_embeddings of at least 8 (a row per class)");
   }
   if (FLAGS_master_port < 0 || FLAGS_master_port > 65535) usage_error("--master_port is 0..65535");
+  if (FLAGS_lookups != "concurrent" && FLAGS_lookups != "sequential") {
+    usage_error("--lookups must be concurrent or sequential");
+  }
+  dense_kernels();  // exits on a name it does not know
+  if (FLAGS_pairs < 1) usage_error("--pairs must be at least 1");
+  if (FLAGS_pytorch_iters == 0 || FLAGS_pytorch_iters < -1 || FLAGS_pytorch_warmup < -1) {
+    usage_error("--pytorch_iters must be at least 1 (or -1), --pytorch_warmup at least 0 (or -1)");
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 // the server and the call, leaving no process behind.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <regex>
@@ -23,42 +24,103 @@ namespace {
 using namespace ddprpc::benchmarks::testing;
 
 const std::string kBinary = "benchmarks/ddp_rpc";
-const std::vector<std::string> kSmall = {"--trainers=2", "--ps=2", "--pytorch=false"};
+const std::vector<std::string> kSmall = {"--trainers=2", "--ps=2", "--pytorch=false",
+                                         "--dense_kernel=xnnpack"};
+const char* const kPcts[] = {"p50", "p75", "p90", "p95"};
 
 std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
   args.insert(args.end(), more.begin(), more.end());
   return args;
 }
 
-// The table of a 2-trainer run has Trainer0, Trainer1 and All rows, every
-// figure positive; its JSON has every trainer.
-void expect_table_and_json(const std::string& out, const std::string& json_path) {
-  std::regex row(R"((Trainer0|Trainer1|All):\s+p50: ([0-9.]+)s\s+([0-9]+)/s\s+p75: ([0-9.]+)s\s+([0-9]+)/s\s+p90: ([0-9.]+)s\s+([0-9]+)/s\s+p95: ([0-9.]+)s\s+([0-9]+)/s)");
-  int rows = 0;
-  for (std::sregex_iterator it(out.begin(), out.end(), row), end; it != end; ++it, ++rows) {
-    for (int g = 2; g <= 9; ++g) EXPECT_GT(std::stod((*it)[g].str()), 0) << (*it)[0];
+// The figures of one run ("ddprpc" or an entry of "ddprpc_by_kernel"),
+// checked against its raw samples: every trainer has `iters` measured
+// iterations; All takes the slowest trainer's seconds and the sum of the
+// examples per iteration; each percentile is numpy's of those samples
+// (sec/iter at p, ex/sec at 100 - p of examples / seconds).
+void expect_figures_from_samples(const JsonValue& run, int iters, const std::string& where) {
+  std::vector<double> slowest(iters, 0.0), summed(iters, 0.0);
+  for (const char* key : {"trainer0", "trainer1", "all"}) {
+    std::vector<double> sec = json_numbers(run, {key, "seconds"});
+    std::vector<double> ex = json_numbers(run, {key, "examples"});
+    ASSERT_EQ(sec.size(), static_cast<size_t>(iters)) << where << " " << key;
+    ASSERT_EQ(ex.size(), static_cast<size_t>(iters)) << where << " " << key;
+    if (std::string(key) == "all") {
+      for (int i = 0; i < iters; ++i) {
+        EXPECT_NEAR(sec[i], slowest[i], 1e-5 * slowest[i]) << where << " all, iteration " << i;
+        EXPECT_EQ(ex[i], summed[i]) << where << " all, iteration " << i;
+      }
+    } else {
+      for (int i = 0; i < iters; ++i) {
+        EXPECT_GT(sec[i], 0) << where << " " << key;
+        // 10 batches of 20..50 indices, bags of 1..10 of them: 20..500 examples.
+        EXPECT_GE(ex[i], 20) << where << " " << key;
+        EXPECT_LE(ex[i], 500) << where << " " << key;
+        slowest[i] = std::max(slowest[i], sec[i]);
+        summed[i] += ex[i];
+      }
+    }
+    std::vector<double> rate;
+    for (int i = 0; i < iters; ++i) rate.push_back(ex[i] / sec[i]);
+    for (int p : {50, 75, 90, 95}) {
+      const std::string name = absl::StrCat("p", p);
+      const double want_sec = numpy_percentile(sec, p), want_ex = numpy_percentile(rate, 100 - p);
+      EXPECT_NEAR(json_number(run, {key, name, "sec_per_iter"}), want_sec, 1e-4 * want_sec)
+          << where << " " << key << " " << name;
+      EXPECT_NEAR(json_number(run, {key, name, "ex_per_sec"}), want_ex, 1e-4 * want_ex)
+          << where << " " << key << " " << name;
+    }
   }
-  EXPECT_EQ(rows, 3) << out;
+}
+
+// The table of a 2-trainer run has Trainer0, Trainer1 and All rows per
+// kernel, each printing its JSON's figures; the JSON's figures follow from
+// its samples.
+void expect_table_and_json(const std::string& out, const std::string& json_path, int iters,
+                           const std::vector<std::string>& kernels = {"xnnpack"}) {
   JsonValue report;
   std::string error;
   const std::string j = read_file(json_path);
   ASSERT_TRUE(parse_json(j, &report, &error)) << error << "\n" << j;
-  for (const char* key : {"trainer0", "trainer1", "all"}) {
-    for (const char* p : {"p50", "p75", "p90", "p95"}) {
-      for (const char* figure : {"sec_per_iter", "ex_per_sec"}) {
-        EXPECT_GT(json_number(report, {"ddprpc", key, p, figure}), 0) << key << " " << p << ": " << j;
+  EXPECT_EQ(json_number(report, {"config", "trainers"}), 2) << j;
+  const std::regex row(R"((Trainer0|Trainer1|All):\s+p50: ([0-9.]+)s\s+([0-9]+)/s\s+p75: ([0-9.]+)s\s+([0-9]+)/s\s+p90: ([0-9.]+)s\s+([0-9]+)/s\s+p95: ([0-9.]+)s\s+([0-9]+)/s)");
+  size_t at = 0;
+  for (const std::string& kernel : kernels) {
+    const std::string heading = "dense layers on " + kernel;
+    at = out.find(heading, at);
+    ASSERT_NE(at, std::string::npos) << heading << " missing:\n" << out;
+    const JsonValue* run = json_at(report, {"ddprpc_by_kernel", kernel});
+    ASSERT_NE(run, nullptr) << kernel << ": " << j;
+    expect_figures_from_samples(*run, iters, kernel);
+    std::string table = out.substr(at);
+    std::sregex_iterator it(table.begin(), table.end(), row);
+    for (const char* key : {"trainer0", "trainer1", "all"}) {
+      ASSERT_NE(it, std::sregex_iterator()) << kernel << " " << key << ":\n" << out;
+      const std::smatch& m = *it++;
+      for (int p = 0; p < 4; ++p) {
+        EXPECT_NEAR(std::stod(m[2 + 2 * p].str()), json_number(*run, {key, kPcts[p], "sec_per_iter"}),
+                    0.0006) << m[0];
+        EXPECT_NEAR(std::stod(m[3 + 2 * p].str()), json_number(*run, {key, kPcts[p], "ex_per_sec"}),
+                    0.6) << m[0];
       }
     }
   }
-  EXPECT_EQ(json_number(report, {"config", "trainers"}), 2) << j;
+  // "ddprpc" is the first kernel's run.
+  for (const char* key : {"trainer0", "trainer1", "all"}) {
+    EXPECT_EQ(json_numbers(report, {"ddprpc", key, "seconds"}),
+              json_numbers(report, {"ddprpc_by_kernel", kernels[0], key, "seconds"}));
+  }
 }
 
 TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
   const std::string json = test_tmp("small.json");
-  Child c(binary(kBinary), with(kSmall, {"--iters=3", "--warmup=1", "--json=" + json}), "small");
+  // Both kernels (the default), one run each.
+  Child c(binary(kBinary),
+          {"--trainers=2", "--ps=2", "--pytorch=false", "--iters=4", "--warmup=1", "--json=" + json},
+          "small");
   ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << c.err();
   const std::string out = c.out();
-  expect_table_and_json(out, json);
+  expect_table_and_json(out, json, 4, {"xnnpack", "aten"});
   for (const char* info : {"libtorch 1.", "gRPC 1.", "Gloo 0.", "CPUs: "}) {
     EXPECT_NE(out.find(info), std::string::npos) << info << " missing from the Info header:\n" << out;
   }
@@ -81,7 +143,7 @@ TEST(DdpRpcBenchmarkTest, RolesStartedOnTheirOwnRunTheSameBenchmark) {
     EXPECT_EQ(ranks[rank]->wait_for(absl::Minutes(3)), 0)
         << "rank " << rank << ":\n" << tail(ranks[rank]->err());
   }
-  expect_table_and_json(ranks[4]->out(), json);
+  expect_table_and_json(ranks[4]->out(), json, 3);
 }
 
 TEST(DdpRpcBenchmarkTest, WorldSizeThatDoesNotMatchTheRolesIsRefused) {
@@ -117,6 +179,33 @@ TEST(DdpRpcBenchmarkTest, CheckConvergenceSeesTheLossFallAndTheTablesChange) {
   }
   EXPECT_NE(out.find("Convergence check: passed"), std::string::npos) << out;
   EXPECT_NE(read_file(json).find("\"convergence\""), std::string::npos);
+}
+
+// --lookups=sequential reaches the same tables one after another: with one
+// trainer (no concurrent updates on the servers) the same seed trains to the
+// same losses as concurrent lookups.
+TEST(DdpRpcBenchmarkTest, SequentialLookupsTrainTheSameModel) {
+  std::vector<std::pair<double, double>> losses;
+  for (const char* lookups : {"concurrent", "sequential"}) {
+    Child c(binary(kBinary),
+            {"--trainers=1", "--ps=2", "--pytorch=false", "--dense_kernel=aten", "--iters=10",
+             "--warmup=0", "--check_convergence", std::string("--lookups=") + lookups,
+             "--json=" + test_tmp(std::string(lookups) + ".json")},
+            lookups);
+    ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.err());
+    EXPECT_NE(c.out().find(std::string("lookups: ") + lookups), std::string::npos) << c.out();
+    losses.push_back(first_and_last_loss(c.out()));
+    EXPECT_GT(losses.back().first, 0) << c.out();
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+}
+
+TEST(DdpRpcBenchmarkTest, UnknownKernelOrLookupsIsRefused) {
+  for (const char* flag : {"--dense_kernel=xnnpack,blas", "--lookups=parallel", "--pairs=0"}) {
+    Child c(binary(kBinary), with(kSmall, {flag}), "refused");
+    EXPECT_EQ(c.wait_for(absl::Seconds(30)), 2) << flag;
+    EXPECT_NE(c.err().find("see --help"), std::string::npos) << c.err();
+  }
 }
 
 // The check can fail: with a zero learning rate nothing is learned.

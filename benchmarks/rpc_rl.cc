@@ -15,12 +15,13 @@
 // every observer has sent a state, the last one runs the whole batch in one
 // call and completes the future, which answers everyone.
 //
-// Metrics (p50/p75/p90/p95): agent latency (one request, or one batch from
-// its first arrival until its future is completed, as PyTorch's benchmark
-// measures it; the replies go out when the handler returns), agent
-// throughput (batch size /
-// agent latency), observer latency (request -> action) and observer
-// throughput (1 / observer latency). One flag may hold a comma list; each
+// Metrics (p50/p75/p90/p95, numpy's linear interpolation on both sides):
+// agent latency (one request, or one batch from its first arrival until its
+// future is completed and the replies of the batch's other requests are
+// encoded and handed to the transport, as PyTorch's set_result does inside
+// its timed region), agent throughput (batch size / agent latency), observer
+// latency (request -> action) and observer throughput (1 / observer
+// latency). One flag may hold a comma list; each
 // value is run in turn and becomes the table's x axis. --output_file_path
 // writes the JSON that `bazel run //benchmarks:plot -- FILE` charts.
 #include <ATen/Parallel.h>
@@ -71,6 +72,14 @@ DEFINE_string(output_file_path, "benchmark_report.json",
 DEFINE_bool(pytorch, true,
             "also run PyTorch's benchmark (benchmarks/reference/rpc_rl.py with /usr/bin/python3) "
             "on the same configuration and print both");
+DEFINE_string(dense_kernel, "xnnpack,aten",
+              "kernels of the agent's policy layers, a comma list, one run of ddprpc each: "
+              "xnnpack (ours) or aten (libtorch's Linear, the kernel PyTorch's side runs). "
+              "Against PyTorch, aten gives the ratio of the runtimes alone and xnnpack the "
+              "ratio of the product");
+DEFINE_int32(pairs, 1,
+             "rounds of interleaved runs: ddprpc (once per --dense_kernel), then PyTorch's "
+             "benchmark; each ratio printed is the median of the rounds' ratios");
 DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
 DEFINE_int32(timeout_s, 600, "wall-clock limit of each configuration, in seconds (stops its processes)");
 DEFINE_int32(rpc_timeout_s, 60, "deadline of each RPC, in seconds (episodes get --timeout_s)");
@@ -80,6 +89,7 @@ namespace ddprpc {
 namespace {
 
 namespace bench = benchmarks;
+namespace models = ddprpc::models;
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point start) {
@@ -89,16 +99,6 @@ double seconds_since(Clock::time_point start) {
 const char* const kMetrics[] = {"agent latency (seconds)", "agent throughput",
                                 "observer latency (seconds)", "observer throughput"};
 const int kPercentiles[] = {50, 75, 90, 95};
-
-// numpy.percentile's default (linear interpolation), as PyTorch's benchmark.
-double percentile_linear(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double pos = p / 100.0 * (v.size() - 1);
-  const size_t lo = static_cast<size_t>(pos);
-  const size_t hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (pos - lo);
-}
 
 std::string worker_name(int rank) {
   if (rank == 0) return "coordinator";
@@ -116,12 +116,15 @@ int64_t sample_row(const at::Tensor& probs, int64_t row) {
 // The dummy policy of PyTorch's benchmark.
 class Policy {
  public:
-  Policy(int64_t in_features, int64_t nlayers, int64_t out_features) {
+  Policy(int64_t in_features, int64_t nlayers, int64_t out_features, models::DenseKernel kernel) {
     layers_.emplace_back(in_features, out_features);
     for (int64_t i = 0; i < nlayers; ++i) layers_.emplace_back(out_features, out_features);
-    // Many forwards per weight update (an episode's steps): pack each weight
-    // once, as an inference layer does, not each batch.
-    for (auto& layer : layers_) layer->cache_packed_weight(true);
+    for (auto& layer : layers_) {
+      layer->set_kernel(kernel);
+      // XNNPACK: many forwards per weight update (an episode's steps): pack
+      // each weight once, as an inference layer does, not each batch.
+      layer->cache_packed_weight(kernel == models::DenseKernel::kXnnpack);
+    }
   }
   // x: [batch, state...] -> action probabilities [batch, out_features].
   at::Tensor forward(const at::Tensor& x) {
@@ -131,7 +134,7 @@ class Policy {
   }
 
  private:
-  std::vector<ddprpc::models::Linear> layers_;  // torch::nn::Linear on XNNPACK, packed once
+  std::vector<models::Linear> layers_;  // torch::nn::Linear on XNNPACK (packed once) or ATen
 };
 
 // The agent, owned by rank 1 and called by the observers through an RRef.
@@ -140,11 +143,15 @@ class RlAgent {
   RlAgent() = default;
 
   void set_world(int64_t batch_size, std::vector<int64_t> state_size, int64_t nlayers,
-                 int64_t out_features) {
+                 int64_t out_features, std::string kernel_name) {
+    models::DenseKernel kernel;
+    if (!models::parse_dense_kernel(kernel_name, &kernel)) {
+      throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument, "set_world: unknown kernel " + kernel_name);
+    }
     absl::MutexLock lock(&mu_);
     const int64_t in = std::accumulate(state_size.begin(), state_size.end(), int64_t{1},
                                        std::multiplies<int64_t>());
-    policy_ = std::make_unique<Policy>(in, nlayers, out_features);
+    policy_ = std::make_unique<Policy>(in, nlayers, out_features, kernel);
     batch_size_ = batch_size;
     pending_ = batch_size;
     std::vector<int64_t> shape{batch_size};
@@ -203,6 +210,10 @@ class RlAgent {
       at::Tensor index = at::from_blob(actions.data(), {probs.size(0), 1}, at::kLong).clone();
       at::Tensor log_probs = probs.gather(1, index).log().t();
       full.set_result(std::move(actions));
+      // The other requests' replies go out now, inside the timed region (as
+      // PyTorch's set_result sends them); this request's own goes out when
+      // the handler returns, after it, on both sides.
+      rpc::send_completed_replies();
       absl::MutexLock lock(&mu_);
       saved_log_probs_.push_back(log_probs);
       const double latency = seconds_since(batch_start_);
@@ -300,7 +311,24 @@ struct Config {
   bool batch = true;
   std::vector<int64_t> state_size;
   int64_t nlayers = 0, out_features = 0, episodes = 0, episode_steps = 0;
+  std::string kernel;  // the first of --dense_kernel
 };
+
+// --dense_kernel as names; "" and an error message in *error if one is unknown.
+std::vector<std::string> dense_kernels(std::string* error) {
+  std::vector<std::string> out;
+  for (const std::string& name :
+       std::vector<std::string>(absl::StrSplit(FLAGS_dense_kernel, ',', absl::SkipWhitespace()))) {
+    models::DenseKernel k;
+    if (!models::parse_dense_kernel(name, &k)) {
+      *error = "--dense_kernel: '" + name + "' is neither xnnpack nor aten";
+      return {};
+    }
+    out.push_back(name);
+  }
+  if (out.empty()) *error = "--dense_kernel names no kernel";
+  return out;
+}
 
 bool parse_bool(const std::string& s, bool* out) {
   if (s == "true" || s == "True" || s == "1") return (*out = true), true;
@@ -332,6 +360,10 @@ std::string parse_config(const std::string& x_name, const std::string& x_value, 
     if (!err.empty()) return err;
   }
   c->world_size = static_cast<int>(ws);
+  std::string kernel_error;
+  const std::vector<std::string> kernels = dense_kernels(&kernel_error);
+  if (!kernel_error.empty()) return kernel_error;
+  c->kernel = kernels[0];
   if (!parse_bool(v["batch"], &c->batch)) return "--batch=" + v["batch"] + ": expected true or false";
   c->state_size.clear();
   for (absl::string_view d : absl::StrSplit(v["state_size"], '-')) {
@@ -364,7 +396,7 @@ std::string x_axis_name(std::string* error) {
 void json_metrics(bench::Json& json, const std::vector<std::vector<double>>& samples) {
   for (int m = 0; m < 4; ++m) {
     json.key(kMetrics[m]).begin_object();
-    for (int p : kPercentiles) json.key(absl::StrCat("p", p)).value(percentile_linear(samples[m], p));
+    for (int p : kPercentiles) json.key(absl::StrCat("p", p)).value(bench::percentile(samples[m], p / 100.0));
     json.end_object();
   }
 }
@@ -373,7 +405,7 @@ int coordinator(const Config& c) {
   const int observers = c.world_size - 2;
   auto agent = rpc::remote<RlAgent>("agent");
   agent.rpc_sync(&RlAgent::set_world, int64_t{observers}, c.state_size, c.nlayers,
-                 c.out_features);
+                 c.out_features, c.kernel);
   std::vector<rpc::RRef<RlObserver>> obs;
   for (int rank = 2; rank < c.world_size; ++rank) {
     obs.push_back(rpc::remote<RlObserver>(worker_name(rank), int64_t{rank}, c.state_size, c.batch));
@@ -408,6 +440,14 @@ int coordinator(const Config& c) {
   bench::Json json;
   json.begin_object();
   json_metrics(json, samples);
+  // The samples the percentiles come from.
+  json.key("samples").begin_object();
+  for (int m = 0; m < 4; ++m) {
+    json.key(kMetrics[m]).begin_array();
+    for (double v : samples[m]) json.value(v);
+    json.end_array();
+  }
+  json.end_object();
   json.key("requests").value(requests).key("answered").value(answered).key("valid_actions").value(valid);
   json.end_object();
   if (!json.write(FLAGS_result_file)) {
@@ -483,6 +523,82 @@ void print_table(const std::string& x_name, const std::vector<std::string>& xs,
   }
 }
 
+// One run of ours over every x value with `kernel`: the figures per x and
+// each coordinator's JSON (with its x value). False after printing why not.
+bool run_ours(int argc, char** argv, const std::string& x_name, const std::vector<std::string>& xs,
+              const std::vector<Config>& configs, const std::string& kernel,
+              std::vector<Figures>* figures, google::protobuf::ListValue* results) {
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const std::string tmp = bench::temp_path("rpc_rl");
+    auto launch = bench::relaunch_self(configs[i].world_size, argc, argv);
+    if (!x_name.empty()) launch.argv.push_back("--" + x_name + "=" + xs[i]);
+    launch.argv.push_back("--dense_kernel=" + kernel);
+    launch.argv.push_back("--result_file=" + tmp);
+    launch.master_addr = FLAGS_master_addr;
+    launch.master_port = FLAGS_master_port;
+    launch.timeout = absl::Seconds(FLAGS_timeout_s);
+    launch.grace_period = absl::Seconds(10);
+    std::fprintf(stderr, "rpc_rl: %s%s%s: %d processes, policy on %s\n", x_name.c_str(),
+                 x_name.empty() ? "" : "=", xs[i].c_str(), configs[i].world_size, kernel.c_str());
+    rpc::LaunchResult r = rpc::launch(launch);
+    bench::JsonValue result;
+    std::string parse_error;
+    const bool parsed = bench::parse_json(bench::read_file(tmp), &result, &parse_error);
+    std::remove(tmp.c_str());
+    if (r.exit_code != 0) {
+      std::fprintf(stderr, "rpc_rl: failed%s: %s\n",
+                   r.failed_rank < 0 ? "" : (" on " + worker_name(r.failed_rank)).c_str(),
+                   r.exit_code == 3 ? "some requests were not answered with a valid action"
+                                    : r.message.c_str());
+      return false;
+    }
+    if (!parsed || !result.has_struct_value()) {
+      std::fprintf(stderr, "rpc_rl: the coordinator's result is not a JSON object: %s\n",
+                   parse_error.c_str());
+      return false;
+    }
+    figures->push_back(parse_figures(result));
+    if (!x_name.empty()) {
+      (*result.mutable_struct_value()->mutable_fields())[x_name].set_string_value(xs[i]);
+    }
+    *results->add_values() = std::move(result);
+  }
+  return true;
+}
+
+// PyTorch's benchmark on the same configuration: its figures per x and its
+// report (null when it failed, after printing why).
+std::vector<Figures> run_pytorch(const std::string& script, size_t xs, bench::JsonValue* report) {
+  std::fprintf(stderr, "rpc_rl: running PyTorch's benchmark (%s), same configuration\n",
+               script.c_str());
+  report->set_null_value(google::protobuf::NULL_VALUE);
+  const std::string tmp = bench::temp_path("rpc_rl_pytorch") + ".json";
+  std::string output;
+  const int rc = bench::run_command(
+      {"/usr/bin/python3", script, "--world_size", FLAGS_world_size, "--batch", FLAGS_batch,
+       "--state_size", FLAGS_state_size, "--nlayers", FLAGS_nlayers, "--out_features",
+       FLAGS_out_features, "--episodes", FLAGS_episodes, "--episode_steps", FLAGS_episode_steps,
+       "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
+       "--output_file_path", tmp},
+      &output);
+  std::string parse_error;
+  if (rc == 0 && !bench::parse_json(bench::read_file(tmp), report, &parse_error)) {
+    output += "\nits report is not JSON: " + parse_error;
+  }
+  std::remove(tmp.c_str());
+  std::vector<Figures> theirs;
+  if (const bench::JsonValue* results = bench::json_at(*report, {"benchmark_results"})) {
+    for (const auto& r : results->list_value().values()) theirs.push_back(parse_figures(r));
+  }
+  if (rc != 0 || theirs.size() != xs) {
+    std::printf("PyTorch's benchmark failed (exit %d):\n%s\n", rc,
+                output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
+    theirs.clear();
+    report->set_null_value(google::protobuf::NULL_VALUE);
+  }
+  return theirs;
+}
+
 int launcher(int argc, char** argv) {
   std::string error;
   const std::string x_name = x_axis_name(&error);
@@ -498,6 +614,8 @@ int launcher(int argc, char** argv) {
     if (error.empty()) error = parse_config(x_name, x, &c);
     configs.push_back(c);
   }
+  const std::vector<std::string> kernels = dense_kernels(&error);
+  if (error.empty() && FLAGS_pairs < 1) error = "--pairs must be at least 1";
   if (!error.empty()) {
     std::fprintf(stderr, "rpc_rl: %s\n", error.c_str());
     return 2;
@@ -507,98 +625,85 @@ int launcher(int argc, char** argv) {
   std::printf("--------------------------------------------------------------\n");
   std::printf("master_addr : %s\nmaster_port : %s\nbatch : %s\nstate_size : %s\nnlayers : %s\n"
               "out_features : %s\nepisodes : %s\nepisode_steps : %s\noutput_file_path : %s\n"
-              "x_axis_name : %s\n",
+              "x_axis_name : %s\ndense_kernel : %s\npairs : %d\n"
+              "percentiles : numpy's linear interpolation, both sides\n",
               FLAGS_master_addr.c_str(),
               FLAGS_master_port == 0 ? "(free port)" : absl::StrCat(FLAGS_master_port).c_str(),
               FLAGS_batch.c_str(), FLAGS_state_size.c_str(), FLAGS_nlayers.c_str(),
               FLAGS_out_features.c_str(), FLAGS_episodes.c_str(), FLAGS_episode_steps.c_str(),
-              FLAGS_output_file_path.c_str(), x_name.empty() ? "(none)" : x_name.c_str());
+              FLAGS_output_file_path.c_str(), x_name.empty() ? "(none)" : x_name.c_str(),
+              FLAGS_dense_kernel.c_str(), FLAGS_pairs);
   std::fflush(stdout);
 
-  std::vector<Figures> ours;
-  google::protobuf::ListValue ours_json;  // each result with its x value
-  for (size_t i = 0; i < configs.size(); ++i) {
-    const std::string tmp = bench::temp_path("rpc_rl");
-    auto launch = bench::relaunch_self(configs[i].world_size, argc, argv);
-    if (!x_name.empty()) launch.argv.push_back("--" + x_name + "=" + xs[i]);
-    launch.argv.push_back("--result_file=" + tmp);
-    launch.master_addr = FLAGS_master_addr;
-    launch.master_port = FLAGS_master_port;
-    launch.timeout = absl::Seconds(FLAGS_timeout_s);
-    launch.grace_period = absl::Seconds(10);
-    std::fprintf(stderr, "rpc_rl: %s%s%s: %d processes\n", x_name.c_str(), x_name.empty() ? "" : "=",
-                 xs[i].c_str(), configs[i].world_size);
-    rpc::LaunchResult r = rpc::launch(launch);
-    bench::JsonValue result;
-    std::string parse_error;
-    const bool parsed = bench::parse_json(bench::read_file(tmp), &result, &parse_error);
-    std::remove(tmp.c_str());
-    if (r.exit_code != 0) {
-      std::fprintf(stderr, "rpc_rl: failed%s: %s\n",
-                   r.failed_rank < 0 ? "" : (" on " + worker_name(r.failed_rank)).c_str(),
-                   r.exit_code == 3 ? "some requests were not answered with a valid action"
-                                    : r.message.c_str());
-      return 1;
-    }
-    if (!parsed || !result.has_struct_value()) {
-      std::fprintf(stderr, "rpc_rl: the coordinator's result is not a JSON object: %s\n",
-                   parse_error.c_str());
-      return 1;
-    }
-    ours.push_back(parse_figures(result));
-    if (!x_name.empty()) {
-      (*result.mutable_struct_value()->mutable_fields())[x_name].set_string_value(xs[i]);
-    }
-    *ours_json.add_values() = std::move(result);
-  }
-  std::printf("\n");
-  print_table(x_name, xs, ours);
-
-  bench::JsonValue theirs_json;  // PyTorch's report as its script wrote it; null if none
-  theirs_json.set_null_value(google::protobuf::NULL_VALUE);
-  std::vector<Figures> theirs;
   const std::string script = bench::source_path("benchmarks/reference/rpc_rl.py");
-  if (FLAGS_pytorch && !script.empty()) {
-    std::fprintf(stderr, "rpc_rl: running PyTorch's benchmark (%s), same configuration\n",
-                 script.c_str());
-    const std::string tmp = bench::temp_path("rpc_rl_pytorch") + ".json";
-    std::string output;
-    const int rc = bench::run_command(
-        {"/usr/bin/python3", script, "--world_size", FLAGS_world_size, "--batch", FLAGS_batch,
-         "--state_size", FLAGS_state_size, "--nlayers", FLAGS_nlayers, "--out_features",
-         FLAGS_out_features, "--episodes", FLAGS_episodes, "--episode_steps", FLAGS_episode_steps,
-         "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
-         "--output_file_path", tmp},
-        &output);
-    std::string parse_error;
-    if (rc == 0 && !bench::parse_json(bench::read_file(tmp), &theirs_json, &parse_error)) {
-      output += "\nits report is not JSON: " + parse_error;
+  const bool pytorch = FLAGS_pytorch && !script.empty();
+  const int rounds = pytorch ? FLAGS_pairs : 1;
+  // kernel -> round -> x -> figures; PyTorch's: round -> x -> figures.
+  std::map<std::string, std::vector<std::vector<Figures>>> ours;
+  std::map<std::string, google::protobuf::ListValue> ours_json;  // the first round's
+  std::vector<std::vector<Figures>> theirs;
+  bench::JsonValue theirs_json;  // PyTorch's first report as its script wrote it; null if none
+  theirs_json.set_null_value(google::protobuf::NULL_VALUE);
+  for (int round = 0; round < rounds; ++round) {
+    if (rounds > 1) std::fprintf(stderr, "rpc_rl: round %d of %d\n", round + 1, rounds);
+    for (const std::string& kernel : kernels) {
+      std::vector<Figures> figures;
+      google::protobuf::ListValue results;
+      if (!run_ours(argc, argv, x_name, xs, configs, kernel, &figures, &results)) return 1;
+      if (round == 0) {
+        std::printf("\nddprpc, policy on %s:\n", kernel.c_str());
+        print_table(x_name, xs, figures);
+        std::fflush(stdout);
+        ours_json[kernel] = std::move(results);
+      }
+      ours[kernel].push_back(std::move(figures));
     }
-    std::remove(tmp.c_str());
-    if (const bench::JsonValue* results = bench::json_at(theirs_json, {"benchmark_results"})) {
-      for (const auto& r : results->list_value().values()) theirs.push_back(parse_figures(r));
+    if (!pytorch) break;
+    bench::JsonValue report;
+    std::vector<Figures> figures = run_pytorch(script, xs.size(), &report);
+    if (figures.empty()) break;  // it failed: no ratio to take
+    if (round == 0) {
+      std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
+      print_table(x_name, xs, figures);
+      theirs_json = std::move(report);
     }
-    std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
-    if (rc != 0 || theirs.size() != xs.size()) {
-      std::printf("PyTorch's benchmark failed (exit %d):\n%s\n", rc,
-                  output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
-      theirs.clear();
-      theirs_json.set_null_value(google::protobuf::NULL_VALUE);
-    } else {
-      print_table(x_name, xs, theirs);
-      std::printf("\nddprpc / PyTorch at p50:\n");
-      for (size_t i = 0; i < xs.size(); ++i) {
-        auto ratio = [&](const char* metric) {
-          const double t = theirs[i][metric][50];
-          return t > 0 ? ours[i][metric][50] / t : 0.0;
-        };
-        std::printf("  %s%s%s agent throughput %.2fx, observer throughput %.2fx\n",
-                    x_name.c_str(), x_name.empty() ? "" : "=", xs[i].c_str(),
-                    ratio("agent throughput"), ratio("observer throughput"));
+    theirs.push_back(std::move(figures));
+  }
+  if (!pytorch) {
+    std::printf("\nPyTorch's benchmark not run (--pytorch=false or reference script not found)\n");
+  }
+
+  // Ratios at p50, per x and kernel: the median over the rounds.
+  bench::JsonValue ratios_json;
+  auto& ratio_fields = *ratios_json.mutable_struct_value()->mutable_fields();
+  if (!theirs.empty()) {
+    std::printf("\nddprpc / PyTorch at p50 (throughputs; > 1: ddprpc faster), median of %zu "
+                "interleaved round(s):\n",
+                theirs.size());
+    for (size_t i = 0; i < xs.size(); ++i) {
+      for (const std::string& kernel : kernels) {
+        std::string line = absl::StrFormat(
+            "  %s%s%s policy on %-7s (%s):", x_name, x_name.empty() ? "" : "=", xs[i], kernel,
+            kernel == "aten" ? "runtimes alone" : "the product");
+        for (const char* metric : {"agent throughput", "observer throughput"}) {
+          std::vector<double> per_round;
+          for (size_t r = 0; r < theirs.size() && r < ours[kernel].size(); ++r) {
+            const double t = theirs[r][i][metric][50];
+            if (t > 0) per_round.push_back(ours[kernel][r][i][metric][50] / t);
+          }
+          std::vector<std::string> each;
+          for (double v : per_round) each.push_back(absl::StrFormat("%.2f", v));
+          absl::StrAppendFormat(&line, " %s %.2fx [%s]", metric, bench::percentile(per_round, 0.5),
+                                absl::StrJoin(each, " "));
+          auto& entry = *ratio_fields[absl::StrCat(kernel, " ", x_name, "=", xs[i], " ", metric)]
+                             .mutable_struct_value()
+                             ->mutable_fields();
+          entry["median"].set_number_value(bench::percentile(per_round, 0.5));
+          for (double v : per_round) entry["per_round"].mutable_list_value()->add_values()->set_number_value(v);
+        }
+        std::printf("%s\n", line.c_str());
       }
     }
-  } else {
-    std::printf("\nPyTorch's benchmark not run (--pytorch=false or reference script not found)\n");
   }
 
   bench::JsonValue report;
@@ -611,13 +716,19 @@ int launcher(int argc, char** argv) {
                                                         {"nlayers", FLAGS_nlayers},
                                                         {"out_features", FLAGS_out_features},
                                                         {"episodes", FLAGS_episodes},
-                                                        {"episode_steps", FLAGS_episode_steps}}) {
+                                                        {"episode_steps", FLAGS_episode_steps},
+                                                        {"dense_kernel", FLAGS_dense_kernel}}) {
     args[name].set_string_value(value);
   }
   args["cpus"].set_number_value(bench::cpu_count());
+  args["pairs"].set_number_value(FLAGS_pairs);
   fields["x_axis_name"].set_string_value(x_name);
-  *fields["benchmark_results"].mutable_list_value() = std::move(ours_json);
+  // The plot reads benchmark_results: the first kernel's run.
+  *fields["benchmark_results"].mutable_list_value() = ours_json[kernels[0]];
+  auto& by_kernel = *fields["benchmark_results_by_kernel"].mutable_struct_value()->mutable_fields();
+  for (auto& [kernel, results] : ours_json) *by_kernel[kernel].mutable_list_value() = std::move(results);
   fields["pytorch"] = std::move(theirs_json);
+  fields["ratios_p50"] = std::move(ratios_json);
   const std::string path = bench::output_path(FLAGS_output_file_path);
   std::ofstream(path) << bench::to_json(report) << "\n";
   std::printf("\nwrote %s (chart it: ./bazelw run //benchmarks:plot -- %s)\n", path.c_str(),

@@ -26,19 +26,32 @@ static auto embedding_table_registration =
         .method("forward", &EmbeddingTable::forward)
         .method("parameter_rrefs", &EmbeddingTable::parameter_rrefs);
 
-torch::nn::Sequential make_dense(int64_t fc_in) {
-  // models::Linear: torch::nn::Linear with its products on XNNPACK (linear.h).
-  return torch::nn::Sequential(Linear(fc_in, 256), Linear(256, 128), torch::nn::ReLU(),
-                               Linear(128, 64), Linear(64, 32), Linear(32, 8));
+torch::nn::Sequential make_dense(int64_t fc_in, DenseKernel kernel) {
+  // models::Linear: torch::nn::Linear with its products on XNNPACK or
+  // libtorch's kernel (linear.h).
+  auto linear = [kernel](int64_t in, int64_t out) {
+    Linear layer(in, out);
+    layer->set_kernel(kernel);
+    return layer;
+  };
+  return torch::nn::Sequential(linear(fc_in, 256), linear(256, 128), torch::nn::ReLU(),
+                               linear(128, 64), linear(64, 32), linear(32, 8));
 }
 
-HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t embedding_dim)
-    : tables_(std::move(tables)),
-      dense_(make_dense(static_cast<int64_t>(tables_.size()) * embedding_dim)) {}
+HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t embedding_dim,
+                         HybridModelOptions options)
+    : options_(options),
+      tables_(std::move(tables)),
+      dense_(make_dense(static_cast<int64_t>(tables_.size()) * embedding_dim,
+                        options.dense_kernel)) {}
 
 at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& offsets) {
   std::vector<at::Tensor> embedded;
-  {
+  if (options_.lookups == HybridModelOptions::Lookups::kSequential) {
+    for (const auto& table : tables_) {
+      embedded.push_back(table.rpc_sync(&EmbeddingTable::forward, indices, offsets));
+    }
+  } else {
     std::vector<rpc::Future<at::Tensor>> lookups;
     lookups.reserve(tables_.size());
     rpc::SyncCallScope waited_here;  // this thread reads the replies

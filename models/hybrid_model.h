@@ -7,8 +7,8 @@
 //   Linear(128,64) -> Linear(64,32) -> Linear(32,8), replicated on every
 //   trainer (under DDP when a gradient averager is installed).
 //
-// forward(indices, offsets) looks every table up concurrently, concatenates
-// the results (fc_in = tables * dim) and runs the dense part.
+// forward(indices, offsets) looks every table up (concurrently by default),
+// concatenates the results (fc_in = tables * dim) and runs the dense part.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "models/linear.h"
 #include "rpc/rref.h"
 
 namespace ddprpc::models {
@@ -36,11 +37,22 @@ class EmbeddingTable {
   torch::nn::EmbeddingBag table_;
 };
 
-torch::nn::Sequential make_dense(int64_t fc_in);
+// The dense stack for `fc_in` inputs, its Linear layers on `kernel`.
+torch::nn::Sequential make_dense(int64_t fc_in, DenseKernel kernel = DenseKernel::kXnnpack);
+
+struct HybridModelOptions {
+  // How forward() reaches the tables: all at once (rpc_async to every
+  // server, then wait for every reply), or one after another (rpc_sync
+  // each, the order of PyTorch's original benchmark).
+  enum class Lookups { kConcurrent, kSequential };
+  Lookups lookups = Lookups::kConcurrent;
+  DenseKernel dense_kernel = DenseKernel::kXnnpack;
+};
 
 class HybridModel {
  public:
-  HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t embedding_dim);
+  HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t embedding_dim,
+              HybridModelOptions options = {});
 
   at::Tensor forward(const at::Tensor& indices, const at::Tensor& offsets);
   torch::nn::Sequential& dense() { return dense_; }
@@ -50,6 +62,7 @@ class HybridModel {
   std::vector<rpc::RRef<at::Tensor>> parameter_rrefs();
 
  private:
+  const HybridModelOptions options_;
   std::vector<rpc::RRef<EmbeddingTable>> tables_;
   torch::nn::Sequential dense_;
 };

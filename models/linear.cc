@@ -230,11 +230,22 @@ struct PackedWeightCache {
 
 }  // namespace internal
 
+const char* dense_kernel_name(DenseKernel kernel) {
+  return kernel == DenseKernel::kAten ? "aten" : "xnnpack";
+}
+
+bool parse_dense_kernel(std::string_view name, DenseKernel* out) {
+  if (name == "xnnpack") return (*out = DenseKernel::kXnnpack), true;
+  if (name == "aten") return (*out = DenseKernel::kAten), true;
+  return false;
+}
+
 void LinearImpl::cache_packed_weight(bool on) {
   std::atomic_store(&cache_, on ? std::make_shared<internal::PackedWeightCache>() : nullptr);
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
+  if (kernel_ == DenseKernel::kAten) return torch::nn::LinearImpl::forward(input);
   std::shared_ptr<internal::PackedWeightCache> cache = std::atomic_load(&cache_);
   // While another thread runs the packed copy, this one packs its batch
   // instead of waiting.

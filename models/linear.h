@@ -22,8 +22,19 @@
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <string_view>
 
 namespace ddprpc::models {
+
+// Where a dense layer's products run: XNNPACK (fast_linear below) or
+// libtorch's own Linear kernel (at::linear on the build's BLAS; what
+// PyTorch's torch.nn.Linear runs). Benchmarks compare runtimes with the
+// same kernel on both sides by choosing kAten.
+enum class DenseKernel { kXnnpack, kAten };
+// "xnnpack" / "aten".
+const char* dense_kernel_name(DenseKernel kernel);
+// Parses a name above; false if it is neither.
+bool parse_dense_kernel(std::string_view name, DenseKernel* out);
 
 // True when this libtorch has XNNPACK's prepacked linear and it runs here.
 bool xnnpack_linear_available();
@@ -58,12 +69,17 @@ class LinearImpl : public torch::nn::LinearImpl {
   at::Tensor forward(const at::Tensor& input);
   // Turns the cache on (dropping what it holds) or off.
   void cache_packed_weight(bool on);
+  // kAten: forward() is torch::nn::LinearImpl's (libtorch's kernel; the
+  // cache is not used). kXnnpack (the default): as described above.
+  void set_kernel(DenseKernel kernel) { kernel_ = kernel; }
+  DenseKernel kernel() const { return kernel_; }
 
  private:
   // forward() with the cache's lock held.
   at::Tensor forward_cached(internal::PackedWeightCache& cache, const at::Tensor& input);
 
   std::shared_ptr<internal::PackedWeightCache> cache_;  // null when off
+  DenseKernel kernel_ = DenseKernel::kXnnpack;
 };
 TORCH_MODULE(Linear);
 

@@ -100,6 +100,28 @@ TEST(FastLinearTest, ModuleHasTorchLinearParametersAndWorksInSequential) {
   EXPECT_TRUE(second->weight.grad().defined());
 }
 
+TEST(FastLinearTest, AtenKernelRunsLibtorchsLinear) {
+  at::manual_seed(4);
+  Linear layer(512, 256);
+  at::Tensor x = at::randn({7, 512});
+  at::Tensor fast = layer->forward(x);
+  EXPECT_NE(fast.grad_fn()->name().find("XnnLinear"), std::string::npos) << fast.grad_fn()->name();
+  layer->set_kernel(DenseKernel::kAten);
+  EXPECT_EQ(layer->kernel(), DenseKernel::kAten);
+  at::Tensor aten = layer->forward(x);
+  // libtorch's own node (AddmmBackward0), not ours; the same values.
+  EXPECT_EQ(aten.grad_fn()->name().find("XnnLinear"), std::string::npos) << aten.grad_fn()->name();
+  EXPECT_NE(aten.grad_fn()->name().find("Addmm"), std::string::npos) << aten.grad_fn()->name();
+  EXPECT_TRUE(at::allclose(fast, aten, 1e-4, 1e-4));
+  DenseKernel parsed = DenseKernel::kXnnpack;
+  EXPECT_TRUE(parse_dense_kernel("aten", &parsed));
+  EXPECT_EQ(parsed, DenseKernel::kAten);
+  EXPECT_STREQ(dense_kernel_name(parsed), "aten");
+  EXPECT_TRUE(parse_dense_kernel("xnnpack", &parsed));
+  EXPECT_EQ(parsed, DenseKernel::kXnnpack);
+  EXPECT_FALSE(parse_dense_kernel("blas", &parsed));
+}
+
 TEST(FastLinearTest, CachedPackedWeightFollowsEveryChangeOfTheWeight) {
   at::manual_seed(3);
   Linear layer(200, 10);

@@ -189,5 +189,19 @@ TEST(FutureTest, HeldWorkRunsWhenItsScopeEndsOrBeforeAWait) {
   EXPECT_EQ(internal::HeldWork::current(), nullptr);
 }
 
+TEST(FutureTest, SendCompletedRepliesRunsWhatTheHandlerHoldsNow) {
+  std::vector<int> order;
+  send_completed_replies();  // outside a handler: nothing to send
+  {
+    internal::HeldWork held;
+    held.add([&] { order.push_back(1); });
+    held.add([&] { order.push_back(2); });
+    send_completed_replies();
+    EXPECT_EQ(order, std::vector<int>({1, 2}));
+    held.add([&] { order.push_back(3); });
+  }
+  EXPECT_EQ(order, std::vector<int>({1, 2, 3}));
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc

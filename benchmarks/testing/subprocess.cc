@@ -5,6 +5,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -23,6 +25,25 @@ std::string binary(const std::string& path) {
 
 std::string test_tmp(const std::string& name) {
   return absl::StrCat(std::getenv("TEST_TMPDIR"), "/", name);
+}
+
+std::vector<double> json_numbers(const JsonValue& v, std::initializer_list<std::string> keys) {
+  std::vector<double> out;
+  const JsonValue* list = json_at(v, keys);
+  if (list == nullptr || !list->has_list_value()) return out;
+  for (const JsonValue& x : list->list_value().values()) out.push_back(x.number_value());
+  return out;
+}
+
+double numpy_percentile(std::vector<double> samples, double pct) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  const double rank = pct / 100.0 * static_cast<double>(samples.size() - 1);
+  const double below = std::floor(rank);
+  const double above = std::ceil(rank);
+  const double low = samples[static_cast<size_t>(below)];
+  const double high = samples[static_cast<size_t>(above)];
+  return low * (above - rank) + high * (rank - below) + (above == below ? low : 0);
 }
 
 std::string tail(const std::string& s) { return s.size() > 3000 ? s.substr(s.size() - 3000) : s; }

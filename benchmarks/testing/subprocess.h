@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,13 @@ class Child {
   pid_t pid_ = -1;
   const std::string out_path_, err_path_;
 };
+
+// The numbers of the JSON array at `keys` (empty if there is none).
+std::vector<double> json_numbers(const JsonValue& v, std::initializer_list<std::string> keys);
+// numpy.percentile(samples, pct)'s default method for pct in [0, 100]: the
+// value at rank pct/100 * (n - 1) of the sorted samples, linearly
+// interpolated. The tests' own oracle, written apart from the benchmarks'.
+double numpy_percentile(std::vector<double> samples, double pct);
 
 // Live processes started (directly or not) by the Child tagged `tag`.
 std::vector<pid_t> run_processes(const std::string& tag);
