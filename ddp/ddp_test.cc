@@ -313,7 +313,42 @@ MULTIPROCESS_TEST(DdpTest, GradientSinkReceivesTheAveragesInsteadOfGrad, 2) {
 
 namespace {
 
-// Runs where a GPU is visible (the lent GPU machine); skipped elsewhere.
+// Two ranks, each its own GPU, with rank-dependent data: every collective
+// must combine what the other rank holds (a no-op backend fails each check).
+void NcclTwoRanksBody() {
+  auto pg = ddp::init_process_group("nccl");
+  const double r = mp::rank();
+  at::Tensor sum = at::full({1000}, r + 1), avg = at::full({1000}, r + 1);
+  at::Tensor max = at::full({7}, r * 10), bcast = at::full({5}, r + 5);
+  pg->allreduce({sum}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+  EXPECT_TRUE(at::equal(sum, at::full({1000}, 3.0)));
+  pg->allreduce({avg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+  EXPECT_TRUE(at::allclose(avg, at::full({1000}, 1.5)));
+  pg->allreduce({max}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+  EXPECT_TRUE(at::equal(max, at::full({7}, 10.0)));
+  pg->broadcast({bcast}, 1)->wait(absl::Seconds(60));
+  EXPECT_TRUE(at::equal(bcast, at::full({5}, 6.0)));
+  std::vector<at::Tensor> out = {at::empty({3}), at::empty({3})};
+  pg->allgather(out, at::full({3}, r))->wait(absl::Seconds(60));
+  EXPECT_TRUE(at::equal(out[0], at::zeros({3})));
+  EXPECT_TRUE(at::equal(out[1], at::ones({3})));
+  pg->barrier()->wait(absl::Seconds(60));
+}
+
+// Runs where two GPUs are visible; skipped elsewhere.
+TEST(ProcessGroupNcclTest, TwoRanksCombineRankDependentData) {
+  if (mp::is_worker()) return NcclTwoRanksBody();
+  if (ddp::nccl_devices() < 2) {
+    GTEST_SKIP() << "needs two GPUs visible to the NCCL backend (has " << ddp::nccl_devices() << ")";
+  }
+  ASSERT_EQ(0, mp::run_workers("ProcessGroupNcclTest.TwoRanksCombineRankDependentData", 2,
+                               absl::Seconds(120)));
+}
+
+// Runs where a GPU is visible (the lent GPU machine); skipped elsewhere. At
+// one rank every collective is the identity: this checks only that the
+// backend starts, runs and ends; TwoRanksCombineRankDependentData checks
+// the collectives.
 TEST(ProcessGroupNcclTest, WorldSizeOne) {
   if (mp::is_worker()) return;
   if (!ddp::nccl_available()) GTEST_SKIP() << "no NCCL build or no visible GPU";

@@ -69,6 +69,9 @@ std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<rpc::Store> store,
                                               ProcessGroupOptions options = {});
 // True when the NCCL backend is built in and a GPU is visible.
 bool nccl_available();
+// GPUs visible to the NCCL backend (0 when it is not built in). Rank r of a
+// group uses GPU r % nccl_devices(); NCCL refuses two ranks on one GPU.
+int nccl_devices();
 
 // "gloo" or "nccl" with its own store: init_method "tcp://host:port" (rank 0 hosts the
 // store there) or "env://" (MASTER_ADDR, MASTER_PORT; rank/size < 0 read

@@ -23,14 +23,16 @@
 
 namespace ddprpc::ddp {
 
-bool nccl_available() {
+int nccl_devices() {
 #ifdef DDPRPC_WITH_NCCL
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 #else
-  return false;
+  return 0;
 #endif
 }
+
+bool nccl_available() { return nccl_devices() > 0; }
 
 #ifdef DDPRPC_WITH_NCCL
 namespace {

@@ -177,6 +177,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   limits.max_pending_reply_bytes = options_.max_pending_reply_bytes;
   limits.keepalive_interval = options_.keepalive_interval;
   limits.keepalive_timeout = options_.keepalive_timeout;
+  limits.inline_handoff = options_.inline_request_handoff;
   limits.max_buffered_bytes = options_.max_receive_buffer_bytes;
   if (limits.max_buffered_bytes <= 0) {
     const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);

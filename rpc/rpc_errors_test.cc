@@ -116,8 +116,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3);  // default timeout: 60 s
   if (mp::rank() == 1) {
     while (!g_sleeping) absl::SleepFor(absl::Milliseconds(5));
-    absl::SleepFor(absl::Milliseconds(100));
-    mp::die_abruptly();  // in the middle of serving sleep_ms
+    mp::die_abruptly();  // in the middle of serving sleep_ms (it set g_sleeping)
   }
   if (mp::rank() == 0) {
     absl::Time start = absl::Now();

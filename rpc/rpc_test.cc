@@ -28,12 +28,6 @@ DDPRPC_REGISTER_FUNCTION(add);
 int64_t add_ints(int64_t a, int64_t b) { return a + b; }
 DDPRPC_REGISTER_FUNCTION(add_ints);
 
-int64_t sleep_then_add(int64_t ms, int64_t a, int64_t b) {
-  absl::SleepFor(absl::Milliseconds(ms));
-  return a + b;
-}
-DDPRPC_REGISTER_FUNCTION(sleep_then_add);
-
 at::Tensor identity(at::Tensor t) { return t; }
 DDPRPC_REGISTER_FUNCTION(identity);
 
@@ -148,6 +142,32 @@ DDPRPC_REGISTER_FUNCTION(wait_for_signal);
 void send_signal() { signal_note().Notify(); }
 DDPRPC_REGISTER_FUNCTION(send_signal);
 
+// An async call that stays in flight, holding no thread, until unpark().
+rpc::Future<int64_t>& parked() {
+  static auto* f = new rpc::Future<int64_t>();
+  return *f;
+}
+rpc::Future<int64_t> park() { return parked(); }
+DDPRPC_REGISTER_FUNCTION(park);
+void unpark() {  // one unpark per park in these tests
+  if (!parked().completed()) parked().set_result(int64_t{1});
+}
+DDPRPC_REGISTER_FUNCTION(unpark);
+void rearm_park() { parked() = rpc::Future<int64_t>(); }
+DDPRPC_REGISTER_FUNCTION(rearm_park);
+
+// Returns whether another wait_for_partner call ran at the same time,
+// waiting at most `timeout_ms` for it.
+bool wait_for_partner(int64_t timeout_ms) {
+  static absl::Mutex mu;
+  static int arrived = 0;
+  absl::MutexLock lock(&mu);
+  ++arrived;
+  auto met = [] { return arrived >= 2; };
+  return mu.AwaitWithTimeout(absl::Condition(&met), absl::Milliseconds(timeout_ms));
+}
+DDPRPC_REGISTER_FUNCTION(wait_for_partner);
+
 void init(int world_size, rpc::RpcBackendOptions options = {}) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), world_size, std::move(options));
 }
@@ -225,24 +245,26 @@ MULTIPROCESS_TEST(RpcTest, DroppedWaitDoesNotStallTheStream, 2) {
 }
 
 // All of a process's streams share one completion queue: a caller waiting
-// for a slow reply from worker1 also reads worker2's quick reply, so the
-// callback chained on it runs on the caller's thread (with a queue per
-// stream, worker2's stream would be read by another thread).
+// for a reply from worker1 also reads worker2's reply, so the callback
+// chained on it runs on the caller's thread (with a queue per stream,
+// worker2's stream would be read by another thread). worker1's reply comes
+// only after that callback ran: it releases worker1's parked call.
 MULTIPROCESS_TEST(RpcTest, WaitingCallerReadsRepliesFromEveryPeer, 3) {
   init(3);
   if (mp::rank() == 0) {
     int on_caller = 0;
     for (int i = 0; i < 10; ++i) {
+      if (i > 0) rpc::rpc_sync("worker1", "rearm_park");
       rpc::SyncCallScope waits_here;
-      rpc::Future<int64_t> slow =
-          rpc::rpc_async<int64_t>("worker1", "sleep_then_add", int64_t{100}, i, 1);
+      rpc::Future<int64_t> slow = rpc::rpc_async<int64_t>("worker1", "park");
       rpc::Future<int64_t> quick = rpc::rpc_async<int64_t>("worker2", "add_ints", i, 2);
       std::thread::id ran_on;
       rpc::Future<int64_t> chained = quick.then([&ran_on](const rpc::Future<int64_t>& f) {
         ran_on = std::this_thread::get_id();
+        rpc::rpc_async<void>("worker1", "unpark");  // sends; does not wait
         return f.value();
       });
-      EXPECT_EQ(slow.value(), i + 1);  // reads worker2's reply meanwhile
+      EXPECT_EQ(slow.value(), 1);  // reads worker2's reply meanwhile
       EXPECT_EQ(chained.value(), i + 2);
       if (ran_on == std::this_thread::get_id()) ++on_caller;
     }
@@ -350,16 +372,6 @@ MULTIPROCESS_TEST(RpcTest, SixtyFourMiBTensorRoundTripIsBitExact, 2) {
 namespace {
 
 std::atomic<int> g_running{0}, g_max_running{0};
-int64_t track_concurrency(int64_t ms) {
-  int now = ++g_running;
-  int seen = g_max_running.load();
-  while (now > seen && !g_max_running.compare_exchange_weak(seen, now)) {
-  }
-  absl::SleepFor(absl::Milliseconds(ms));
-  --g_running;
-  return 0;
-}
-DDPRPC_REGISTER_FUNCTION(track_concurrency);
 // Waits (up to 3 s) until two calls have run at once, then holds its slot
 // a little longer: with N slots and more calls than N, exactly N run at once.
 int64_t meet_another_call() {
@@ -377,19 +389,27 @@ DDPRPC_REGISTER_FUNCTION(meet_another_call);
 int64_t max_concurrency() { return g_max_running.load(); }
 DDPRPC_REGISTER_FUNCTION(max_concurrency);
 
-// Short calls (well under the watchdog's ticks) that one caller has in
-// flight together still run side by side: the caller marks them, and the
-// callee's reader hands reading on instead of running them one by one.
+// Calls that one caller has in flight together run side by side: the
+// caller marks them, and the callee's reader hands each on instead of
+// running it itself. The callee's reader never hands reading on by itself
+// here (inline_request_handoff of 10 min), so only the marks can let two
+// calls meet: without them the first one would run on the reader and wait
+// alone.
 MULTIPROCESS_TEST(RpcTest, ConcurrentShortCallsOfOneCallerOverlap, 2) {
-  init(2);
+  rpc::RpcBackendOptions options;
+  options.inline_request_handoff = absl::Minutes(10);
+  init(2, options);
   if (mp::rank() == 1) {
-    std::vector<rpc::Future<int64_t>> futures;
-    for (int i = 0; i < 8; ++i) {
-      futures.push_back(rpc::rpc_async<int64_t>("worker0", "track_concurrency", 1));
-    }
-    rpc::wait_all(futures);
-    const int64_t max = rpc::rpc_sync<int64_t>("worker0", "max_concurrency");
-    EXPECT_GE(max, 2) << "the calls ran one at a time";
+    // In flight, holding no thread: every later call is marked.
+    rpc::Future<int64_t> held = rpc::rpc_async<int64_t>("worker0", "park");
+    const absl::Time start = absl::Now();
+    rpc::Future<bool> a = rpc::rpc_async<bool>("worker0", "wait_for_partner", int64_t{20000});
+    rpc::Future<bool> b = rpc::rpc_async<bool>("worker0", "wait_for_partner", int64_t{20000});
+    EXPECT_TRUE(a.value()) << "the calls ran one at a time";
+    EXPECT_TRUE(b.value());
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15));
+    rpc::rpc_sync("worker0", "unpark");
+    EXPECT_EQ(held.value(), 1);
   }
   rpc::shutdown();
 }

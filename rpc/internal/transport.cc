@@ -510,9 +510,13 @@ class TransportServer::Service {
   }
 
  private:
-  // How often the watchdog looks at the request run by the polling thread;
-  // one found running at two ticks in a row loses the role.
+  // How often the watchdog looks at the request run by the polling thread
+  // (and at deferred reads). A request found running at handoff_ticks() + 1
+  // ticks in a row (two for the default inline_handoff) loses the role.
   static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
+  int64_t handoff_ticks() const {
+    return std::max<int64_t>(1, limits_.inline_handoff / kWatchdogTick - 1);
+  }
   // Threads blocked in long requests beyond this many stop requests from
   // running inline: the rest go to `offload`.
   static constexpr int kMaxThreads = 64;  // busy ones: not waiting for the role
@@ -824,7 +828,9 @@ class TransportServer::Service {
       watchdog_parked_.store(deferred_.empty(), std::memory_order_relaxed);
       if (inline_active_) {
         watchdog_parked_.store(false, std::memory_order_relaxed);
-        if (inline_seq_ == watchdog_seq_) {  // the same request as last tick
+        inline_ticks_ = inline_seq_ == watchdog_seq_ ? inline_ticks_ + 1 : 0;
+        if (inline_ticks_ >= handoff_ticks()) {  // the same request for that many ticks
+          inline_ticks_ = 0;
           inline_active_ = false;
           std::shared_ptr<ServerStream> stream = std::move(inline_stream_);
           role_free_ = true;
@@ -863,6 +869,7 @@ class TransportServer::Service {
   std::shared_ptr<ServerStream> inline_stream_ ABSL_GUARDED_BY(mu_);
   uint64_t inline_seq_ ABSL_GUARDED_BY(mu_) = 0;    // inline requests started
   uint64_t watchdog_seq_ ABSL_GUARDED_BY(mu_) = 0;  // inline_seq_ at the last tick
+  int64_t inline_ticks_ ABSL_GUARDED_BY(mu_) = 0;   // ticks since watchdog_seq_ changed
   uint64_t watchdog_ticks_ ABSL_GUARDED_BY(mu_) = 0;
   struct Deferred {
     std::shared_ptr<ServerStream> stream;

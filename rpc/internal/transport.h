@@ -78,6 +78,10 @@ struct ServerLimits {
   // keepalive_timeout, the caller's streams end (UNAVAILABLE).
   absl::Duration keepalive_interval = absl::Seconds(2);
   absl::Duration keepalive_timeout = absl::Seconds(5);
+  // A request run inline by the polling thread for about this long (up to
+  // 5 ms more) hands the polling role to another thread, so that a request
+  // that blocks does not stop its stream (see RpcBackendOptions).
+  absl::Duration inline_handoff = absl::Milliseconds(10);
   // Bytes gRPC may buffer for all connections together. gRPC 1.51 checks a
   // message's size only once it has received all of it (and not at all
   // with a minimal stack), so this quota is what bounds the memory of a
