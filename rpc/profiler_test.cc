@@ -290,7 +290,7 @@ MULTIPROCESS_TEST(ProfilerTest, QueuedRequestsLineUpSeriallyOnTheCallee, 2) {
     prof::Profile p;
     std::vector<rpc::Future<at::Tensor>> futures;
     for (int i = 0; i < 3; ++i) {
-      futures.push_back(rpc::rpc_async<at::Tensor>("worker1", "slow_ops", int64_t{100}));
+      futures.push_back(rpc::rpc_async<at::Tensor>("worker1", "slow_ops", int64_t{200}));
     }
     for (auto& f : futures) f.wait();
     p.stop();
@@ -305,13 +305,14 @@ MULTIPROCESS_TEST(ProfilerTest, QueuedRequestsLineUpSeriallyOnTheCallee, 2) {
     ASSERT_EQ(starts.size(), 3u);
     std::sort(starts.begin(), starts.end());
     // The callee runs the requests one after another (one worker thread),
-    // so each request's operators come 100 ms (its sleep) after the
-    // previous one's: time spent queued on the callee is not taken for
-    // network time (that would put them ~0 ms apart). Each remote span is
-    // centred in its round trip, so uneven network time on a loaded machine
-    // moves it by half the difference: the bound leaves 50 ms for that.
-    EXPECT_GE(starts[1] - starts[0], 50'000'000);
-    EXPECT_GE(starts[2] - starts[1], 50'000'000);
+    // so each request's operators come 200 ms (its sleep) after the
+    // previous one's. Time spent queued on the callee is part of the
+    // callee's span: taken for network time, half of it would move out of
+    // the span and the operators would come only 100 ms apart. Each remote
+    // span is centred in its round trip, so uneven network time on a loaded
+    // machine moves it by half the difference: the bound leaves 50 ms.
+    EXPECT_GE(starts[1] - starts[0], 150'000'000);
+    EXPECT_GE(starts[2] - starts[1], 150'000'000);
   }
   rpc::shutdown();
 }
