@@ -26,9 +26,16 @@ class LocalOptimizer;
 
 class DistributedOptimizer {
  public:
-  // kind: "sgd" (lr, momentum, dampening, weight_decay, nesterov),
-  // "adam" (lr, beta1, beta2, eps, weight_decay, amsgrad) or
-  // "adagrad" (lr, lr_decay, weight_decay, initial_accumulator_value, eps).
+  // kind (options; defaults as torch.optim's):
+  //   "sgd"      lr, momentum, dampening, weight_decay, nesterov
+  //   "adam"     lr, beta1, beta2, eps, weight_decay, amsgrad
+  //   "adamw"    lr, beta1, beta2, eps, weight_decay (0.01), amsgrad
+  //   "adagrad"  lr, lr_decay, weight_decay, initial_accumulator_value, eps
+  //   "rmsprop"  lr, alpha, eps, weight_decay, momentum, centered
+  //   "adadelta" lr (1.0), rho, eps, weight_decay
+  //   "adamax"   lr (0.002), beta1, beta2, eps, weight_decay
+  //   "rprop"    lr, etaminus, etaplus, step_min, step_max
+  // Parameters that got no gradient in a context are left unchanged.
   // Unknown kinds or options fail on the owners with a clear error.
   DistributedOptimizer(const std::string& kind, const std::map<std::string, double>& options,
                        const std::vector<rpc::RRef<at::Tensor>>& params);

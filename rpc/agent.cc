@@ -120,6 +120,7 @@ RpcBackendOptions resolved(RpcBackendOptions options) {
 RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackendOptions options,
                    const FunctionRegistry* registry, bool serve_now)
     : rank_(rank), options_(resolved(std::move(options))), registry_(registry) {
+  set_rpc_timeout(options_.rpc_timeout);
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw RpcError(ErrorCode::kInvalidArgument,
                    absl::StrCat("invalid rank ", rank, " for world_size ", world_size));
@@ -310,7 +311,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     return future;
   }
   PendingCall call{future, to, display.empty() ? function : display, api,
-                   deadline_after(timeout < absl::ZeroDuration() ? options_.rpc_timeout : timeout)};
+                   deadline_after(timeout < absl::ZeroDuration() ? rpc_timeout() : timeout)};
   Frame frame;
   wire::Header& header = frame.header;
   header.set_kind(one_way ? wire::NOTICE : wire::REQUEST);
@@ -577,7 +578,7 @@ void RpcAgent::timer_loop() {
     }
     for (const auto& call : expired) {
       const std::string why = absl::StrCat(describe(call), " timed out (deadline passed; default "
-                                           "rpc_timeout is ", absl::FormatDuration(options_.rpc_timeout), ")");
+                                           "rpc_timeout is ", absl::FormatDuration(rpc_timeout()), ")");
       try {
         internal::fault_point("agent.timer");
         end_hooks(call.hooks, nullptr);
@@ -737,26 +738,39 @@ std::vector<bool> RpcAgent::peers_alive(const std::vector<int>& ids) {
   return alive;
 }
 
-void RpcAgent::shutdown(bool graceful) {
+absl::Duration RpcAgent::rpc_timeout() const {
+  const int64_t ns = rpc_timeout_ns_.load(std::memory_order_relaxed);
+  return ns == INT64_MAX ? absl::InfiniteDuration() : absl::Nanoseconds(ns);
+}
+
+void RpcAgent::set_rpc_timeout(absl::Duration timeout) {
+  rpc_timeout_ns_.store(timeout == absl::InfiniteDuration() ? INT64_MAX
+                                                             : absl::ToInt64Nanoseconds(timeout),
+                        std::memory_order_relaxed);
+}
+
+bool RpcAgent::shutdown(bool graceful) {
   {
     absl::MutexLock lock(&mu_);
-    if (stopped_) return;
+    if (stopped_) return false;
   }
   bool barrier_ok = false;
+  bool calls_ended = true;  // this worker's calls all got their replies
   // This worker's own calls get at most the RPC timeout (60 s without one)
   // to end: calls without a deadline, or to a peer that never answers, are
   // failed by stop() after it.
-  const absl::Duration rpc_timeout = options_.rpc_timeout;
+  const absl::Duration rpc_timeout = this->rpc_timeout();
   const absl::Time calls_deadline =
       absl::Now() + (rpc_timeout > absl::ZeroDuration() && rpc_timeout != absl::InfiniteDuration()
                          ? rpc_timeout
                          : absl::Seconds(60));
-  auto drain_own_calls = [this, calls_deadline] {
+  auto drain_own_calls = [this, calls_deadline, &calls_ended] {
     absl::MutexLock lock(&mu_);
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return pending_.empty(); };
     if (!mu_.AwaitWithDeadline(absl::Condition(&idle), calls_deadline)) {
       LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << pending_.size()
                    << " call(s) of this worker still have no reply; they fail";
+      calls_ended = false;
     }
   };
   if (graceful) {
@@ -797,6 +811,9 @@ void RpcAgent::shutdown(bool graceful) {
   }
   store_.reset();
   store_server_.reset();
+  // Clean only if every other worker reached shutdown (none given up as
+  // dead or unreachable) and every call of this one ended.
+  return graceful && barrier_ok && calls_ended && left_.empty();
 }
 
 void RpcAgent::stop(bool graceful) {

@@ -161,6 +161,11 @@ class RpcAgent {
   const WorkerInfo& worker(const std::string& name) const;
   const WorkerInfo& worker(int id) const;
   const RpcBackendOptions& options() const { return options_; }
+  // The deadline of calls made without one (kDefaultTimeout): starts as
+  // options().rpc_timeout; set_rpc_timeout changes it for calls made from
+  // then on (calls in flight keep theirs). Zero or infinite: no deadline.
+  absl::Duration rpc_timeout() const;
+  void set_rpc_timeout(absl::Duration timeout);
   Store& store() { return *store_; }
   // Remote-reference bookkeeping of this worker (rref.h).
   internal::RRefContext& rrefs() { return *rrefs_; }
@@ -181,8 +186,12 @@ class RpcAgent {
 
   // graceful: waits for this worker's outstanding calls and for every other
   // worker to reach shutdown, then stops; bounded by rpc_timeout even if a
-  // peer died. Otherwise fails pending calls and stops at once.
-  void shutdown(bool graceful = true);
+  // peer died. Otherwise fails pending calls and stops at once. Returns
+  // true only for a graceful shutdown that met every other worker within
+  // shutdown_timeout (none found dead or unreachable) after every call of
+  // this worker ended; false otherwise (what went wrong is logged), and
+  // when the agent was stopped already.
+  bool shutdown(bool graceful = true);
   bool running() const;
 
   // RRefs this worker still owned when a graceful shutdown had heard from
@@ -268,6 +277,7 @@ class RpcAgent {
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   // Workers a shutdown barrier found gone (used by the thread shutting down).
   std::set<int> left_;
+  std::atomic<int64_t> rpc_timeout_ns_;  // rpc_timeout(); INT64_MAX: infinite
   std::thread timer_;
   std::atomic<int64_t> rrefs_alive_at_shutdown_{-1};
   absl::Mutex workers_mu_;

@@ -390,12 +390,31 @@ Future<std::vector<Future<T>>> collect_all(std::vector<Future<T>> futures) {
   return out;
 }
 
-// Waits for every future, then returns their values in order, or throws the
-// first error (in input order), like torch.futures.wait_all.
+// Returns the futures' values in order once every one has completed, or
+// throws the first error as soon as one fails, without waiting for the
+// others (like torch.futures.wait_all): a fan-out with a failed call ends
+// at once even while another call is still running.
 template <typename T>
 std::vector<typename Future<T>::stored_type> wait_all(
     const std::vector<Future<T>>& futures) {
-  for (const auto& f : futures) f.wait_for(absl::InfiniteDuration());
+  Future<void> done;
+  for (const auto& f : futures) {
+    if (auto driver = f.driver()) {
+      done.set_driver(std::move(driver));  // waiting reads replies, as on an input
+      break;
+    }
+  }
+  auto remaining = std::make_shared<std::atomic<size_t>>(futures.size() + 1);
+  auto one_done = [done, remaining](const Future<T>& f) {
+    if (std::exception_ptr error = f.error()) {
+      done.try_set_error(error);
+    } else if (remaining->fetch_sub(1) == 1) {
+      done.try_set_result();
+    }
+  };
+  for (const auto& f : futures) f.add_done_callback(one_done);
+  if (remaining->fetch_sub(1) == 1) done.try_set_result();  // all were complete already
+  done.wait();  // rethrows the first error
   std::vector<typename Future<T>::stored_type> values;
   values.reserve(futures.size());
   for (const auto& f : futures) values.push_back(f.value());

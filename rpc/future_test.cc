@@ -189,6 +189,29 @@ TEST(FutureTest, HeldWorkRunsWhenItsScopeEndsOrBeforeAWait) {
   EXPECT_EQ(internal::HeldWork::current(), nullptr);
 }
 
+TEST(FutureTest, WaitAllThrowsTheFirstErrorWithoutWaitingForTheRest) {
+  std::vector<Future<int>> fs(3);  // fs[2] never completes
+  fs[0].set_result(1);
+  std::thread fail([f = fs[1]] {
+    absl::SleepFor(absl::Milliseconds(10));
+    f.set_error(RpcError(ErrorCode::kInternal, "second call failed"));
+  });
+  const absl::Time start = absl::Now();
+  try {
+    wait_all(fs);
+    ADD_FAILURE() << "wait_all returned although a future failed";
+  } catch (const RpcError& e) {
+    EXPECT_NE(std::string(e.what()).find("second call failed"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_FALSE(fs[2].completed());
+  fail.join();
+  // An error that is already there is thrown at once too.
+  EXPECT_THROW(wait_all(fs), RpcError);
+  std::vector<Future<int>> empty;
+  EXPECT_TRUE(wait_all(empty).empty());
+}
+
 TEST(FutureTest, SendCompletedRepliesRunsWhatTheHandlerHoldsNow) {
   std::vector<int> order;
   send_completed_replies();  // outside a handler: nothing to send

@@ -1,18 +1,26 @@
 #include "rpc/rpc.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <stdexcept>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "rpc/launch_env.h"
+#include "rpc/store.h"
 
 namespace ddprpc::rpc {
 namespace {
 
 absl::Mutex g_mu;
 std::shared_ptr<RpcAgent> g_agent ABSL_GUARDED_BY(g_mu);
+// all_gather's calls so far per set of workers, for the agent they were made on.
+const RpcAgent* g_gather_agent ABSL_GUARDED_BY(g_mu) = nullptr;
+absl::flat_hash_map<std::string, int64_t> g_gather_calls ABSL_GUARDED_BY(g_mu);
 
 // rank and world size from the launcher's environment (launch_env.h).
 void fill_from_environment(int* rank, int* world_size) {
@@ -51,16 +59,17 @@ void init_rpc(const std::string& name, int rank, int world_size, RpcBackendOptio
   agent->start_serving();
 }
 
-void shutdown(bool graceful) {
+bool shutdown(bool graceful) {
   std::shared_ptr<RpcAgent> agent;
   {
     absl::MutexLock lock(&g_mu);
     agent = g_agent;
   }
-  if (!agent) return;
-  agent->shutdown(graceful);
+  if (!agent) return false;
+  const bool clean = agent->shutdown(graceful);
   absl::MutexLock lock(&g_mu);
   if (g_agent == agent) g_agent.reset();
+  return clean;
 }
 
 std::shared_ptr<RpcAgent> current_agent() {
@@ -77,5 +86,76 @@ WorkerInfo get_worker_info() { return current_agent()->self(); }
 WorkerInfo get_worker_info(const std::string& name) { return current_agent()->worker(name); }
 
 std::vector<WorkerInfo> get_worker_infos() { return current_agent()->workers(); }
+
+const WorkerInfo& WorkerRef::resolve(const RpcAgent& agent) const {
+  if (rank_ < 0) return agent.worker(name_);
+  const WorkerInfo& info = agent.worker(rank_);
+  if (!name_.empty() && info.name != name_) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("WorkerInfo names '", name_, "' with id ", rank_,
+                                ", but worker ", rank_, " is '", info.name, "'"));
+  }
+  return info;
+}
+
+absl::Duration get_rpc_timeout() { return current_agent()->rpc_timeout(); }
+
+void set_rpc_timeout(absl::Duration timeout) { current_agent()->set_rpc_timeout(timeout); }
+
+std::map<std::string, std::string> all_gather(const std::string& value,
+                                              const std::vector<std::string>& workers,
+                                              absl::Duration timeout) {
+  std::shared_ptr<RpcAgent> agent = current_agent();
+  std::vector<int> ids;
+  if (workers.empty()) {
+    for (const WorkerInfo& w : agent->workers()) ids.push_back(w.id);
+  } else {
+    for (const std::string& name : workers) ids.push_back(agent->worker(name).id);
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  const int self = agent->self().id;
+  if (!std::binary_search(ids.begin(), ids.end(), self)) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   "all_gather/barrier: worker '" + agent->self().name +
+                       "' is not among the workers it names");
+  }
+  // The n-th call of this worker with this set of workers.
+  const std::string group = "rpc/gather/" + absl::StrJoin(ids, ",");
+  int64_t call = 0;
+  {
+    absl::MutexLock lock(&g_mu);
+    if (g_gather_agent != agent.get()) {
+      g_gather_calls.clear();
+      g_gather_agent = agent.get();
+    }
+    call = g_gather_calls[group]++;
+  }
+  const std::string prefix = absl::StrCat(group, "/", call, "/");
+  Store& store = agent->store();
+  store.set(prefix + std::to_string(self), value);
+  std::vector<std::string> keys;
+  for (int id : ids) keys.push_back(prefix + std::to_string(id));
+  try {
+    store.wait(keys, timeout);
+  } catch (const RpcError& e) {
+    if (e.code() != ErrorCode::kTimeout) throw;
+    std::vector<std::string> missing;
+    for (int id : ids) {
+      if (!store.check({prefix + std::to_string(id)})) missing.push_back(agent->worker(id).name);
+    }
+    throw RpcError(ErrorCode::kTimeout,
+                   absl::StrCat("all_gather/barrier on '", agent->self().name, "' timed out after ",
+                                absl::FormatDuration(timeout), " waiting for ",
+                                absl::StrJoin(missing, ", ")));
+  }
+  std::map<std::string, std::string> out;
+  for (int id : ids) out[agent->worker(id).name] = store.get(prefix + std::to_string(id));
+  return out;
+}
+
+void barrier(const std::vector<std::string>& workers, absl::Duration timeout) {
+  all_gather("", workers, timeout);
+}
 
 }  // namespace ddprpc::rpc

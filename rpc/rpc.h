@@ -11,6 +11,7 @@
 // installed by init_rpc; RpcAgent can also be used directly.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -27,8 +28,8 @@ namespace ddprpc::rpc {
 // rank / world_size < 0: read RANK / WORLD_SIZE from the environment.
 void init_rpc(const std::string& name, int rank = -1, int world_size = -1,
               RpcBackendOptions options = {});
-// See RpcAgent::shutdown.
-void shutdown(bool graceful = true);
+// See RpcAgent::shutdown: true when a graceful shutdown met every worker.
+bool shutdown(bool graceful = true);
 
 // The current agent; throws RpcError(kShutdown) when RPC is not initialized.
 std::shared_ptr<RpcAgent> current_agent();
@@ -36,6 +37,41 @@ std::shared_ptr<RpcAgent> current_agent();
 WorkerInfo get_worker_info();
 WorkerInfo get_worker_info(const std::string& name);
 std::vector<WorkerInfo> get_worker_infos();
+
+// The current agent's default call deadline (RpcAgent::rpc_timeout), like
+// torch.distributed.rpc's get_rpc_timeout / _set_rpc_timeout.
+absl::Duration get_rpc_timeout();
+void set_rpc_timeout(absl::Duration timeout);
+
+// Collectives among workers through the job's store, like
+// torch.distributed.rpc's _barrier and _all_gather. Every worker named in
+// `workers` (every worker when empty; the caller must be one of them) makes
+// the same sequence of calls with that set of workers. Each call returns
+// once all of them have made it, or throws RpcError(kTimeout) naming the
+// workers still missing after `timeout`.
+void barrier(const std::vector<std::string>& workers = {},
+             absl::Duration timeout = absl::Seconds(60));
+// Every named worker's `value`, by worker name.
+std::map<std::string, std::string> all_gather(const std::string& value,
+                                              const std::vector<std::string>& workers = {},
+                                              absl::Duration timeout = absl::Seconds(60));
+
+// The callee of a call: a worker's name, its rank (worker id) or its
+// WorkerInfo, as torch.distributed.rpc's `to` accepts.
+class WorkerRef {
+ public:
+  WorkerRef(const std::string& name) : name_(name) {}  // NOLINT: implicit by design
+  WorkerRef(const char* name) : name_(name) {}         // NOLINT
+  WorkerRef(int rank) : rank_(rank) {}                 // NOLINT
+  WorkerRef(const WorkerInfo& info) : name_(info.name), rank_(info.id) {}  // NOLINT
+  // The worker on `agent`; throws RpcError(kInvalidArgument) if it has none
+  // by that name or rank (or a WorkerInfo whose name and id disagree).
+  const WorkerInfo& resolve(const RpcAgent& agent) const;
+
+ private:
+  std::string name_;
+  int rank_ = -1;
+};
 
 // Per-call options, passed as the first argument:
 //   rpc::rpc_sync<int64_t>(rpc::CallOptions{absl::Seconds(1)}, "w1", "f", 3);
@@ -78,7 +114,7 @@ std::vector<c10::IValue> pack_args(Args&&... args) {
 
 // Calls `function` on worker `to` without blocking.
 template <typename R = c10::IValue, typename... Args>
-Future<R> rpc_async(const CallOptions& options, const std::string& to,
+Future<R> rpc_async(const CallOptions& options, const WorkerRef& to,
                     const std::string& function, Args&&... args) {
   std::shared_ptr<RpcAgent> agent;
   try {
@@ -90,7 +126,7 @@ Future<R> rpc_async(const CallOptions& options, const std::string& to,
   }
   Future<c10::IValue> raw;
   try {
-    raw = agent->call(agent->worker(to).id, function,
+    raw = agent->call(to.resolve(*agent).id, function,
                       internal::pack_args(std::forward<Args>(args)...), options.timeout,
                       "rpc_async");
   } catch (const RpcError& e) {
@@ -100,17 +136,18 @@ Future<R> rpc_async(const CallOptions& options, const std::string& to,
 }
 
 template <typename R = c10::IValue, typename... Args>
-Future<R> rpc_async(const std::string& to, const std::string& function, Args&&... args) {
+Future<R> rpc_async(const WorkerRef& to, const std::string& function, Args&&... args) {
   return rpc_async<R>(CallOptions{}, to, function, std::forward<Args>(args)...);
 }
 
 // Calls `function` on worker `to` and blocks for the result; throws RpcError.
 template <typename R = c10::IValue, typename... Args>
-R rpc_sync(const CallOptions& options, const std::string& to, const std::string& function,
+R rpc_sync(const CallOptions& options, const WorkerRef& to, const std::string& function,
            Args&&... args) {
   std::shared_ptr<RpcAgent> agent = current_agent();
   SyncCallScope waits_at_once;
-  Future<c10::IValue> raw = agent->call(agent->worker(to).id, function,
+  const WorkerInfo& callee = to.resolve(*agent);
+  Future<c10::IValue> raw = agent->call(callee.id, function,
                                         internal::pack_args(std::forward<Args>(args)...),
                                         options.timeout, "rpc_sync");
   const c10::IValue& value = raw.value();
@@ -123,14 +160,14 @@ R rpc_sync(const CallOptions& options, const std::string& to, const std::string&
       return ValueTraits<R>::from_ivalue(value);
     } catch (const TypeMismatch& e) {
       throw RpcError(ErrorCode::kInvalidArgument,
-                     "rpc_sync('" + function + "') on worker '" + to +
+                     "rpc_sync('" + function + "') on worker '" + callee.name +
                          "': unexpected result type: " + e.what());
     }
   }
 }
 
 template <typename R = c10::IValue, typename... Args>
-R rpc_sync(const std::string& to, const std::string& function, Args&&... args) {
+R rpc_sync(const WorkerRef& to, const std::string& function, Args&&... args) {
   return rpc_sync<R>(CallOptions{}, to, function, std::forward<Args>(args)...);
 }
 

@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "rpc/rpc.h"
+#include "rpc/rref.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 
@@ -108,6 +109,31 @@ MULTIPROCESS_TEST(RpcErrorsTest, TimeoutFailsTheCallNotTheConnection, 2) {
     EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));
     // A per-call timeout can also extend the default.
     EXPECT_EQ(rpc::rpc_sync<int64_t>(rpc::CallOptions{absl::Seconds(10)}, "worker1", "sleep_ms", 500), 500);
+    // The default changes at run time, for the calls made after.
+    EXPECT_EQ(rpc::get_rpc_timeout(), absl::Milliseconds(300));
+    rpc::set_rpc_timeout(absl::Seconds(10));
+    EXPECT_EQ(rpc::get_rpc_timeout(), absl::Seconds(10));
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "sleep_ms", 500), 500);
+    rpc::set_rpc_timeout(absl::Milliseconds(100));
+    start = absl::Now();
+    expect_rpc_error([&] { rpc::rpc_sync("worker1", "sleep_ms", 3000); },
+                     rpc::ErrorCode::kTimeout, {"timed out", "default rpc_timeout is 100ms"});
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));
+    // remote() under its own timeout: shorter or longer than the default.
+    rpc::set_rpc_timeout(absl::Seconds(10));
+    start = absl::Now();
+    auto slow = rpc::remote<int64_t>(rpc::CallOptions{absl::Milliseconds(100)}, "worker1",
+                                     "sleep_ms", 3000);
+    // The creation's outcome (its timeout) is known within about 100 ms.
+    while (!slow.confirmed_by_owner() && absl::Now() - start < absl::Seconds(2)) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));
+    expect_rpc_error([&] { slow.to_here(); }, rpc::ErrorCode::kTimeout, {"timed out", "sleep_ms"});
+    rpc::set_rpc_timeout(absl::Milliseconds(100));
+    auto patient = rpc::remote<int64_t>(rpc::CallOptions{absl::Seconds(10)}, "worker1",
+                                        "sleep_ms", 500);
+    EXPECT_EQ(patient.to_here(absl::Seconds(10)), 500);
   }
   rpc::shutdown();
 }
@@ -137,7 +163,8 @@ MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker2", "sleep_ms", 1), 1);
   }
   absl::Time start = absl::Now();
-  rpc::shutdown();  // does not wait for the dead worker
+  // Does not wait for the dead worker, and says it did not meet everyone.
+  EXPECT_FALSE(rpc::shutdown());
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
 }
 

@@ -10,11 +10,14 @@
 #include <ATen/ops/randn.h>
 
 #include <atomic>
+#include <map>
 #include <thread>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "rpc/rref.h"
+#include "rpc/store.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;
@@ -184,6 +187,10 @@ MULTIPROCESS_TEST(RpcTest, SyncAndAsyncAmongThreeWorkers, 3) {
     EXPECT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>(to, "add", x, x), x * 2));
     rpc::Future<int64_t> f = rpc::rpc_async<int64_t>(to, "add_ints", peer, 100);
     EXPECT_EQ(f.value(), peer + 100);
+    // The callee by rank or by WorkerInfo, as by name.
+    EXPECT_EQ(rpc::rpc_sync<int64_t>(peer, "add_ints", peer, 1), peer + 1);
+    EXPECT_EQ(rpc::rpc_async<int64_t>(rpc::get_worker_info(to), "add_ints", peer, 2).value(), peer + 2);
+    EXPECT_EQ(rpc::remote<int64_t>(peer, "add_ints", peer, 3).to_here(), peer + 3);
     EXPECT_EQ(rpc::rpc_sync<std::string>(to, "whoami", "I am "),
               "I am " + to + " called by " + mp::worker_name());
     auto [sum, doubles, empty] = rpc::rpc_sync<std::tuple<int64_t, std::vector<double>, bool>>(
@@ -192,7 +199,14 @@ MULTIPROCESS_TEST(RpcTest, SyncAndAsyncAmongThreeWorkers, 3) {
     EXPECT_EQ(doubles, (std::vector<double>{0.5, 3.0}));
     EXPECT_FALSE(empty);
   }
-  rpc::shutdown();
+  // Unknown ranks and a WorkerInfo whose name and id disagree are refused.
+  EXPECT_THROW(rpc::rpc_sync<int64_t>(3, "add_ints", 1, 2), rpc::RpcError);
+  EXPECT_TRUE(rpc::rpc_async<int64_t>(-1, "add_ints", 1, 2).has_error());
+  rpc::WorkerInfo wrong = rpc::get_worker_info("worker1");
+  wrong.id = 2;
+  EXPECT_THROW(rpc::rpc_sync<int64_t>(wrong, "add_ints", 1, 2), rpc::RpcError);
+  EXPECT_TRUE(rpc::shutdown());  // met every worker
+  EXPECT_FALSE(rpc::shutdown());  // nothing left to shut down
 }
 
 // A call waited for within a SyncCallScope (as rpc_sync) has its reply read
@@ -474,6 +488,41 @@ MULTIPROCESS_TEST(RpcTest, HeldReplyGoesOutBeforeTheHandlerWaits, 2) {
     rpc::rpc_sync<void>("worker0", "ack");
     EXPECT_TRUE(releasing.value()) << "the handler waited with the reply held";
   }
+  rpc::shutdown();
+}
+
+}  // namespace
+
+namespace {
+
+// all_gather among all workers and among a subset; barrier lets no worker
+// through before every named one arrived; a missing worker is named in the
+// timeout's error.
+MULTIPROCESS_TEST(RpcTest, AllGatherAndBarrierAmongAllOrSomeWorkers, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::Store& store = rpc::current_agent()->store();
+  const auto all = rpc::all_gather("value of " + mp::worker_name());
+  ASSERT_EQ(all.size(), 3u);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(all.at(mp::worker_name(r)), "value of " + mp::worker_name(r));
+  if (mp::rank() != 1) {
+    const auto some = rpc::all_gather(std::to_string(mp::rank() * 10), {"worker0", "worker2"});
+    EXPECT_EQ(some, (std::map<std::string, std::string>{{"worker0", "0"}, {"worker2", "20"}}));
+  }
+  // Nobody leaves the barrier before everyone arrived at it.
+  store.set("arrived/" + mp::worker_name(), "1");
+  rpc::barrier();
+  EXPECT_TRUE(store.check({"arrived/worker0", "arrived/worker1", "arrived/worker2"}));
+  if (mp::rank() == 0) {
+    try {
+      rpc::barrier({"worker0", "worker1"}, absl::Milliseconds(300));  // worker1 never comes
+      ADD_FAILURE() << "the barrier passed without worker1";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kTimeout);
+      EXPECT_NE(std::string(e.what()).find("waiting for worker1"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(rpc::all_gather("x", {"worker1", "worker2"}), rpc::RpcError);  // not among them
+  }
+  rpc::barrier();
   rpc::shutdown();
 }
 

@@ -130,16 +130,22 @@ class RRef {
     return rpc_async(options, method, std::forward<A>(args)...).value();
   }
 
-  // Runs `method` on the owner and keeps its result there.
-  template <typename M, typename... A>
+  // Runs `method` on the owner and keeps its result there; with CallOptions
+  // first, its creation fails (kTimeout) unless confirmed within the timeout.
+  template <typename M, typename... A,
+            typename = std::enable_if_t<std::is_member_function_pointer_v<M>>>
   auto remote(M method, A&&... args) const {
+    return remote(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <typename M, typename... A>
+  auto remote(const CallOptions& options, M method, A&&... args) const {
     using R = typename internal::UnwrapFuture<typename internal::FunctionTraits<M>::result>::type;
     static_assert(std::is_invocable_v<M, T&, A...>,
                   "RRef<T>::remote: the arguments do not match the method's parameters");
     auto agent = current_agent();
     const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
     return RRef<R>(internal::rref_context(agent).create_method_value(
-        state(), name, internal::pack_args(std::forward<A>(args)...)));
+        state(), name, internal::pack_args(std::forward<A>(args)...), options.timeout));
   }
 
   const internal::RRefState& state() const {
@@ -182,26 +188,41 @@ struct ValueTraits<RRef<T>> {
   }
 };
 
-// rpc::remote<T>(to, ctor_args...): creates a registered class T on `to`.
+// rpc::remote<T>([options,] to, ctor_args...): creates a registered class
+// T on `to`. With CallOptions, the creation fails (kTimeout, seen by
+// to_here(), calls and confirmed_by_owner()) unless the owner confirms it within the
+// timeout; without, within the agent's rpc_timeout.
 template <typename T, typename... Args,
           typename = std::enable_if_t<!internal::IsValueType<T>::value>>
-RRef<T> remote(const std::string& to, Args&&... args) {
+RRef<T> remote(const CallOptions& options, const WorkerRef& to, Args&&... args) {
   static_assert(std::is_constructible_v<T, std::decay_t<Args>...>,
                 "rpc::remote<T>: T cannot be constructed from these arguments");
   auto agent = current_agent();
   return RRef<T>(internal::rref_context(agent).create_object(
-      agent->worker(to).id, internal::class_name_of(typeid(T)),
-      internal::pack_args(std::forward<Args>(args)...)));
+      to.resolve(*agent).id, internal::class_name_of(typeid(T)),
+      internal::pack_args(std::forward<Args>(args)...), options.timeout));
+}
+template <typename T, typename... Args,
+          typename = std::enable_if_t<!internal::IsValueType<T>::value>>
+RRef<T> remote(const WorkerRef& to, Args&&... args) {
+  return remote<T>(CallOptions{}, to, std::forward<Args>(args)...);
 }
 
-// rpc::remote<R>(to, "function", args...): runs a registered function on
-// `to` and keeps its result (of type R) there.
+// rpc::remote<R>([options,] to, "function", args...): runs a registered
+// function on `to` and keeps its result (of type R) there.
 template <typename R, typename... Args,
           typename = std::enable_if_t<internal::IsValueType<R>::value>>
-RRef<R> remote(const std::string& to, const std::string& function, Args&&... args) {
+RRef<R> remote(const CallOptions& options, const WorkerRef& to, const std::string& function,
+               Args&&... args) {
   auto agent = current_agent();
   return RRef<R>(internal::rref_context(agent).create_value(
-      agent->worker(to).id, function, internal::pack_args(std::forward<Args>(args)...)));
+      to.resolve(*agent).id, function, internal::pack_args(std::forward<Args>(args)...),
+      options.timeout));
+}
+template <typename R, typename... Args,
+          typename = std::enable_if_t<internal::IsValueType<R>::value>>
+RRef<R> remote(const WorkerRef& to, const std::string& function, Args&&... args) {
+  return remote<R>(CallOptions{}, to, function, std::forward<Args>(args)...);
 }
 
 }  // namespace ddprpc::rpc

@@ -183,7 +183,8 @@ std::shared_ptr<RRefState> RRefContext::make_state(RRefId id, RRefId fork, int o
 std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& type,
                                                     const std::string& kind,
                                                     const std::string& name, RRefId target,
-                                                    std::vector<c10::IValue> args) {
+                                                    std::vector<c10::IValue> args,
+                                                    absl::Duration timeout) {
   const RRefId id = next_id();
   // The creator's own handle is a fork like any other.
   auto state = make_state(id, id, to, type);
@@ -197,7 +198,7 @@ std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& t
       {c10::IValue(int64_t{id.worker}), c10::IValue(id.local), c10::IValue(int64_t{id.worker}),
        c10::IValue(id.local), c10::IValue(kind), c10::IValue(name),
        c10::IValue(int64_t{target.worker}), c10::IValue(target.local), as_tuple(std::move(args))},
-      kDefaultTimeout, "remote", name);
+      timeout, "remote", name);
   release_agent();
   Future<void> created = state->created;
   created.set_driver(reply.driver());  // waiting for it reads the reply
@@ -212,19 +213,22 @@ std::shared_ptr<RRefState> RRefContext::send_create(int to, const std::string& t
 }
 
 std::shared_ptr<RRefState> RRefContext::create_object(int to, const std::string& cls,
-                                                      std::vector<c10::IValue> args) {
-  return send_create(to, cls, "object", cls, RRefId{}, std::move(args));
+                                                      std::vector<c10::IValue> args,
+                                                      absl::Duration timeout) {
+  return send_create(to, cls, "object", cls, RRefId{}, std::move(args), timeout);
 }
 
 std::shared_ptr<RRefState> RRefContext::create_value(int to, const std::string& function,
-                                                     std::vector<c10::IValue> args) {
-  return send_create(to, "", "function", function, RRefId{}, std::move(args));
+                                                     std::vector<c10::IValue> args,
+                                                     absl::Duration timeout) {
+  return send_create(to, "", "function", function, RRefId{}, std::move(args), timeout);
 }
 
 std::shared_ptr<RRefState> RRefContext::create_method_value(const RRefState& target,
                                                             const std::string& method,
-                                                            std::vector<c10::IValue> args) {
-  return send_create(target.owner, "", "method", method, target.id, std::move(args));
+                                                            std::vector<c10::IValue> args,
+                                                            absl::Duration timeout) {
+  return send_create(target.owner, "", "method", method, target.id, std::move(args), timeout);
 }
 
 std::shared_ptr<RRefState> RRefContext::create_local(c10::IValue value) {
@@ -256,12 +260,30 @@ Future<c10::IValue> RRefContext::confirming(const RRefState& rref, Future<c10::I
   });
 }
 
+bool RRefContext::creation_timed_out(const RRefState& rref, Future<c10::IValue>* failed) {
+  std::exception_ptr error = rref.created.error();
+  if (!error) return false;
+  try {
+    std::rethrow_exception(error);
+  } catch (const RpcError& e) {
+    if (e.code() != ErrorCode::kTimeout) return false;  // the owner reports other failures
+  } catch (...) {
+    return false;
+  }
+  failed->set_error(error);
+  return true;
+}
+
 Future<c10::IValue> RRefContext::fetch(const RRefState& rref, absl::Duration timeout) {
   RpcAgent* agent = acquire_agent();
   if (!agent) {
     Future<c10::IValue> f;
     f.set_error(RpcError(ErrorCode::kShutdown, "RRef::to_here: RPC is not running"));
     return f;
+  }
+  if (Future<c10::IValue> failed; creation_timed_out(rref, &failed)) {
+    release_agent();
+    return failed;
   }
   Future<c10::IValue> f =
       agent->call(rref.owner, kFetch, {c10::IValue(int64_t{rref.id.worker}), c10::IValue(rref.id.local)},
@@ -278,6 +300,10 @@ Future<c10::IValue> RRefContext::call_method(const RRefState& rref, const std::s
     Future<c10::IValue> f;
     f.set_error(RpcError(ErrorCode::kShutdown, "RRef method call: RPC is not running"));
     return f;
+  }
+  if (Future<c10::IValue> failed; creation_timed_out(rref, &failed)) {
+    release_agent();
+    return failed;
   }
   Future<c10::IValue> f = agent->call(
       rref.owner, kCall,
@@ -333,7 +359,7 @@ void RRefContext::schedule_expiry(RRefId id) {
   // bogus id pins them.
   RpcAgent* agent = acquire_agent();
   if (!agent) return;
-  absl::Duration wait = agent->options().rpc_timeout;
+  absl::Duration wait = agent->rpc_timeout();
   if (wait <= absl::ZeroDuration() || wait == absl::InfiniteDuration()) wait = absl::Seconds(60);
   std::weak_ptr<RRefContext> weak = weak_from_this();
   agent->run_at(absl::Now() + wait, [weak, id] {

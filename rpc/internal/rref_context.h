@@ -97,13 +97,16 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   // The internal functions ("__rref.*") the agent serves.
   const FunctionRegistry& functions() const { return functions_; }
 
-  // Caller side. Creation is asynchronous: state->created reports the outcome.
+  // Caller side. Creation is asynchronous: state->created reports the
+  // outcome, an error with kTimeout when the owner has not confirmed it
+  // within `timeout` (rpc::kDefaultTimeout: the agent's rpc_timeout).
   std::shared_ptr<RRefState> create_object(int to, const std::string& cls,
-                                           std::vector<c10::IValue> args);
+                                           std::vector<c10::IValue> args, absl::Duration timeout);
   std::shared_ptr<RRefState> create_value(int to, const std::string& function,
-                                          std::vector<c10::IValue> args);
+                                          std::vector<c10::IValue> args, absl::Duration timeout);
   std::shared_ptr<RRefState> create_method_value(const RRefState& target, const std::string& method,
-                                                 std::vector<c10::IValue> args);
+                                                 std::vector<c10::IValue> args,
+                                                 absl::Duration timeout);
   // An owner RRef of a local value.
   std::shared_ptr<RRefState> create_local(c10::IValue value);
 
@@ -164,9 +167,13 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   Future<c10::IValue> serve_create(int from, RRefId id, RRefId fork, const std::string& kind,
                                    const std::string& name, RRefId target,
                                    std::vector<c10::IValue> args);
+  // True (with `failed` failed by it) when the RRef's creation timed out
+  // before its owner confirmed it: its uses then fail with that error, as
+  // PyTorch's do.
+  bool creation_timed_out(const RRefState& rref, Future<c10::IValue>* failed);
   std::shared_ptr<RRefState> send_create(int to, const std::string& type, const std::string& kind,
                                          const std::string& name, RRefId target,
-                                         std::vector<c10::IValue> args);
+                                         std::vector<c10::IValue> args, absl::Duration timeout);
 
   // Pins the agent while it is used outside mu_; nullptr once detached.
   RpcAgent* acquire_agent();

@@ -1,0 +1,134 @@
+// Every optimizer DistributedOptimizer offers, against torch.optim's own
+// (PyTorch 1.13, /usr/bin/python3) on the same parameters and gradients:
+// three steps with gradients that change sign; a parameter that never gets
+// a gradient stays as it was.
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/allclose.h>
+#include <ATen/ops/tensor.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "autograd/dist_autograd.h"
+#include "gtest/gtest.h"
+#include "optim/distributed_optimizer.h"
+#include "tests/multiprocess.h"
+
+namespace rpc = ddprpc::rpc;
+namespace optim = ddprpc::optim;
+namespace dist_autograd = ddprpc::dist_autograd;
+namespace mp = ddprpc::testing;
+
+namespace {
+
+const std::vector<double> kStart = {0.5, -1.0, 2.0, 0.0};
+const std::vector<std::vector<double>> kGrads = {
+    {1, -2, 0.5, 3}, {0.5, -1, -0.5, 3}, {-1, 2, 0.25, -3}};
+
+struct Case {
+  std::string kind;
+  std::map<std::string, double> ours;  // DistributedOptimizer's options
+  std::string theirs;                   // torch.optim's class and keyword arguments
+};
+const std::vector<Case> kCases = {
+    {"sgd", {{"lr", 0.1}, {"momentum", 0.9}}, "SGD, lr=0.1, momentum=0.9"},
+    {"adam", {{"lr", 0.01}}, "Adam, lr=0.01"},
+    {"adamw", {{"lr", 0.01}}, "AdamW, lr=0.01"},
+    {"adagrad", {{"lr", 0.1}}, "Adagrad, lr=0.1"},
+    {"rmsprop", {{"lr", 0.01}, {"momentum", 0.5}}, "RMSprop, lr=0.01, momentum=0.5"},
+    {"adadelta", {}, "Adadelta"},
+    {"adamax", {{"weight_decay", 0.1}}, "Adamax, weight_decay=0.1"},
+    {"rprop", {}, "Rprop"},
+};
+
+std::string list(const std::vector<double>& v) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
+  return out.str() + "]";
+}
+
+// kind -> the parameter after three steps, from torch.optim; empty when
+// PyTorch cannot be run here.
+std::map<std::string, std::vector<double>> torch_results() {
+  std::string script = "import torch\n";
+  for (const Case& c : kCases) {
+    const std::string cls = c.theirs.substr(0, c.theirs.find(','));
+    const std::string kwargs = c.theirs.find(',') == std::string::npos ? "" : c.theirs.substr(c.theirs.find(','));
+    script += "p = torch.tensor(" + list(kStart) + ", requires_grad=True)\n";
+    script += "q = torch.tensor([1.0, 2.0], requires_grad=True)\n";
+    script += "o = torch.optim." + cls + "([p, q]" + kwargs + ")\n";
+    for (const auto& g : kGrads) {
+      script += "o.zero_grad(); (p * torch.tensor(" + list(g) + ")).sum().backward(); o.step()\n";
+    }
+    script += "assert q.tolist() == [1.0, 2.0]\n";
+    script += "print('" + c.kind + "', *['%.9g' % x for x in p.tolist()])\n";
+  }
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/optimizers.py";
+  FILE* f = std::fopen(path.c_str(), "w");
+  std::fputs(script.c_str(), f);
+  std::fclose(f);
+  std::map<std::string, std::vector<double>> out;
+  FILE* p = ::popen(("/usr/bin/python3 " + path + " 2>&1").c_str(), "r");
+  if (p == nullptr) return out;
+  char line[512];
+  std::string all;
+  while (std::fgets(line, sizeof(line), p)) {
+    all += line;
+    std::istringstream in(line);
+    std::string kind;
+    in >> kind;
+    std::vector<double> values;
+    for (double v; in >> v;) values.push_back(v);
+    if (values.size() == kStart.size()) out[kind] = values;
+  }
+  const int status = ::pclose(p);
+  if (status != 0) ADD_FAILURE() << "PyTorch's side failed:\n" << all;
+  return out;
+}
+
+MULTIPROCESS_TEST(DistributedOptimizerTest, EveryKindMatchesTorchOptim, 2) {
+  if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0) {
+    GTEST_SKIP() << "no PyTorch at /usr/bin/python3";
+  }
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    const auto expected = torch_results();
+    ASSERT_EQ(expected.size(), kCases.size());
+    for (const Case& c : kCases) {
+      SCOPED_TRACE(c.kind);
+      // The parameters live on worker1; the gradients come from worker0's
+      // backward through an RPC.
+      rpc::RRef<at::Tensor> p = rpc::remote<at::Tensor>("worker1", "make_param", kStart);
+      rpc::RRef<at::Tensor> untouched = rpc::remote<at::Tensor>("worker1", "make_param",
+                                                                std::vector<double>{1.0, 2.0});
+      optim::DistributedOptimizer opt(c.kind, c.ours, {p, untouched});
+      for (const auto& g : kGrads) {
+        dist_autograd::Context context;
+        at::Tensor scaled = rpc::rpc_sync<at::Tensor>("worker1", "times", p, at::tensor(g, at::kFloat));
+        dist_autograd::backward(context.id(), {scaled.sum()});
+        opt.step(context.id());
+      }
+      const at::Tensor got = p.to_here();
+      const at::Tensor want = at::tensor(expected.at(c.kind), at::kFloat);
+      EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << "ours " << got << "\ntorch.optim " << want;
+      EXPECT_TRUE(untouched.to_here().equal(at::tensor(std::vector<double>{1.0, 2.0}, at::kFloat)));
+    }
+  }
+  rpc::shutdown();
+}
+
+}  // namespace
+
+namespace {
+at::Tensor make_param(std::vector<double> values) {
+  return at::tensor(values, at::kFloat).requires_grad_(true);
+}
+DDPRPC_REGISTER_FUNCTION(make_param);
+at::Tensor times(rpc::RRef<at::Tensor> param, at::Tensor factor) { return param.local_value() * factor; }
+DDPRPC_REGISTER_FUNCTION(times);
+}  // namespace
