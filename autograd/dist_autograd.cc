@@ -802,6 +802,25 @@ c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id) {
 
 size_t num_contexts() { return container().size(); }
 
+namespace {
+const bool g_debug_info_registered = [] {
+  rpc::register_debug_info([](std::map<std::string, std::string>* info) {
+    (*info)["dist_autograd.num_contexts"] = std::to_string(num_contexts());
+  });
+  return true;
+}();
+}  // namespace
+
+ContextInfo context_info(ContextId context_id) {
+  std::shared_ptr<ContextState> ctx = container().get(context_id);
+  ContextInfo info;
+  absl::MutexLock lock(&ctx->mu);
+  for (const auto& [message, send] : ctx->sends) info.send_functions[message] = send.dest;
+  info.recv_functions = ctx->recvs.size();
+  info.known_workers = ctx->workers;
+  return info;
+}
+
 void set_idle_context_timeout(absl::Duration timeout) {
   g_idle_timeout_ns.store(absl::ToInt64Nanoseconds(std::max(timeout, absl::Milliseconds(1))));
 }

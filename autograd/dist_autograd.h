@@ -34,6 +34,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <set>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -71,6 +73,20 @@ c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id);
 
 // Contexts alive on this worker (for leak checks).
 size_t num_contexts();
+
+// What this worker recorded of a context's graph (PyTorch's
+// ctx._send_functions(), _recv_functions() and _known_worker_ids()).
+struct ContextInfo {
+  // Message id -> the worker its tensors went to, one per send function.
+  std::map<int64_t, int> send_functions;
+  // Recv functions: one per received message that carried tensors.
+  size_t recv_functions = 0;
+  // The other workers this context's messages (with tensors or not) came
+  // from or went to.
+  std::set<int> known_workers;
+};
+// Throws std::invalid_argument for a context this worker does not hold.
+ContextInfo context_info(ContextId context_id);
 
 // Contexts that messages of other workers created here are dropped once no
 // message of theirs has come or gone for this long (their creator died, or

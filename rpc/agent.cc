@@ -738,6 +738,28 @@ std::vector<bool> RpcAgent::peers_alive(const std::vector<int>& ids) {
   return alive;
 }
 
+std::map<std::string, std::string> RpcAgent::debug_info() const {
+  std::map<std::string, std::string> info;
+  info["agent.worker"] = self().name;
+  info["agent.num_workers"] = std::to_string(workers_.size());
+  info["agent.num_worker_threads"] = std::to_string(options_.num_worker_threads);
+  info["agent.rpc_timeout"] = absl::FormatDuration(rpc_timeout());
+  {
+    absl::MutexLock lock(&mu_);
+    info["agent.num_pending_calls"] = std::to_string(pending_.size());
+    info["agent.running"] = running_ ? "1" : "0";
+  }
+  {
+    absl::MutexLock lock(&workers_mu_);
+    info["agent.idle_worker_threads"] = std::to_string(free_workers_);
+  }
+  int unreachable = 0;
+  for (const WorkerInfo& w : workers_) unreachable += w.id != rank_ && !is_reachable(w.id);
+  info["agent.unreachable_workers"] = std::to_string(unreachable);
+  if (rrefs_) info["rref.owned"] = std::to_string(rrefs_->owned_count());
+  return info;
+}
+
 absl::Duration RpcAgent::rpc_timeout() const {
   const int64_t ns = rpc_timeout_ns_.load(std::memory_order_relaxed);
   return ns == INT64_MAX ? absl::InfiniteDuration() : absl::Nanoseconds(ns);

@@ -166,6 +166,9 @@ class RpcAgent {
   // then on (calls in flight keep theirs). Zero or infinite: no deadline.
   absl::Duration rpc_timeout() const;
   void set_rpc_timeout(absl::Duration timeout);
+  // Counters of this worker, by name ("agent.num_pending_calls",
+  // "agent.idle_worker_threads", "rref.owned", ...).
+  std::map<std::string, std::string> debug_info() const;
   Store& store() { return *store_; }
   // Remote-reference bookkeeping of this worker (rref.h).
   internal::RRefContext& rrefs() { return *rrefs_; }
@@ -280,7 +283,7 @@ class RpcAgent {
   std::atomic<int64_t> rpc_timeout_ns_;  // rpc_timeout(); INT64_MAX: infinite
   std::thread timer_;
   std::atomic<int64_t> rrefs_alive_at_shutdown_{-1};
-  absl::Mutex workers_mu_;
+  mutable absl::Mutex workers_mu_;
   int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;
 
   mutable absl::Mutex mu_;

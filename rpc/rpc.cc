@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include <glog/logging.h>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
@@ -95,6 +97,50 @@ const WorkerInfo& WorkerRef::resolve(const RpcAgent& agent) const {
                    absl::StrCat("WorkerInfo names '", name_, "' with id ", rank_,
                                 ", but worker ", rank_, " is '", info.name, "'"));
   }
+  return info;
+}
+
+namespace {
+thread_local WaitAllScope* t_wait_all_scope = nullptr;
+}  // namespace
+
+WaitAllScope::WaitAllScope() : previous_(t_wait_all_scope) { t_wait_all_scope = this; }
+
+WaitAllScope::~WaitAllScope() {
+  t_wait_all_scope = previous_;
+  for (const auto& f : futures_) {
+    f.wait_for(absl::InfiniteDuration());
+    if (f.has_error()) LOG(WARNING) << "rpc::WaitAllScope: " << f.error_message();
+  }
+}
+
+void WaitAllScope::wait() {
+  wait_all(futures_);  // on an error, the destructor still waits for the rest
+  futures_.clear();
+}
+
+void note_rpc_async(const Future<c10::IValue>& future) {
+  if (t_wait_all_scope != nullptr) t_wait_all_scope->futures_.push_back(future);
+}
+
+namespace {
+absl::Mutex g_debug_mu;
+std::vector<std::function<void(std::map<std::string, std::string>*)>>& debug_sources()
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_debug_mu) {
+  static auto* sources = new std::vector<std::function<void(std::map<std::string, std::string>*)>>();
+  return *sources;
+}
+}  // namespace
+
+void register_debug_info(std::function<void(std::map<std::string, std::string>*)> source) {
+  absl::MutexLock lock(&g_debug_mu);
+  debug_sources().push_back(std::move(source));
+}
+
+std::map<std::string, std::string> get_debug_info() {
+  std::map<std::string, std::string> info = current_agent()->debug_info();
+  absl::MutexLock lock(&g_debug_mu);
+  for (const auto& source : debug_sources()) source(&info);
   return info;
 }
 

@@ -11,6 +11,7 @@
 // installed by init_rpc; RpcAgent can also be used directly.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -37,6 +38,13 @@ std::shared_ptr<RpcAgent> current_agent();
 WorkerInfo get_worker_info();
 WorkerInfo get_worker_info(const std::string& name);
 std::vector<WorkerInfo> get_worker_infos();
+
+// Counters of this worker in one map, like torch.distributed.rpc's
+// _get_debug_info: the agent's and RRefs' (RpcAgent::debug_info) and those
+// of every layer that registered a source (dist_autograd: its contexts).
+std::map<std::string, std::string> get_debug_info();
+// Adds a source of counters to get_debug_info (for layers above rpc).
+void register_debug_info(std::function<void(std::map<std::string, std::string>*)> source);
 
 // The current agent's default call deadline (RpcAgent::rpc_timeout), like
 // torch.distributed.rpc's get_rpc_timeout / _set_rpc_timeout.
@@ -72,6 +80,28 @@ class WorkerRef {
   std::string name_;
   int rank_ = -1;
 };
+
+// Collects the futures of the rpc_async calls this thread makes while it
+// exists (the innermost one, when nested), like PyTorch's
+// `with rpc.api._wait_all():` block. wait() waits for them and throws the
+// first error (as wait_all); the destructor waits for those still running
+// and logs their errors, since it must not throw.
+class WaitAllScope {
+ public:
+  WaitAllScope();
+  ~WaitAllScope();
+  WaitAllScope(const WaitAllScope&) = delete;
+  WaitAllScope& operator=(const WaitAllScope&) = delete;
+  void wait();
+  size_t size() const { return futures_.size(); }
+
+ private:
+  friend void note_rpc_async(const Future<c10::IValue>& future);
+  std::vector<Future<c10::IValue>> futures_;
+  WaitAllScope* const previous_;
+};
+// Adds `future` to this thread's innermost WaitAllScope, if any.
+void note_rpc_async(const Future<c10::IValue>& future);
 
 // Per-call options, passed as the first argument:
 //   rpc::rpc_sync<int64_t>(rpc::CallOptions{absl::Seconds(1)}, "w1", "f", 3);
@@ -132,6 +162,7 @@ Future<R> rpc_async(const CallOptions& options, const WorkerRef& to,
   } catch (const RpcError& e) {
     raw.set_error(e);
   }
+  note_rpc_async(raw);
   return internal::typed_future<R>(std::move(raw));
 }
 

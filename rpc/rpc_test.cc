@@ -527,3 +527,40 @@ MULTIPROCESS_TEST(RpcTest, AllGatherAndBarrierAmongAllOrSomeWorkers, 3) {
 }
 
 }  // namespace
+
+namespace {
+
+// The futures of rpc_async calls made inside a WaitAllScope are waited for
+// by wait() (first error thrown) or at the scope's end.
+MULTIPROCESS_TEST(RpcTest, WaitAllScopeWaitsForTheCallsMadeInIt, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    rpc::Future<int64_t> outside = rpc::rpc_async<int64_t>("worker1", "add_ints", 1, 1);
+    rpc::Future<int64_t> a, b;
+    {
+      rpc::WaitAllScope scope;
+      a = rpc::rpc_async<int64_t>("worker1", "park");  // completes only on unpark
+      b = rpc::rpc_async<int64_t>("worker1", "add_ints", 2, 3);
+      {
+        rpc::WaitAllScope inner;  // the innermost scope collects
+        rpc::rpc_async<int64_t>("worker1", "add_ints", 4, 5);
+        EXPECT_EQ(inner.size(), 1u);
+      }
+      EXPECT_EQ(scope.size(), 2u);
+      rpc::rpc_sync("worker1", "unpark");  // rpc_sync: not collected
+      EXPECT_EQ(scope.size(), 2u);
+      scope.wait();
+      EXPECT_EQ(scope.size(), 0u);
+      EXPECT_TRUE(a.completed());
+      EXPECT_TRUE(b.completed());
+      rpc::rpc_async<int64_t>("worker1", "add_ints", "not an int", 1);  // fails
+      EXPECT_THROW(scope.wait(), rpc::RpcError);
+    }
+    EXPECT_EQ(outside.value(), 2);
+    EXPECT_EQ(a.value(), 1);
+    EXPECT_EQ(b.value(), 5);
+  }
+  rpc::shutdown();
+}
+
+}  // namespace

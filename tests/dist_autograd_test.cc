@@ -15,7 +15,10 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/sgd.h>
 
+#include <set>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "models/split_model.h"
@@ -193,6 +196,49 @@ MULTIPROCESS_TEST(DistAutogradTest, TensorHooksRunInTheDistributedBackward, 2) {
     at::Tensor want = run(false), got = run(true);  // ((1 * 3) + 1) * 3 * 2 = 24
     EXPECT_TRUE(at::allclose(got, want)) << "got " << got << ", local autograd " << want;
     EXPECT_TRUE(at::allclose(want, at::full({3}, 24.0)));
+  }
+  rpc::shutdown();
+}
+
+// A context's graph on this worker: (send functions, recv functions, known workers).
+std::tuple<int64_t, int64_t, std::vector<int64_t>> graph_of(int64_t context_id) {
+  const dist_autograd::ContextInfo info = dist_autograd::context_info(context_id);
+  return {static_cast<int64_t>(info.send_functions.size()),
+          static_cast<int64_t>(info.recv_functions),
+          std::vector<int64_t>(info.known_workers.begin(), info.known_workers.end())};
+}
+DDPRPC_REGISTER_FUNCTION(graph_of);
+
+// worker0 -> worker1 -> worker2: each worker records a send function per
+// tensor-carrying message it sent and a recv function per one it received.
+MULTIPROCESS_TEST(DistAutogradTest, GraphOfAContextIsVisibleOnEachWorker, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({4}).requires_grad_(true);
+    dist_autograd::Context context;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "scale_via", "worker2", x);
+    const dist_autograd::ContextInfo mine = dist_autograd::context_info(context.id());
+    ASSERT_EQ(mine.send_functions.size(), 1u);  // the request to worker1
+    EXPECT_EQ(mine.send_functions.begin()->second, 1);
+    EXPECT_EQ(mine.recv_functions, 1u);  // its reply
+    EXPECT_EQ(mine.known_workers, (std::set<int>{1}));
+    using Graph = std::tuple<int64_t, int64_t, std::vector<int64_t>>;
+    // worker1: request in, request out to worker2, its reply in, reply out.
+    EXPECT_EQ(rpc::rpc_sync<Graph>("worker1", "graph_of", context.id()),
+              Graph(2, 2, std::vector<int64_t>{0, 2}));
+    // worker2: worker1's request in, its reply out; it knows worker0 too,
+    // whose graph_of call (in this context) just reached it.
+    EXPECT_EQ(rpc::rpc_sync<Graph>("worker2", "graph_of", context.id()),
+              Graph(1, 1, std::vector<int64_t>{0, 1}));
+    // The counters of every layer in one map.
+    const auto info = rpc::get_debug_info();
+    EXPECT_EQ(info.at("dist_autograd.num_contexts"), "1");
+    EXPECT_EQ(info.at("agent.worker"), "worker0");
+    EXPECT_EQ(info.at("agent.num_workers"), "3");
+    EXPECT_EQ(info.at("agent.num_pending_calls"), "0");
+    EXPECT_EQ(info.at("agent.unreachable_workers"), "0");
+    EXPECT_EQ(info.count("rref.owned"), 1u);
+    dist_autograd::backward(context.id(), {y.sum()});
   }
   rpc::shutdown();
 }
