@@ -27,6 +27,7 @@
 #include "rpc/hooks.h"
 #include "rpc/internal/fault.h"
 #include "rpc/rpc.h"
+#include "rpc/rref.h"
 
 namespace ddprpc::dist_autograd {
 namespace {
@@ -790,6 +791,28 @@ void backward(ContextId context_id, const std::vector<at::Tensor>& roots, bool r
   // This thread waits for the pass's sends: it reads their replies itself.
   rpc::SyncCallScope waited_here;
   all_done(run_pass(ctx, edges, grads, retain_graph)).value();
+}
+
+namespace {
+// The owner's side of backward(context_id, RRef).
+void backward_from_rref(int64_t context_id, rpc::RRef<at::Tensor> root, bool retain_graph) {
+  backward(context_id, {root.local_value()}, retain_graph);
+}
+}  // namespace
+DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_rref_backward, "__dist_autograd.rref_backward",
+                            backward_from_rref);
+
+void backward(ContextId context_id, const rpc::RRef<at::Tensor>& root, bool retain_graph) {
+  if (root.is_owner()) return backward(context_id, {root.local_value()}, retain_graph);
+  // Inside the context, so that the owner finds it (and learns of its release).
+  const ContextId previous = t_current;
+  t_current = context_id;
+  struct Restore {
+    ContextId previous;
+    ~Restore() { t_current = previous; }
+  } restore{previous};
+  rpc::rpc_sync<void>(root.owner().id, "__dist_autograd.rref_backward", context_id, root,
+                      retain_graph);
 }
 
 c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id) {

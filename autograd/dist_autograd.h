@@ -40,6 +40,11 @@
 
 #include "absl/time/time.h"
 
+namespace ddprpc::rpc {
+template <typename T>
+class RRef;
+}  // namespace ddprpc::rpc
+
 namespace ddprpc::dist_autograd {
 
 using ContextId = int64_t;
@@ -67,6 +72,13 @@ ContextId current_context_id();
 // Runs the distributed backward pass from scalar `roots`.
 void backward(ContextId context_id, const std::vector<at::Tensor>& roots,
               bool retain_graph = false);
+
+// RRef.backward(context_id): the distributed backward pass from the scalar
+// tensor `root` holds, run by its owner (this worker or another) in
+// `context_id`, in which the owner must have computed it (e.g. the RRef came
+// from rpc::remote inside the context). Returns when the pass is done
+// everywhere; throws the owner's error.
+void backward(ContextId context_id, const rpc::RRef<at::Tensor>& root, bool retain_graph = false);
 
 // Parameter -> accumulated gradient of `context_id` on this worker.
 c10::Dict<at::Tensor, at::Tensor> get_gradients(ContextId context_id);

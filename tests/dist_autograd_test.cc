@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "models/split_model.h"
 #include "optim/distributed_optimizer.h"
+#include "rpc/rref.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;
@@ -239,6 +240,39 @@ MULTIPROCESS_TEST(DistAutogradTest, GraphOfAContextIsVisibleOnEachWorker, 3) {
     EXPECT_EQ(info.at("agent.unreachable_workers"), "0");
     EXPECT_EQ(info.count("rref.owned"), 1u);
     dist_autograd::backward(context.id(), {y.sum()});
+  }
+  rpc::shutdown();
+}
+
+at::Tensor sum_of_squares(at::Tensor x) { return (x * x).sum(); }
+DDPRPC_REGISTER_FUNCTION(sum_of_squares);
+
+// RRef.backward(context_id): the pass starts on the RRef's owner, here
+// another worker (rpc::remote in the context) or this one.
+MULTIPROCESS_TEST(DistAutogradTest, BackwardFromAnRRefStartsOnItsOwner, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::randn({3}).requires_grad_(true);
+    {
+      dist_autograd::Context context;
+      rpc::RRef<at::Tensor> loss = rpc::remote<at::Tensor>("worker1", "sum_of_squares", x);
+      EXPECT_FALSE(loss.is_owner());
+      dist_autograd::backward(context.id(), loss);
+      auto grads = dist_autograd::get_gradients(context.id());
+      ASSERT_EQ(grads.size(), 1u);
+      EXPECT_TRUE(at::allclose(grads.at(x), 2 * x.detach()));
+    }
+    {
+      dist_autograd::Context context;
+      rpc::RRef<at::Tensor> loss(rpc::rpc_sync<at::Tensor>("worker1", "sum_of_squares", x));
+      EXPECT_TRUE(loss.is_owner());
+      dist_autograd::backward(context.id(), loss);
+      EXPECT_TRUE(at::allclose(dist_autograd::get_gradients(context.id()).at(x), 2 * x.detach()));
+    }
+    // A root that is not a scalar fails on its owner, and the caller hears of it.
+    dist_autograd::Context context;
+    rpc::RRef<at::Tensor> vector = rpc::remote<at::Tensor>("worker1", "scale", x, 2.0);
+    EXPECT_THROW(dist_autograd::backward(context.id(), vector), rpc::RpcError);
   }
   rpc::shutdown();
 }
