@@ -625,7 +625,15 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
       if (!grad.defined()) continue;
       auto& slot = ctx->grads[params[i].unsafeGetTensorImpl()];
       if (slot.first.defined()) {
-        slot.second.add_(grad);
+        if (slot.second.is_sparse() && !grad.is_sparse()) {
+          slot.second = grad + slot.second;  // a dense sum
+        } else {
+          slot.second.add_(grad);  // dense or sparse (COO): sparse + sparse stays sparse
+        }
+      } else if (grad.is_sparse()) {
+        // A sparse gradient (e.g. EmbeddingBag's with sparse=true) stays
+        // sparse: an optimizer then touches only the rows it names.
+        slot = {params[i], grad.use_count() == 1 ? std::move(grad) : grad.clone()};
       } else if (grad.use_count() == 1 && grad.is_non_overlapping_and_dense() &&
                  grad.strides() == params[i].strides()) {
         // As PyTorch's AccumulateGrad: a gradient nothing else refers to,

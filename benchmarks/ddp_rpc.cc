@@ -76,6 +76,10 @@ DEFINE_bool(check_convergence, false,
             "train on a learnable target (every index of a bag has index % 8 == the bag's "
             "target) and exit with code 3 unless the mean loss of the last iteration is at "
             "least 10% below the first one's and every parameter server's table changed");
+DEFINE_bool(sparse, false,
+            "sparse (COO) embedding gradients: a backward pass sends each parameter server only "
+            "the rows its batch looked up, and SGD updates only those (EmbeddingBag's "
+            "sparse=True, on both sides); dense gradients cover the whole table");
 DEFINE_string(lookups, "concurrent",
               "how a trainer's forward reaches the parameter servers: concurrent (rpc_async to "
               "every server, then wait for all) or sequential (rpc_sync one after another, the "
@@ -276,10 +280,10 @@ std::string workload_flags() {
   return absl::StrFormat(
       "--trainers=%d --ps=%d --num_embeddings=%d --embedding_dim=%d --iters=%d --warmup=%d "
       "--batches_per_iter=%d --lr=%g --seed=%d --check_convergence=%d --backend=%s "
-      "--lookups=%s --dense_kernel=%s",
+      "--lookups=%s --dense_kernel=%s --sparse=%d",
       FLAGS_trainers, FLAGS_ps, FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_iters,
       FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed, FLAGS_check_convergence,
-      FLAGS_backend, FLAGS_lookups, models::dense_kernel_name(dense_kernels()[0]));
+      FLAGS_backend, FLAGS_lookups, models::dense_kernel_name(dense_kernels()[0]), FLAGS_sparse);
 }
 
 // ---------------------------------------------------------------------------
@@ -341,6 +345,7 @@ TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables,
                               ? models::HybridModelOptions::Lookups::kSequential
                               : models::HybridModelOptions::Lookups::kConcurrent;
   model_options.dense_kernel = dense_kernels()[0];
+  model_options.sparse = FLAGS_sparse;
   models::HybridModel model(std::move(tables), FLAGS_embedding_dim, model_options);
   // DDP among the trainers (rendezvous through the RPC store): the same
   // initial dense parameters everywhere, gradients averaged inside every
@@ -644,9 +649,9 @@ void print_info(const std::string& processes) {
       FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed,
       FLAGS_check_convergence ? "; learnable target (--check_convergence)" : "");
   absl::PrintF(
-      "* lookups: %s; dense layers on: %s; percentiles: numpy's linear interpolation, both "
-      "sides\n",
-      FLAGS_lookups, FLAGS_dense_kernel);
+      "* lookups: %s; dense layers on: %s; %s embedding gradients; percentiles: numpy's linear "
+      "interpolation, both sides\n",
+      FLAGS_lookups, FLAGS_dense_kernel, FLAGS_sparse ? "sparse" : "dense");
   const std::string topo = run_or_empty({"nvidia-smi", "topo", "-m"});
   if (!topo.empty()) absl::PrintF("---------- nvidia-smi topo -m ---------\n%s", topo);
   std::fflush(stdout);
@@ -689,7 +694,7 @@ void write_json(const Report& r) {
   config.key("check_convergence").value(FLAGS_check_convergence);
   config.key("backend").value(FLAGS_backend).key("cpus").value(bench::cpu_count());
   config.key("lookups").value(FLAGS_lookups).key("dense_kernel").value(FLAGS_dense_kernel);
-  config.key("pairs").value(FLAGS_pairs);
+  config.key("pairs").value(FLAGS_pairs).key("sparse").value(FLAGS_sparse);
   config.key("percentiles").value("numpy linear interpolation");
   config.end_object();
   const std::string first_kernel = models::dense_kernel_name(dense_kernels()[0]);
@@ -802,7 +807,8 @@ std::string run_pytorch_reference(const std::string& script, const std::string& 
       {"/usr/bin/python3", script, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
        absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
        absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(pytorch_iters()), "--warmup",
-       absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--port",
+       absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--sparse",
+       FLAGS_sparse ? "1" : "0", "--port",
        absl::StrCat(rpc::pick_free_port()), "--json", json},
       &output);
   const std::string theirs = rc == 0 ? bench::read_file(json) : "";

@@ -208,6 +208,32 @@ TEST(DdpRpcBenchmarkTest, UnknownKernelOrLookupsIsRefused) {
   }
 }
 
+// --sparse: the tables' gradients are sparse and training still learns;
+// with 100k rows per table, only rows that batches looked up change.
+TEST(DdpRpcBenchmarkTest, SparseGradientsTrainTheTables) {
+  Child learns(binary(kBinary),
+               with(kSmall, {"--sparse", "--iters=10", "--warmup=0", "--check_convergence",
+                             "--json=" + test_tmp("sparse.json")}),
+               "sparse");
+  ASSERT_EQ(learns.wait_for(absl::Minutes(3)), 0) << tail(learns.out()) << tail(learns.err());
+  EXPECT_NE(learns.out().find("sparse embedding gradients"), std::string::npos) << learns.out();
+  EXPECT_NE(learns.out().find("Convergence check: passed"), std::string::npos) << learns.out();
+  // Too many rows to learn in 3 iterations (exit 3 is fine); what changed is
+  // at most what 2 trainers x 3 iterations x 10 batches x 50 indices named.
+  Child big(binary(kBinary),
+            with(kSmall, {"--sparse", "--num_embeddings=100000", "--iters=3", "--warmup=0",
+                          "--check_convergence", "--json=" + test_tmp("sparse_big.json")}),
+            "sparse_big");
+  const int code = big.wait_for(absl::Minutes(3));
+  EXPECT_TRUE(code == 0 || code == 3) << tail(big.err());
+  std::smatch m;
+  const std::string out = big.out();
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(ps0: ([0-9]+) of 100000 embedding rows changed)")))
+      << out;
+  EXPECT_GT(std::stoi(m[1].str()), 0);
+  EXPECT_LE(std::stoi(m[1].str()), 3000);
+}
+
 // The check can fail: with a zero learning rate nothing is learned.
 TEST(DdpRpcBenchmarkTest, CheckConvergenceFailsWhenNothingIsLearned) {
   Child c(binary(kBinary),

@@ -20,11 +20,14 @@ std::vector<rpc::RRef<at::Tensor>> EmbeddingTable::parameter_rrefs() {
   return out;
 }
 
+void EmbeddingTable::set_sparse(bool sparse) { table_->options.sparse(sparse); }
+
 static auto embedding_table_registration =
     rpc::register_class<EmbeddingTable>("ddprpc.models.EmbeddingTable")
         .constructor<int64_t, int64_t>()
         .method("forward", &EmbeddingTable::forward)
-        .method("parameter_rrefs", &EmbeddingTable::parameter_rrefs);
+        .method("parameter_rrefs", &EmbeddingTable::parameter_rrefs)
+        .method("set_sparse", &EmbeddingTable::set_sparse);
 
 torch::nn::Sequential make_dense(int64_t fc_in, DenseKernel kernel) {
   // models::Linear: torch::nn::Linear with its products on XNNPACK or
@@ -43,7 +46,13 @@ HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t 
     : options_(options),
       tables_(std::move(tables)),
       dense_(make_dense(static_cast<int64_t>(tables_.size()) * embedding_dim,
-                        options.dense_kernel)) {}
+                        options.dense_kernel)) {
+  if (options_.sparse) {
+    std::vector<rpc::Future<void>> set;
+    for (const auto& table : tables_) set.push_back(table.rpc_async(&EmbeddingTable::set_sparse, true));
+    rpc::wait_all(set);
+  }
+}
 
 at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& offsets) {
   std::vector<at::Tensor> embedded;

@@ -31,6 +31,11 @@ class EmbeddingTable {
   at::Tensor forward(at::Tensor indices, at::Tensor offsets);
   // RRefs (owned here) of the table's parameters, for DistributedOptimizer.
   std::vector<rpc::RRef<at::Tensor>> parameter_rrefs();
+  // With `sparse`, backward gives the weight a sparse (COO) gradient naming
+  // only the rows a batch looked up, and an SGD step touches only those;
+  // otherwise a dense one of the whole table's size (as nn.EmbeddingBag's
+  // sparse=True/False).
+  void set_sparse(bool sparse);
   torch::nn::EmbeddingBag& module() { return table_; }
 
  private:
@@ -41,6 +46,9 @@ class EmbeddingTable {
 torch::nn::Sequential make_dense(int64_t fc_in, DenseKernel kernel = DenseKernel::kXnnpack);
 
 struct HybridModelOptions {
+  // The tables' gradients: sparse (EmbeddingTable::set_sparse) or dense.
+  // Applied to the tables when the model is built.
+  bool sparse = false;
   // How forward() reaches the tables: all at once (rpc_async to every
   // server, then wait for every reply), or one after another (rpc_sync
   // each, the order of PyTorch's original benchmark).

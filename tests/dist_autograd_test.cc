@@ -12,6 +12,8 @@
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/sin.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/equal.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/sgd.h>
 
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "models/hybrid_model.h"
 #include "models/split_model.h"
 #include "optim/distributed_optimizer.h"
 #include "rpc/rref.h"
@@ -30,6 +33,7 @@ namespace rpc = ddprpc::rpc;
 namespace mp = ddprpc::testing;
 namespace dist_autograd = ddprpc::dist_autograd;
 namespace optim = ddprpc::optim;
+namespace models = ddprpc::models;
 
 namespace {
 
@@ -273,6 +277,51 @@ MULTIPROCESS_TEST(DistAutogradTest, BackwardFromAnRRefStartsOnItsOwner, 2) {
     dist_autograd::Context context;
     rpc::RRef<at::Tensor> vector = rpc::remote<at::Tensor>("worker1", "scale", x, 2.0);
     EXPECT_THROW(dist_autograd::backward(context.id(), vector), rpc::RpcError);
+  }
+  rpc::shutdown();
+}
+
+// The embedding gradient a context holds on this worker: (sparse?, the
+// rows it names).
+std::tuple<bool, std::vector<int64_t>> table_grad_rows(int64_t context_id) {
+  auto grads = dist_autograd::get_gradients(context_id);
+  if (grads.size() != 1) return {false, {}};
+  at::Tensor g = grads.begin()->value();
+  if (!g.is_sparse()) return {false, {}};
+  at::Tensor rows = g.coalesce().indices()[0].contiguous();
+  return {true, std::vector<int64_t>(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel())};
+}
+DDPRPC_REGISTER_FUNCTION(table_grad_rows);
+
+// A table with sparse gradients: the distributed backward leaves its owner
+// a sparse gradient naming the rows looked up, and SGD changes those rows
+// only (a row looked up twice by twice as much).
+MULTIPROCESS_TEST(DistAutogradTest, SparseTableGradientsTouchOnlyTheRowsLookedUp, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    auto table = rpc::remote<models::EmbeddingTable>("worker1", int64_t{1000}, int64_t{4});
+    table.rpc_sync(&models::EmbeddingTable::set_sparse, true);
+    std::vector<rpc::RRef<at::Tensor>> params = table.rpc_sync(&models::EmbeddingTable::parameter_rrefs);
+    const at::Tensor before = params[0].to_here();
+    optim::DistributedOptimizer opt("sgd", {{"lr", 0.5}}, params);
+    {
+      dist_autograd::Context context;
+      at::Tensor out = table.rpc_sync(&models::EmbeddingTable::forward,
+                                      at::tensor(std::vector<int64_t>{3, 7, 7, 500}, at::kLong),
+                                      at::tensor(std::vector<int64_t>{0, 2}, at::kLong));
+      dist_autograd::backward(context.id(), {out.sum()});
+      auto [sparse, rows] =
+          rpc::rpc_sync<std::tuple<bool, std::vector<int64_t>>>("worker1", "table_grad_rows", context.id());
+      EXPECT_TRUE(sparse);
+      EXPECT_EQ(rows, (std::vector<int64_t>{3, 7, 500}));
+      opt.step(context.id());
+    }
+    const at::Tensor delta = params[0].to_here() - before;
+    const at::Tensor changed = delta.abs().sum(1).nonzero().flatten();
+    EXPECT_TRUE(at::equal(changed, at::tensor(std::vector<int64_t>{3, 7, 500}, at::kLong))) << changed;
+    EXPECT_TRUE(at::allclose(delta[3], at::full({4}, -0.5)));
+    EXPECT_TRUE(at::allclose(delta[7], at::full({4}, -1.0)));
+    EXPECT_TRUE(at::allclose(delta[500], at::full({4}, -0.5)));
   }
   rpc::shutdown();
 }

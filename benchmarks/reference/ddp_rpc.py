@@ -91,7 +91,8 @@ def worker(rank, world, a):
     if rank == T + P:
         rpc.init_rpc("master", rank=rank, world_size=world, rpc_backend_options=opts)
         t0 = time.time()
-        embs = [rpc.remote(f"ps{i}", nn.EmbeddingBag, args=(a["emb"], a["dim"]), kwargs={"mode": "sum"}) for i in range(P)]
+        embs = [rpc.remote(f"ps{i}", nn.EmbeddingBag, args=(a["emb"], a["dim"]),
+                           kwargs={"mode": "sum", "sparse": bool(a["sparse"])}) for i in range(P)]
         futs = [rpc.rpc_async(f"trainer{r}", run_trainer, args=(embs, r, a)) for r in range(T)]
         res = {}; allm = []; alle = []
         for f in futs:
@@ -118,9 +119,10 @@ if __name__ == "__main__":
     ap.add_argument("--iters", type=int, default=100); ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--port", type=int, default=29700); ap.add_argument("--json", default="")
     ap.add_argument("--lookups", choices=["concurrent", "sequential"], default="concurrent")
+    ap.add_argument("--sparse", type=int, default=0, help="1: EmbeddingBag(sparse=True)")
     a = vars(ap.parse_args())
     torch.set_num_threads(1)
-    print(f"PyTorch {torch.__version__} hybrid DDP+RPC reference: {a['trainers']} trainers, {a['ps']} PS, fc_in={a['ps']*a['dim']}", flush=True)
+    print(f"PyTorch {torch.__version__} hybrid DDP+RPC reference: {a['trainers']} trainers, {a['ps']} PS, fc_in={a['ps']*a['dim']}, {'sparse' if a['sparse'] else 'dense'} embedding gradients", flush=True)
     world = a["trainers"] + a["ps"] + 1
     t0 = time.time()
     mp.spawn(worker, args=(world, a), nprocs=world, join=True)
