@@ -812,6 +812,9 @@ DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_rref_backward, "__dist_autograd.rref_b
 
 void backward(ContextId context_id, const rpc::RRef<at::Tensor>& root, bool retain_graph) {
   if (root.is_owner()) return backward(context_id, {root.local_value()}, retain_graph);
+  // The owner serves the call only once it holds the value: wait for it to
+  // confirm the creation (this also throws a creation's error).
+  root.state().created.wait();
   // Inside the context, so that the owner finds it (and learns of its release).
   const ContextId previous = t_current;
   t_current = context_id;

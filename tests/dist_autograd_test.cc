@@ -13,6 +13,7 @@
 #include <ATen/ops/randn.h>
 #include <ATen/ops/sin.h>
 #include <ATen/ops/tensor.h>
+#include <ATen/ops/sparse_coo_tensor.h>
 #include <ATen/ops/equal.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/optim/sgd.h>
@@ -322,6 +323,37 @@ MULTIPROCESS_TEST(DistAutogradTest, SparseTableGradientsTouchOnlyTheRowsLookedUp
     EXPECT_TRUE(at::allclose(delta[3], at::full({4}, -0.5)));
     EXPECT_TRUE(at::allclose(delta[7], at::full({4}, -1.0)));
     EXPECT_TRUE(at::allclose(delta[500], at::full({4}, -0.5)));
+  }
+  rpc::shutdown();
+}
+
+at::Tensor dense_times3(at::Tensor s) { return s.to_dense() * 3; }
+DDPRPC_REGISTER_FUNCTION(dense_times3);
+at::Tensor sparse_twice(at::Tensor s) { return s * 2; }
+DDPRPC_REGISTER_FUNCTION(sparse_twice);
+
+// Sparse COO tensors as arguments and results, and as gradients coming
+// back: the distributed backward gives what local autograd gives.
+MULTIPROCESS_TEST(DistAutogradTest, SparseTensorsAsArgumentsResultsAndGradients, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 0) {
+    at::Tensor indices = at::tensor(std::vector<int64_t>{0, 2, 2, 1, 0, 3}, at::kLong).view({2, 3});
+    at::Tensor s = at::sparse_coo_tensor(indices, at::randn({3}), {3, 4}).requires_grad_(true);
+    at::Tensor w = at::randn({3, 4});
+    // A sparse result.
+    at::Tensor twice = rpc::rpc_sync<at::Tensor>("worker1", "sparse_twice", s.detach());
+    EXPECT_TRUE(twice.is_sparse());
+    EXPECT_TRUE(at::allclose(twice.to_dense(), s.detach().to_dense() * 2));
+    // A sparse argument whose gradient (sparse) comes back.
+    dist_autograd::Context context;
+    at::Tensor y = rpc::rpc_sync<at::Tensor>("worker1", "dense_times3", s);
+    dist_autograd::backward(context.id(), {(y * w).sum()});
+    at::Tensor grad = dist_autograd::get_gradients(context.id()).at(s);
+    at::Tensor local = s.detach().clone().requires_grad_(true);
+    (local.to_dense() * 3 * w).sum().backward();
+    EXPECT_EQ(grad.is_sparse(), local.grad().is_sparse());
+    EXPECT_TRUE(at::allclose(grad.to_dense(), local.grad().to_dense()))
+        << grad.to_dense() << "\n" << local.grad().to_dense();
   }
   rpc::shutdown();
 }

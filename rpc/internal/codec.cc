@@ -1,5 +1,6 @@
 #include "rpc/internal/codec.h"
 
+#include <ATen/ops/_sparse_coo_tensor_unsafe.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 
@@ -28,8 +29,29 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
     frame->tensors.emplace_back();
     return;
   }
+  if (tensor.layout() == c10::kSparse) {
+    // Its indices and values go as two dense tensors (the slot reserved
+    // above stays empty, as for an undefined tensor).
+    meta->set_dtype(kUndefinedTensor);
+    frame->tensors.emplace_back();
+    if (tensor.dim() > kMaxTensorDims) {
+      throw TypeMismatch(absl::StrCat("tensors of more than ", kMaxTensorDims,
+                                      " dimensions cannot be sent"));
+    }
+    at::Tensor data = tensor.detach();
+    if (!data.device().is_cpu()) data = data.cpu();
+    wire::Value indices, values;
+    encode_tensor(data._indices(), &indices, frame);
+    encode_tensor(data._values(), &values, frame);
+    wire::SparseCoo* coo = out->mutable_sparse_coo();
+    coo->set_indices(indices.tensor());
+    coo->set_values(values.tensor());
+    for (int64_t s : data.sizes()) coo->add_sizes(s);
+    coo->set_requires_grad(tensor.requires_grad());
+    return;
+  }
   if (tensor.layout() != c10::kStrided) {
-    throw TypeMismatch("only dense (strided) tensors can be sent, got layout " +
+    throw TypeMismatch("only dense (strided) and sparse COO tensors can be sent, got layout " +
                        c10::str(tensor.layout()));
   }
   if (!sendable_dtype(static_cast<int32_t>(tensor.scalar_type()))) {
@@ -184,15 +206,28 @@ class Decoder {
       case wire::Value::kStringList:
         return typed_list<std::string>(v.string_list(), wire::Value::kS, "str",
                                        [](const wire::Value& x) { return x.s(); });
-      case wire::Value::kTensorList:
-        return typed_list<at::Tensor>(v.tensor_list(), wire::Value::kTensor, "Tensor",
-                                      [&](const wire::Value& x) { return take_tensor(x.tensor()); });
+      case wire::Value::kTensorList: {
+        c10::List<at::Tensor> out;
+        out.reserve(v.tensor_list().items_size());
+        for (const auto& item : v.tensor_list().items()) {
+          if (item.kind_case() == wire::Value::kTensor) {
+            out.push_back(take_tensor(item.tensor()));
+          } else if (item.kind_case() == wire::Value::kSparseCoo) {
+            out.push_back(sparse_coo(item.sparse_coo()));
+          } else {
+            throw std::invalid_argument("malformed value: an item of a list of Tensor is not a Tensor");
+          }
+        }
+        return c10::IValue(std::move(out));
+      }
       case wire::Value::kList: {
         c10::impl::GenericList out(c10::AnyType::get());
         out.reserve(v.list().items_size());
         for (const auto& item : v.list().items()) out.push_back(decode(item, depth + 1));
         return c10::IValue(std::move(out));
       }
+      case wire::Value::kSparseCoo:
+        return c10::IValue(sparse_coo(v.sparse_coo()));
       case wire::Value::kExt:
         if (!ctx_.ext) {
           throw std::invalid_argument("extension value '" + v.ext().type().substr(0, 64) +
@@ -219,6 +254,54 @@ class Decoder {
       out.push_back(get(item));
     }
     return c10::IValue(std::move(out));
+  }
+
+  // A sparse COO tensor, checked before libtorch sees it: int64 indices of
+  // [sparse dims, nnz], values of [nnz, dense dims...] matching `sizes`,
+  // every index within its dimension.
+  at::Tensor sparse_coo(const wire::SparseCoo& coo) {
+    const at::Tensor& indices = take_tensor(coo.indices());
+    const at::Tensor& values = take_tensor(coo.values());
+    auto bad = [](const std::string& why) {
+      return std::invalid_argument("malformed sparse tensor: " + why);
+    };
+    if (!indices.defined() || !values.defined()) throw bad("missing indices or values");
+    if (indices.scalar_type() != at::kLong || indices.dim() != 2) {
+      throw bad("indices must be a 2-D int64 tensor");
+    }
+    const int64_t sparse_dims = indices.size(0), nnz = indices.size(1);
+    if (sparse_dims < 1) throw bad("no sparse dimension");
+    if (values.dim() < 1 || values.size(0) != nnz) throw bad("values do not match the indices' nnz");
+    const int64_t dims = coo.sizes_size();
+    if (dims != sparse_dims + values.dim() - 1 || dims > kMaxTensorDims) {
+      throw bad("sizes do not match the indices and values");
+    }
+    std::vector<int64_t> sizes(coo.sizes().begin(), coo.sizes().end());
+    int64_t elements = 1;
+    for (int64_t d = 0; d < dims; ++d) {
+      if (sizes[d] < 0) throw bad("negative size");
+      if (d >= sparse_dims && sizes[d] != values.size(d - sparse_dims + 1)) {
+        throw bad("sizes do not match the values' dense dimensions");
+      }
+      if (sizes[d] != 0 && elements > std::numeric_limits<int64_t>::max() / sizes[d]) {
+        throw bad("too many elements");
+      }
+      elements *= sizes[d];
+    }
+    const at::Tensor rows = indices.contiguous();
+    const int64_t* idx = rows.data_ptr<int64_t>();
+    for (int64_t d = 0; d < sparse_dims; ++d) {
+      for (int64_t i = 0; i < nnz; ++i) {
+        const int64_t v = idx[d * nnz + i];
+        if (v < 0 || v >= sizes[d]) throw bad("an index is out of its dimension's range");
+      }
+    }
+    at::Tensor out = at::_sparse_coo_tensor_unsafe(rows, values, sizes);
+    if (coo.requires_grad() && (at::isFloatingType(values.scalar_type()) ||
+                                at::isComplexType(values.scalar_type()))) {
+      out.requires_grad_(true);
+    }
+    return out;
   }
 
   // Each tensor of a frame is referenced once (encode_value writes one

@@ -5,6 +5,9 @@
 #include <ATen/ops/ones.h>
 #include <ATen/ops/quantize_per_tensor.h>
 #include <ATen/ops/randn.h>
+#include <ATen/ops/sparse_coo_tensor.h>
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "gtest/gtest.h"
 #include "rpc/value.h"
@@ -202,6 +205,74 @@ TEST(CodecTest, ValuesThatCouldNotBeReceivedAreNotSent) {
   c10::IValue back = round_trip(ok);
   for (int i = 0; i < kMaxValueDepth - 1; ++i) back = back.toTupleRef().elements()[0];
   EXPECT_EQ(back.toInt(), 1);
+}
+
+// A sparse COO tensor from int64 indices [sparse dims, nnz] and values.
+at::Tensor coo(std::vector<int64_t> idx, int64_t sparse_dims, at::Tensor values,
+               std::vector<int64_t> sizes) {
+  const int64_t nnz = static_cast<int64_t>(idx.size()) / sparse_dims;
+  at::Tensor indices = at::tensor(idx, at::kLong).view({sparse_dims, nnz});
+  return at::sparse_coo_tensor(indices, values, sizes);
+}
+
+TEST(CodecTest, SparseCooTensorsRoundTrip) {
+  // 2 sparse dims, 1 dense dim, an index repeated (uncoalesced), grad.
+  at::Tensor a = coo({0, 2, 2, 1, 3, 3}, 2, at::randn({3, 4}), {3, 5, 4}).requires_grad_(true);
+  at::Tensor empty = coo({}, 1, at::empty({0}), {1000000});  // no element set, 1M rows
+  at::Tensor ints = coo({4, 0}, 1, at::tensor(std::vector<int64_t>{7, -1}, at::kLong), {5});
+  auto back = ValueTraits<std::vector<at::Tensor>>::from_ivalue(
+      round_trip(to_ivalue(std::vector<at::Tensor>{a, empty, ints, at::ones({2})})));
+  ASSERT_EQ(back.size(), 4u);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(back[i].is_sparse()) << i;
+  EXPECT_TRUE(at::equal(back[0].to_dense(), a.detach().to_dense()));
+  EXPECT_TRUE(back[0].requires_grad());
+  EXPECT_EQ(back[0].sizes(), a.sizes());
+  EXPECT_EQ(back[1].sizes(), at::IntArrayRef({1000000}));
+  EXPECT_EQ(back[1]._nnz(), 0);
+  EXPECT_TRUE(at::equal(back[2].to_dense(), ints.to_dense()));
+  EXPECT_FALSE(back[2].requires_grad());
+  EXPECT_FALSE(back[3].is_sparse());
+}
+
+TEST(CodecTest, MalformedSparseTensorsAreRejected) {
+  // Frames carrying indices (tensor 0) and values (tensor 1) as given.
+  auto frame_of = [](const at::Tensor& indices, const at::Tensor& values) {
+    Frame out;
+    encode_value(to_ivalue(std::vector<at::Tensor>{indices, values}), out.header.mutable_payload(),
+                 &out);
+    Frame in;
+    EXPECT_TRUE(parse_frame(serialize_frame(out), &in).ok());
+    return in;
+  };
+  auto sparse = [](std::vector<int64_t> sizes, uint32_t indices = 0, uint32_t values = 1) {
+    wire::Value v;
+    v.mutable_sparse_coo()->set_indices(indices);
+    v.mutable_sparse_coo()->set_values(values);
+    for (int64_t s : sizes) v.mutable_sparse_coo()->add_sizes(s);
+    return v;
+  };
+  const at::Tensor idx = at::tensor(std::vector<int64_t>{0, 3, 1}, at::kLong).view({1, 3});
+  const at::Tensor vals = at::ones({3, 2});
+  // Well formed: decodes.
+  Frame ok = frame_of(idx, vals);
+  EXPECT_TRUE(decode_value(sparse({4, 2}), ok).toTensor().is_sparse());
+  // An index outside its dimension, negative or past the end.
+  EXPECT_THROW(decode_value(sparse({3, 2}), frame_of(idx, vals)), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4, 2}), frame_of(at::tensor(std::vector<int64_t>{0, -1, 1}, at::kLong).view({1, 3}), vals)), std::invalid_argument);
+  // Sizes that do not match the values, too many or too few of them, negative.
+  EXPECT_THROW(decode_value(sparse({4, 3}), frame_of(idx, vals)), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4}), frame_of(idx, vals)), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4, 2, 1}), frame_of(idx, vals)), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({-4, 2}), frame_of(idx, vals)), std::invalid_argument);
+  // More values than indices; float indices; 1-D indices.
+  EXPECT_THROW(decode_value(sparse({4, 2}), frame_of(idx, at::ones({4, 2}))), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4, 2}), frame_of(idx.to(at::kFloat), vals)), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4, 2}), frame_of(idx.view({3}), vals)), std::invalid_argument);
+  // Element counts that overflow; a tensor index out of range or used twice.
+  EXPECT_THROW(decode_value(sparse({int64_t{1} << 62, 2}), frame_of(idx, at::ones({3, 2}))),
+               std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4, 2}, 0, 7), frame_of(idx, vals)), std::invalid_argument);
+  EXPECT_THROW(decode_value(sparse({4, 2}, 0, 0), frame_of(idx, vals)), std::invalid_argument);
 }
 
 TEST(CodecTest, UnsupportedValuesThrowTypeMismatch) {
