@@ -1,6 +1,7 @@
 #include "autograd/dist_autograd.h"
 
 #include <ATen/ops/ones_like.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
@@ -590,6 +591,8 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
   std::vector<rpc::Future<c10::IValue>> sends;
   size_t next = leaves.size();
   for (RecvRpcBackward* recv : recvs) {
+    // The recv function's share of the pass, as profilers see it.
+    RECORD_USER_SCOPE("RecvRpcBackward");
     std::vector<at::Tensor> recv_grads = after_pre_hooks(
         recv, torch::autograd::variable_list(results.begin() + next,
                                              results.begin() + next + recv->num_inputs()));
@@ -702,6 +705,9 @@ rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vec
                                                " does not match the tensor it is for"));
     }
   }
+  // The send function's part of the pass (from its gradients on), as
+  // profilers see it.
+  RECORD_USER_SCOPE("SendRpcBackward");
   return all_done(run_pass(ctx, roots, grads, retain_graph));
 }
 DDPRPC_REGISTER_FUNCTION_AS(dist_autograd_propagate, kPropagate, propagate);

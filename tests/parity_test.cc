@@ -21,6 +21,7 @@
 #include "autograd/dist_autograd.h"
 #include "ddp/process_group.h"
 #include "gtest/gtest.h"
+#include "rpc/profiler.h"
 #include "rpc/rpc.h"
 #include "rpc/rref.h"
 #include "tests/multiprocess.h"
@@ -278,6 +279,32 @@ MULTIPROCESS_TEST(ParityTest, LargerGraphsRetainGraphAndArgumentChecks, 2) {
     EXPECT_LT(absl::Now() - start, absl::Seconds(20));
   }
   EXPECT_EQ(rpc::shutdown(), false);  // worker1 died: not a clean shutdown
+}
+
+// The profiler sees the distributed backward's RPC nodes: the recv
+// function's part here, and the send function's part on the worker that
+// continued the pass (sent back with its reply).
+MULTIPROCESS_TEST(ParityTest, ProfilerSeesTheSendAndRecvFunctionsOfABackwardPass, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  if (mp::rank() == 1) {
+    at::Tensor a = at::randn({4}).requires_grad_(true);
+    dist_autograd::Context context;
+    auto [p, q] = rpc::rpc_sync<std::tuple<at::Tensor, at::Tensor>>("worker0", "two_outputs", a,
+                                                                    at::ones({4}));
+    rpc::profiler::Profile profile;
+    dist_autograd::backward(context.id(), {(p + q).sum()});
+    profile.stop();
+    bool recv_here = false, send_there = false;
+    std::string names;
+    for (const auto& e : profile.events()) {
+      names += e.name + "\n";
+      recv_here |= e.name == "RecvRpcBackward" && e.node == 1;
+      send_there |= e.name.find("#remote_op: SendRpcBackward") != std::string::npos && e.node == 0;
+    }
+    EXPECT_TRUE(recv_here) << names;
+    EXPECT_TRUE(send_there) << names;
+  }
+  rpc::shutdown();
 }
 
 }  // namespace
