@@ -179,6 +179,24 @@ MULTIPROCESS_TEST(ParityTest, AsyncRRefMethodsAndRRefsOfRRefs, 2) {
     rpc::Future<int64_t> waiting = gate.rpc_async(&Gate::wait_open, 5);
     rpc::RRef<int64_t> later = gate.remote(&Gate::wait_open, 7);
     EXPECT_FALSE(waiting.wait_for(absl::Milliseconds(50)));  // the gate is shut
+    // RRef proxies under a timeout of their own, shorter than the default.
+    try {
+      gate.rpc_sync(rpc::CallOptions{absl::Milliseconds(50)}, &Gate::wait_open, 1);
+      ADD_FAILURE() << "a call to a shut gate returned";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kTimeout) << e.what();
+    }
+    rpc::RRef<int64_t> impatient = gate.remote(rpc::CallOptions{absl::Milliseconds(50)}, &Gate::wait_open, 2);
+    const absl::Time start = absl::Now();
+    while (!impatient.confirmed_by_owner() && absl::Now() - start < absl::Seconds(10)) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    try {
+      impatient.to_here();
+      ADD_FAILURE() << "an RRef whose creation timed out was fetched";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kTimeout) << e.what();
+    }
     gate.rpc_sync(&Gate::open, 100);
     EXPECT_EQ(waiting.value(), 105);
     EXPECT_EQ(later.to_here(), 107);
