@@ -96,7 +96,8 @@ void expect_table_and_json(const std::string& out, const std::string& json_path,
     std::sregex_iterator it(table.begin(), table.end(), row);
     for (const char* key : {"trainer0", "trainer1", "all"}) {
       ASSERT_NE(it, std::sregex_iterator()) << kernel << " " << key << ":\n" << out;
-      const std::smatch& m = *it++;
+      const std::smatch m = *it;  // a copy: the iterator moves on below
+      ++it;
       for (int p = 0; p < 4; ++p) {
         EXPECT_NEAR(std::stod(m[2 + 2 * p].str()), json_number(*run, {key, kPcts[p], "sec_per_iter"}),
                     0.0006) << m[0];
