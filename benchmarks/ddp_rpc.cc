@@ -158,15 +158,10 @@ constexpr double kMinLossFall = 0.10;  // --check_convergence: last <= 90% of fi
 // --dense_kernel as a list (validated by check_flags).
 std::vector<models::DenseKernel> dense_kernels() {
   std::vector<models::DenseKernel> out;
-  for (const std::string& name :
-       std::vector<std::string>(absl::StrSplit(FLAGS_dense_kernel, ',', absl::SkipWhitespace()))) {
-    models::DenseKernel k;
-    if (!models::parse_dense_kernel(name, &k)) {
-      usage_error(absl::StrCat("--dense_kernel: '", name, "' is neither xnnpack nor aten"));
-    }
-    out.push_back(k);
+  std::string why;
+  if (!models::parse_dense_kernels(FLAGS_dense_kernel, &out, &why)) {
+    usage_error("--dense_kernel: " + why);
   }
-  if (out.empty()) usage_error("--dense_kernel names no kernel");
   return out;
 }
 

@@ -316,17 +316,14 @@ struct Config {
 
 // --dense_kernel as names; "" and an error message in *error if one is unknown.
 std::vector<std::string> dense_kernels(std::string* error) {
-  std::vector<std::string> out;
-  for (const std::string& name :
-       std::vector<std::string>(absl::StrSplit(FLAGS_dense_kernel, ',', absl::SkipWhitespace()))) {
-    models::DenseKernel k;
-    if (!models::parse_dense_kernel(name, &k)) {
-      *error = "--dense_kernel: '" + name + "' is neither xnnpack nor aten";
-      return {};
-    }
-    out.push_back(name);
+  std::vector<models::DenseKernel> kernels;
+  std::string why;
+  if (!models::parse_dense_kernels(FLAGS_dense_kernel, &kernels, &why)) {
+    *error = "--dense_kernel: " + why;
+    return {};
   }
-  if (out.empty()) *error = "--dense_kernel names no kernel";
+  std::vector<std::string> out;
+  for (models::DenseKernel k : kernels) out.push_back(models::dense_kernel_name(k));
   return out;
 }
 

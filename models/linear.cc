@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 
 namespace ddprpc::models {
@@ -238,6 +241,22 @@ bool parse_dense_kernel(std::string_view name, DenseKernel* out) {
   if (name == "xnnpack") return (*out = DenseKernel::kXnnpack), true;
   if (name == "aten") return (*out = DenseKernel::kAten), true;
   return false;
+}
+
+bool parse_dense_kernels(std::string_view csv, std::vector<DenseKernel>* out, std::string* error) {
+  out->clear();
+  for (absl::string_view piece : absl::StrSplit(absl::string_view(csv.data(), csv.size()), ',',
+                                                absl::SkipWhitespace())) {
+    const absl::string_view name = absl::StripAsciiWhitespace(piece);
+    DenseKernel k;
+    if (!parse_dense_kernel(std::string_view(name.data(), name.size()), &k)) {
+      *error = absl::StrCat("'", name, "' is neither xnnpack nor aten");
+      return false;
+    }
+    out->push_back(k);
+  }
+  if (out->empty()) *error = "no kernel named";
+  return !out->empty();
 }
 
 void LinearImpl::cache_packed_weight(bool on) {

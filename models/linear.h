@@ -22,7 +22,9 @@
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace ddprpc::models {
 
@@ -35,6 +37,9 @@ enum class DenseKernel { kXnnpack, kAten };
 const char* dense_kernel_name(DenseKernel kernel);
 // Parses a name above; false if it is neither.
 bool parse_dense_kernel(std::string_view name, DenseKernel* out);
+// Parses a comma list of names ("xnnpack,aten"); false, with *error saying
+// why, if a name is unknown or none is given.
+bool parse_dense_kernels(std::string_view csv, std::vector<DenseKernel>* out, std::string* error);
 
 // True when this libtorch has XNNPACK's prepacked linear and it runs here.
 bool xnnpack_linear_available();

@@ -120,6 +120,13 @@ TEST(FastLinearTest, AtenKernelRunsLibtorchsLinear) {
   EXPECT_TRUE(parse_dense_kernel("xnnpack", &parsed));
   EXPECT_EQ(parsed, DenseKernel::kXnnpack);
   EXPECT_FALSE(parse_dense_kernel("blas", &parsed));
+  std::vector<DenseKernel> list;
+  std::string error;
+  EXPECT_TRUE(parse_dense_kernels("xnnpack, aten", &list, &error));
+  EXPECT_EQ(list, (std::vector<DenseKernel>{DenseKernel::kXnnpack, DenseKernel::kAten}));
+  EXPECT_FALSE(parse_dense_kernels("xnnpack,blas", &list, &error));
+  EXPECT_NE(error.find("blas"), std::string::npos) << error;
+  EXPECT_FALSE(parse_dense_kernels("", &list, &error));
 }
 
 TEST(FastLinearTest, CachedPackedWeightFollowsEveryChangeOfTheWeight) {
