@@ -14,6 +14,7 @@
 #include <set>
 #include <thread>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -28,7 +29,7 @@
 #include "rpc/hooks.h"
 #include "rpc/internal/fault.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 namespace ddprpc::dist_autograd {
 namespace {
@@ -167,15 +168,6 @@ class Container {
     absl::MutexLock lock(&mu_);
     return contexts_.size();
   }
-  GradientHook gradient_hook() {
-    absl::MutexLock lock(&mu_);
-    return hook_;
-  }
-  void set_gradient_hook(GradientHook hook) {
-    absl::MutexLock lock(&mu_);
-    hook_ = std::move(hook);
-  }
-
  private:
   // Released contexts of other workers, remembered for a while (bounded).
   static constexpr size_t kMaxReleased = 1 << 16;
@@ -228,12 +220,112 @@ class Container {
   absl::flat_hash_set<ContextId> released_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, ContextId>> released_order_ ABSL_GUARDED_BY(mu_);
   bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
-  GradientHook hook_ ABSL_GUARDED_BY(mu_);
 };
 
 Container& container() {
   static auto* c = new Container();
   return *c;
+}
+
+// The gradient hooks. Passes read an immutable published list: a pass never
+// sees the list being changed, and adding a hook never waits for a pass.
+// Each entry counts its calls under way, which its removal waits out (and
+// only those).
+class GradientHooks {
+ public:
+  int64_t add(GradientHook hook) {
+    if (!hook) throw std::invalid_argument("dist_autograd: add_gradient_hook with a null hook");
+    auto entry = std::make_shared<Entry>(std::move(hook));
+    absl::MutexLock lock(&mu_);
+    entry->id = next_id_++;
+    auto list = std::make_shared<List>(*list_);
+    list->push_back(entry);
+    list_ = std::move(list);
+    return entry->id;
+  }
+
+  void remove(int64_t id) {
+    std::shared_ptr<Entry> entry;
+    {
+      absl::MutexLock lock(&mu_);
+      auto list = std::make_shared<List>();
+      for (const auto& e : *list_) {
+        if (e->id == id) {
+          entry = e;
+        } else {
+          list->push_back(e);
+        }
+      }
+      if (!entry) return;
+      list_ = std::move(list);
+    }
+    // Passes that took the list before it was published again may still
+    // be about to call it: `removed` stops them.
+    const int own = static_cast<int>(std::count(t_running.begin(), t_running.end(), entry.get()));
+    absl::MutexLock lock(&entry->mu);
+    entry->removed = true;
+    auto others_done = [&entry, own] { return entry->running == own; };
+    entry->mu.Await(absl::Condition(&others_done));
+  }
+
+  void run(ContextId context_id, std::vector<at::Tensor>& params, std::vector<at::Tensor>& grads) {
+    std::shared_ptr<const List> list;
+    {
+      absl::MutexLock lock(&mu_);
+      list = list_;
+    }
+    for (const auto& entry : *list) {
+      {
+        absl::MutexLock lock(&entry->mu);
+        if (entry->removed) continue;
+        ++entry->running;
+      }
+      Running running(entry.get());
+      entry->hook(context_id, params, grads);
+    }
+  }
+
+ private:
+  struct Entry {
+    explicit Entry(GradientHook hook) : hook(std::move(hook)) {}
+    const GradientHook hook;
+    int64_t id = 0;
+    absl::Mutex mu;
+    bool removed ABSL_GUARDED_BY(mu) = false;
+    int running ABSL_GUARDED_BY(mu) = 0;  // calls under way
+  };
+  using List = std::vector<std::shared_ptr<Entry>>;
+
+  // One call of `entry` on this thread; ends it when destroyed (also when
+  // the hook throws).
+  class Running {
+   public:
+    explicit Running(Entry* entry) : entry_(entry) { t_running.push_back(entry); }
+    ~Running() {
+      t_running.erase(std::find(t_running.begin(), t_running.end(), entry_));
+      absl::MutexLock lock(&entry_->mu);
+      --entry_->running;
+    }
+    Running(const Running&) = delete;
+    Running& operator=(const Running&) = delete;
+
+   private:
+    Entry* entry_;
+  };
+
+  // The hooks this thread is calling (for a hook that removes itself).
+  static thread_local std::vector<Entry*> t_running;
+
+  absl::Mutex mu_;
+  std::shared_ptr<const List> list_ ABSL_GUARDED_BY(mu_) = std::make_shared<const List>();
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+thread_local std::vector<GradientHooks::Entry*> GradientHooks::t_running;
+
+GradientHooks& gradient_hooks() {
+  static auto* hooks = new GradientHooks();
+  return *hooks;
 }
 
 std::atomic<int64_t> g_next_context{1};
@@ -620,7 +712,7 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
     param_grads.push_back(std::move(grad));
   }
   results.clear();
-  if (GradientHook hook = container().gradient_hook()) hook(ctx->id, params, param_grads);
+  gradient_hooks().run(ctx->id, params, param_grads);
   {
     absl::MutexLock lock(&ctx->mu);
     for (size_t i = 0; i < params.size(); ++i) {
@@ -865,6 +957,21 @@ void set_idle_context_timeout(absl::Duration timeout) {
   g_idle_timeout_ns.store(absl::ToInt64Nanoseconds(std::max(timeout, absl::Milliseconds(1))));
 }
 
-void set_gradient_hook(GradientHook hook) { container().set_gradient_hook(std::move(hook)); }
+GradientHookHandle add_gradient_hook(GradientHook hook) {
+  return GradientHookHandle(gradient_hooks().add(std::move(hook)));
+}
+
+void GradientHookHandle::remove() {
+  if (id_ == 0) return;
+  gradient_hooks().remove(std::exchange(id_, 0));
+}
+
+GradientHookHandle& GradientHookHandle::operator=(GradientHookHandle&& other) noexcept {
+  if (this != &other) {
+    remove();
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
 
 }  // namespace ddprpc::dist_autograd

@@ -106,12 +106,45 @@ ContextInfo context_info(ContextId context_id);
 void set_idle_context_timeout(absl::Duration timeout);
 
 // Called after each local backward pass on this worker with the gradients
-// that pass produced, before they are added to the context; the hook may
-// replace them (DDP averages its parameters' gradients across replicas
-// here). One hook per process; nullptr removes it.
+// that pass produced (`params` are the pass's leaves, `grads` their
+// gradients, undefined for a leaf the pass gave none), before they are
+// added to the context; a hook may replace gradients in `grads`, typically
+// only those of the parameters it owns (DDP averages its module's parameters
+// across replicas here). Several hooks may be registered at once: each pass
+// calls them one after another, in the order they were added, each seeing
+// what the earlier ones put in `grads`. An exception from a hook fails the
+// pass. Passes run on engine and RPC threads, possibly several at once, so a
+// hook may run concurrently with itself and with add_gradient_hook and
+// removals.
 using GradientHook =
     std::function<void(ContextId context_id, std::vector<at::Tensor>& params,
                        std::vector<at::Tensor>& grads)>;
-void set_gradient_hook(GradientHook hook);
+
+// Owns one registration of add_gradient_hook. remove() (or the destructor)
+// unregisters exactly that hook: no pass calls it once remove() has
+// returned, and remove() waits for the calls already under way (a hook may
+// remove itself; then only the other threads' calls are waited for).
+class GradientHookHandle {
+ public:
+  GradientHookHandle() = default;
+  ~GradientHookHandle() { remove(); }
+  GradientHookHandle(GradientHookHandle&& other) noexcept : id_(other.id_) { other.id_ = 0; }
+  GradientHookHandle& operator=(GradientHookHandle&& other) noexcept;
+  GradientHookHandle(const GradientHookHandle&) = delete;
+  GradientHookHandle& operator=(const GradientHookHandle&) = delete;
+
+  // Whether it still holds a registration.
+  bool active() const { return id_ != 0; }
+  void remove();
+
+ private:
+  friend GradientHookHandle add_gradient_hook(GradientHook hook);
+  explicit GradientHookHandle(int64_t id) : id_(id) {}
+  int64_t id_ = 0;
+};
+
+// Registers `hook` (not null) after the hooks registered already; it stays
+// registered as long as the returned handle holds it.
+[[nodiscard]] GradientHookHandle add_gradient_hook(GradientHook hook);
 
 }  // namespace ddprpc::dist_autograd

@@ -100,6 +100,9 @@ class DistributedDataParallel::Reducer {
         return grad;
       }));
     }
+    dist_autograd_hook_ = dist_autograd::add_gradient_hook(
+        [this](dist_autograd::ContextId, std::vector<at::Tensor>& params,
+               std::vector<at::Tensor>& grads) { reduce_in_pass(params, grads); });
   }
 
   ~Reducer() {
@@ -290,6 +293,9 @@ class DistributedDataParallel::Reducer {
   std::weak_ptr<int> pass_token_ ABSL_GUARDED_BY(mu_);
   size_t next_launch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<bool> ready_ ABSL_GUARDED_BY(mu_);
+  // Last, so destroyed first: no pass calls reduce_in_pass once the rest
+  // of the reducer is going.
+  dist_autograd::GradientHookHandle dist_autograd_hook_;
 };
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
@@ -307,13 +313,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   if (!state.empty()) group_->broadcast(state, 0)->wait(options.timeout);
   reducer_ = std::make_unique<Reducer>(module_->parameters(), group_, options);
-  Reducer* reducer = reducer_.get();
-  dist_autograd::set_gradient_hook(
-      [reducer](dist_autograd::ContextId, std::vector<at::Tensor>& params,
-                std::vector<at::Tensor>& grads) { reducer->reduce_in_pass(params, grads); });
 }
 
-DistributedDataParallel::~DistributedDataParallel() { dist_autograd::set_gradient_hook(nullptr); }
+DistributedDataParallel::~DistributedDataParallel() = default;
 
 DistributedDataParallel::NoSync::NoSync(DistributedDataParallel* ddp) : ddp_(ddp) {
   ddp_->reducer_->set_sync(false);

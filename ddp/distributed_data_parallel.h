@@ -10,8 +10,11 @@
 // as soon as all its gradients are in, so communication overlaps the rest of
 // backward, and writes the averages back before backward returns.
 // Inside a dist_autograd context the averaging happens in the distributed
-// backward pass instead, on the gradients kept in the context (one DDP
-// instance per process takes part in distributed autograd).
+// backward pass instead, on the gradients kept in the context: each
+// instance averages those of its own module's parameters (several instances
+// may be alive at once, each over parameters of its own; a pass that
+// reaches several of them averages in the order they were constructed,
+// which must be the same on every rank when they share a process group).
 #pragma once
 
 #include <torch/nn/module.h>

@@ -1,12 +1,17 @@
 // DDP inside distributed autograd across real processes: the averaging
-// happens in each worker's own backward pass, and a pass that a peer's
-// backward starts on a worker (for a tensor it owns, not one of its DDP
-// module's parameters) takes no part in the allreduce.
+// happens in each worker's own backward pass, a pass that a peer's backward
+// starts on a worker (for a tensor it owns, not one of its DDP module's
+// parameters) takes no part in the allreduce, and several DDP instances
+// alive at once each average their own parameters.
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -14,8 +19,8 @@
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
 #include "gtest/gtest.h"
+#include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
-#include "rpc/store.h"
 #include "tests/multiprocess.h"
 #include "tests/rpc_store.h"
 
@@ -91,6 +96,96 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, PeerStartedPassesTakeNoPartInTheAllreduce
     std::memcpy(other_local.data_ptr(), other.data(), other.size());
     EXPECT_TRUE(at::allclose(averaged, (local + other_local) / 2, 1e-5, 1e-6))
         << "worker" << rank << " got " << averaged << " expected " << (local + other_local) / 2;
+  }
+  rpc::shutdown();
+}
+
+// What `model`'s parameters get, flattened, from a local backward pass of
+// `loss_of(model)` on a copy of it (no DDP, no distributed autograd).
+at::Tensor local_grads(torch::nn::Linear& model,
+                       const std::function<at::Tensor(torch::nn::Linear&)>& loss_of) {
+  torch::nn::Linear copy(model->options);
+  {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < copy->parameters().size(); ++i) {
+      copy->parameters()[i].copy_(model->parameters()[i]);
+    }
+  }
+  loss_of(copy).backward();
+  std::vector<at::Tensor> parts;
+  for (const auto& p : copy->parameters()) parts.push_back(p.grad().reshape({-1}));
+  return at::cat(parts);
+}
+
+// The mean of `local` over both workers (exchanged through the store as `key`).
+at::Tensor mean_over_workers(ddprpc::rpc::Store& store, const std::string& key,
+                             const at::Tensor& local) {
+  const int rank = mp::rank();
+  store.set(absl::StrCat(key, "/", rank),
+            std::string(static_cast<const char*>(local.data_ptr()), local.nbytes()));
+  const std::string other = store.get(absl::StrCat(key, "/", 1 - rank));
+  EXPECT_EQ(other.size(), local.nbytes());
+  at::Tensor other_local = at::empty_like(local);
+  std::memcpy(other_local.data_ptr(), other.data(), std::min(other.size(), local.nbytes()));
+  return (local + other_local) / 2;
+}
+
+// Two DDP instances over disjoint modules, alive at once and sharing one
+// process group: each averages its own parameters in the distributed
+// backward pass, and destroying one leaves the other averaging.
+MULTIPROCESS_TEST(DdpDistAutogradTest, InstancesAliveAtOnceEachAverageTheirOwnParameters, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  const int rank = mp::rank();
+  {
+    at::manual_seed(7);  // the same initial models on both workers
+    torch::nn::Linear first(4, 2);
+    torch::nn::Linear second(4, 3);
+    auto store = mp::connect_rpc_store();
+    ddp::ProcessGroupOptions group_options;
+    group_options.timeout = absl::Seconds(20);
+    auto group = ddp::make_gloo_group(store, "test/two_ddp/", rank, 2, group_options);
+    ddp::DdpOptions options;
+    options.timeout = absl::Seconds(20);  // a mispaired allreduce fails, not hangs
+    ddp::DistributedDataParallel first_ddp(first.ptr(), group, options);
+
+    // Each worker's own input: unaveraged gradients differ between workers.
+    const at::Tensor input = at::full({3, 4}, 1.0 + rank);
+    auto first_loss = [&](torch::nn::Linear& m) { return m->forward(input).pow(2).sum(); };
+    auto second_loss = [&](torch::nn::Linear& m) { return m->forward(input * 2).abs().sum(); };
+    const at::Tensor first_local = local_grads(first, first_loss);
+    const at::Tensor first_mean = mean_over_workers(*store, "test/two_ddp/first", first_local);
+    ASSERT_FALSE(at::allclose(first_local, first_mean)) << "the check could not fail";
+
+    {
+      ddp::DistributedDataParallel second_ddp(second.ptr(), group, options);
+      const at::Tensor second_local = local_grads(second, second_loss);
+      const at::Tensor second_mean =
+          mean_over_workers(*store, "test/two_ddp/second", second_local);
+      ASSERT_FALSE(at::allclose(second_local, second_mean)) << "the check could not fail";
+
+      dist_autograd::Context context;
+      dist_autograd::backward(context.id(), {first_loss(first) + second_loss(second)});
+      const at::Tensor first_got = flat_grads(context.id(), first);
+      const at::Tensor second_got = flat_grads(context.id(), second);
+      EXPECT_TRUE(at::allclose(first_got, first_mean, 1e-5, 1e-6))
+          << "worker" << rank << ": the first instance's parameters got " << first_got
+          << ", not their average " << first_mean;
+      EXPECT_TRUE(at::allclose(second_got, second_mean, 1e-5, 1e-6))
+          << "worker" << rank << ": the second instance's parameters got " << second_got
+          << ", not their average " << second_mean;
+    }
+
+    // The second instance is gone: its parameters keep this worker's own
+    // gradients, while the first instance still averages.
+    dist_autograd::Context context;
+    dist_autograd::backward(context.id(), {first_loss(first) + second_loss(second)});
+    const at::Tensor first_got = flat_grads(context.id(), first);
+    const at::Tensor second_got = flat_grads(context.id(), second);
+    EXPECT_TRUE(at::allclose(first_got, first_mean, 1e-5, 1e-6))
+        << "worker" << rank << ": after the second instance was destroyed the first one's "
+        << "parameters got " << first_got << ", not their average " << first_mean;
+    EXPECT_TRUE(at::allclose(second_got, local_grads(second, second_loss), 1e-5, 1e-6))
+        << "worker" << rank << ": the destroyed instance still reduced its parameters";
   }
   rpc::shutdown();
 }
