@@ -18,13 +18,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "benchmarks/common.h"
+#include "benchmarks/harness.h"
 #include "ddp/process_group.h"
-#include "rpc/launch.h"
+#include "rpc/rendezvous/launch.h"
 
 DEFINE_string(nprocs, "2,4", "comma-separated process counts");
 DEFINE_string(json, "allreduce.json", "where to write the figures");
 DEFINE_bool(pytorch, true, "also measure torch.distributed gloo (needs /usr/bin/python3 with torch)");
-DEFINE_string(result_file, "", "internal: where rank 0 writes its results");
 
 namespace bench = ddprpc::benchmarks;
 namespace ddp = ddprpc::ddp;
@@ -41,7 +41,9 @@ int iters_for(int64_t bytes) {
 int worker() {
   auto pg = ddp::init_process_group("gloo");
   const int n = pg->size();
-  std::ostringstream out;
+  // Rank 0 hands back [bytes, median seconds, bus GB/s] per size.
+  bench::JsonValue out;
+  auto* rows = out.mutable_list_value();
   for (int64_t bytes : kSizes) {
     at::Tensor t = at::ones({bytes / 4});
     for (int i = 0; i < 3; ++i) pg->allreduce({t})->wait();
@@ -53,21 +55,30 @@ int worker() {
       times.push_back(absl::ToDoubleSeconds(absl::Now() - start));
     }
     double med = bench::percentile(times, 0.5);
-    out << bytes << " " << med << " " << bytes * 2.0 * (n - 1) / n / med / 1e9 << "\n";
+    auto* row = rows->add_values()->mutable_list_value();
+    for (double v : {static_cast<double>(bytes), med, bytes * 2.0 * (n - 1) / n / med / 1e9}) {
+      row->add_values()->set_number_value(v);
+    }
   }
-  if (pg->rank() == 0) std::ofstream(FLAGS_result_file) << out.str();
+  std::string error;
+  if (pg->rank() == 0 && !bench::write_result(out, &error)) {
+    std::fprintf(stderr, "allreduce: cannot hand the results back: %s\n", error.c_str());
+    return 1;
+  }
   return 0;
 }
 
 // bytes -> (median seconds, bus GB/s)
 using Results = std::map<int64_t, std::pair<double, double>>;
 
-Results read_ours(const std::string& path) {
+Results read_ours(const bench::JsonValue& result) {
   Results r;
-  std::ifstream in(path);
-  int64_t bytes;
-  double med, bw;
-  while (in >> bytes >> med >> bw) r[bytes] = {med, bw};
+  for (const auto& row : result.list_value().values()) {
+    const auto& v = row.list_value().values();
+    if (v.size() == 3) {
+      r[static_cast<int64_t>(v[0].number_value())] = {v[1].number_value(), v[2].number_value()};
+    }
+  }
   return r;
 }
 
@@ -91,13 +102,16 @@ int coordinator(int argc, char** argv) {
   for (const std::string& nstr : std::vector<std::string>(absl::StrSplit(FLAGS_nprocs, ','))) {
     const int n = std::stoi(nstr);
     const std::string tmp = bench::temp_path(absl::StrCat("allreduce", n));
-    auto launch = bench::relaunch_self(n, argc, argv);
-    launch.argv.push_back("--result_file=" + tmp);
+    bench::RolesOptions launch;
+    launch.nprocs = n;
     launch.timeout = absl::Minutes(10);
     std::fprintf(stderr, "allreduce: ddprpc ProcessGroupGloo, %d processes\n", n);
-    if (ddprpc::rpc::launch(launch).exit_code != 0) return 1;
-    Results ours = read_ours(tmp);
-    std::remove(tmp.c_str());
+    const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+    if (!r.ok()) {
+      std::fprintf(stderr, "allreduce: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
+      return 1;
+    }
+    Results ours = read_ours(r.result);
     Results theirs;
     const std::string script = bench::source_path("benchmarks/reference/allreduce_gloo.py");
     if (FLAGS_pytorch && !script.empty()) {

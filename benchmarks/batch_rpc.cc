@@ -20,9 +20,9 @@
 //
 //   ./bazelw run //benchmarks:batch_rpc -- [--mode=ps|cartpole|all] [--json=batch_rpc.json]
 //
-// Every configuration runs as fresh processes (rpc::launch of this binary);
-// rank 0 (the PS or the agent) writes its figures to a file the launcher
-// reads. Requests and answers are counted on both sides.
+// Every configuration runs as fresh processes of this binary
+// (benchmarks/harness.h); rank 0 (the PS or the agent) hands its figures
+// back to the launcher. Requests and answers are counted on both sides.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -47,9 +47,9 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -67,9 +67,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "benchmarks/common.h"
+#include "benchmarks/harness.h"
 #include "models/cartpole.h"
-#include "rpc/launch.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 DEFINE_string(mode, "all", "what to run: ps, cartpole or all");
 DEFINE_string(trainers, "2,4,8", "PS: trainer counts, comma-separated (one run each)");
@@ -98,7 +98,6 @@ DEFINE_string(pytorch_script, "",
               "path of PyTorch's side (default: benchmarks/reference/batch_rpc.py from this "
               "binary's runfiles)");
 DEFINE_string(task, "", "(internal) what a worker process runs: ps:<trainers> or cartpole:<world>");
-DEFINE_string(result_file, "", "(internal) where rank 0 writes its figures");
 
 namespace rpc = ddprpc::rpc;
 namespace bench = ddprpc::benchmarks;
@@ -107,28 +106,34 @@ using ddprpc::models::CartPole;
 namespace {
 
 // ---------------------------------------------------------------------------
-// Figures a run's rank 0 hands to the launcher: "name v1 v2 ..." lines.
+// Figures a run's rank 0 hands to the launcher (benchmarks/harness.h): a
+// JSON object of number arrays, non-finite numbers as null.
 using Figures = std::map<std::string, std::vector<double>>;
 
-void write_figures(const Figures& f, const std::string& path) {
-  std::ofstream out(path);
+bench::JsonValue figures_json(const Figures& f) {
+  bench::JsonValue out;
+  auto& fields = *out.mutable_struct_value()->mutable_fields();
   for (const auto& [name, values] : f) {
-    out << name;
-    for (double v : values) out << absl::StrFormat(" %.17g", v);
-    out << "\n";
+    auto* list = fields[name].mutable_list_value();
+    for (double v : values) {
+      if (std::isfinite(v)) {
+        list->add_values()->set_number_value(v);
+      } else {
+        list->add_values()->set_null_value(google::protobuf::NULL_VALUE);
+      }
+    }
   }
+  return out;
 }
 
-Figures read_figures(const std::string& path) {
+Figures figures_from(const bench::JsonValue& v) {
   Figures f;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    std::vector<std::string> parts = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    if (parts.empty()) continue;
-    auto& values = f[parts[0]];
-    for (size_t i = 1; i < parts.size(); ++i) {
-      double v = 0;
-      if (absl::SimpleAtod(parts[i], &v)) values.push_back(v);
+  if (!v.has_struct_value()) return f;
+  for (const auto& [name, list] : v.struct_value().fields()) {
+    auto& values = f[name];
+    for (const auto& x : list.list_value().values()) {
+      values.push_back(x.kind_case() == bench::JsonValue::kNumberValue ? x.number_value()
+                                                                      : std::nan(""));
     }
   }
   return f;
@@ -666,7 +671,10 @@ int worker() {
   int rc = 0;
   if (rank == 0) {
     try {
-      write_figures(ps ? run_ps(n) : run_cartpole(n), FLAGS_result_file);
+      std::string error;
+      if (!bench::write_result(figures_json(ps ? run_ps(n) : run_cartpole(n)), &error)) {
+        throw std::runtime_error("cannot hand the figures back: " + error);
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "batch_rpc: %s failed on %s: %s\n", FLAGS_task.c_str(), name.c_str(), e.what());
       rc = 1;
@@ -678,18 +686,20 @@ int worker() {
 
 // Runs one configuration as fresh processes; false on failure.
 bool launch(const std::string& task, int nprocs, int argc, char** argv, Figures* out) {
-  const std::string tmp = bench::temp_path("batch_rpc");
-  auto launch = bench::relaunch_self(nprocs, argc, argv);
-  launch.argv.push_back("--task=" + task);
-  launch.argv.push_back("--result_file=" + tmp);
+  bench::RolesOptions launch;
+  launch.nprocs = nprocs;
+  launch.args = {"--task=" + task};
   launch.timeout = absl::Seconds(FLAGS_timeout_s);
   launch.grace_period = absl::Seconds(10);
-  rpc::LaunchResult r = rpc::launch(launch);
-  *out = read_figures(tmp);
-  std::remove(tmp.c_str());
+  const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+  *out = figures_from(r.result);
   if (r.exit_code != 0) {
     std::fprintf(stderr, "batch_rpc: %s failed (rank %d): %s\n", task.c_str(), r.failed_rank,
                  r.message.c_str());
+    return false;
+  }
+  if (!r.has_result) {
+    std::fprintf(stderr, "batch_rpc: %s: %s\n", task.c_str(), r.result_error.c_str());
     return false;
   }
   return true;

@@ -102,14 +102,8 @@ double now_s() {
 
 }  // namespace
 
-rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv) {
-  rpc::LaunchOptions launch;
-  launch.nprocs = nprocs;
-  launch.argv = {self_exe()};
-  for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
-  // The workers' stderr is a pipe to the launcher: tell them what it shows.
-  launch.env.emplace_back(kProgressTerminalEnv, progress_on_terminal() ? "1" : "0");
-  return launch;
+std::pair<std::string, std::string> progress_terminal_env() {
+  return {kProgressTerminalEnv, progress_on_terminal() ? "1" : "0"};
 }
 
 Progress::Progress(std::string what, int64_t total, int max_lines)

@@ -5,11 +5,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <google/protobuf/struct.pb.h>
-
-#include "rpc/launch.h"
 
 namespace ddprpc::benchmarks {
 
@@ -36,13 +35,14 @@ void keep_freed_memory();
 double percentile(std::vector<double> samples, double p);
 
 std::string self_exe();
-// Options that run this binary again, with its arguments, as `nprocs`
-// workers (RANK etc. set by rpc::launch).
-rpc::LaunchOptions relaunch_self(int nprocs, int argc, char** argv);
 std::string temp_path(const std::string& stem);
+// The environment variable (name, value) that tells a process this one
+// starts whether this one's stderr is a terminal, for its Progress
+// (run_roles, harness.h, passes it on).
+std::pair<std::string, std::string> progress_terminal_env();
 
 // Progress of a long phase on stderr. When stderr is a terminal (or was in
-// the process that launched this one: relaunch_self passes it on), one line
+// the process that launched this one), one line
 // updated in place; otherwise at most `max_lines` lines for the phase
 // (every total/max_lines steps, and the last). A line reads
 // "<what> <done>/<total>, <elapsed> s, ETA <s> s, <detail>".

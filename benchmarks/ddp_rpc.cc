@@ -8,8 +8,9 @@
 // --rank (or RANK, as torchrun sets it) it runs just that role, so that a
 // launcher can start the ranks across hosts. The master creates an
 // EmbeddingBag table on every PS (rpc::remote) and starts training on every
-// trainer by RPC. Each trainer builds a HybridModel (the tables by RRef + a
-// dense stack averaged across trainers by DDP), and per iteration trains on
+// trainer by RPC (models/hybrid_trainer.h). Each trainer builds a
+// HybridModel (the tables by RRef + a dense stack averaged across trainers
+// by DDP), and per iteration trains on
 // --batches_per_iter random batches, each in a dist_autograd context:
 // forward, CrossEntropy, dist_autograd::backward, DistributedOptimizer(SGD,
 // --lr).step. The master prints p50/p75/p90/p95 sec/iter and ex/sec per
@@ -19,7 +20,7 @@
 // the tables on the parameter servers change.
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/TensorOperators.h>
 #include <arpa/inet.h>
 #include <gflags/gflags.h>
 #include <gloo/config.h>
@@ -30,12 +31,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
 #include <memory>
-#include <random>
 #include <regex>
 #include <sstream>
 
@@ -44,15 +45,13 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "autograd/dist_autograd.h"
 #include "benchmarks/common.h"
-#include "ddp/distributed_data_parallel.h"
-#include "models/hybrid_model.h"
-#include "optim/distributed_optimizer.h"
-#include "rpc/launch.h"
-#include "rpc/launch_env.h"
-#include "rpc/rref.h"
-#include "rpc/store.h"
+#include "benchmarks/harness.h"
+#include "ddp/process_group.h"
+#include "models/hybrid_trainer.h"
+#include "rpc/rendezvous/launch.h"
+#include "rpc/rendezvous/launch_env.h"
+#include "rpc/rpc.h"
 
 #ifdef DDPRPC_WITH_NCCL
 #include <cuda_runtime.h>
@@ -134,17 +133,13 @@ DEFINE_string(pytorch_script, "", "path of the PyTorch reference script (default
 DEFINE_int32(timeout_s, 1800, "wall-clock limit of the whole run, in seconds (stops every process)");
 DEFINE_int32(rpc_timeout_s, 60,
              "deadline of each RPC, in seconds: a stopped or unreachable worker ends the job within it");
-DEFINE_string(result_file, "",
-              "internal, set by the local launch: where the master leaves its report");
 
 namespace rpc = ddprpc::rpc;
 namespace bench = ddprpc::benchmarks;
 namespace models = ddprpc::models;
-namespace dist_autograd = ddprpc::dist_autograd;
 
 namespace {
 
-constexpr int64_t kClasses = 8;  // outputs of the dense stack
 constexpr int kTrainingFailed = 1;
 constexpr int kUsageError = 2;
 constexpr int kNotConverged = 3;
@@ -165,19 +160,7 @@ std::vector<models::DenseKernel> dense_kernels() {
   return out;
 }
 
-struct Role {
-  int trainers, ps, rank;
-  bool is_trainer() const { return rank < trainers; }
-  bool is_ps() const { return rank >= trainers && rank < trainers + ps; }
-  bool is_master() const { return rank == trainers + ps; }
-  std::string name() const {
-    if (is_trainer()) return absl::StrCat("trainer", rank);
-    if (is_ps()) return absl::StrCat("ps", rank - trainers);
-    return "master";
-  }
-};
-
-Role role_of(int rank) { return Role{FLAGS_trainers, FLAGS_ps, rank}; }
+models::HybridWorld world() { return models::HybridWorld(FLAGS_trainers, FLAGS_ps); }
 
 // ---------------------------------------------------------------------------
 // Placement: which role this process runs and where the rendezvous is.
@@ -190,7 +173,7 @@ struct Placement {
 
 // Flags win over the launcher's environment: torchrun's (RANK, WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT), which is also how the local launch tells its
-// children their rank, or a Slurm task's (rpc/launch_env.h).
+// children their rank, or a Slurm task's (rpc/rendezvous/launch_env.h).
 Placement placement() {
   rpc::LaunchEnv env;
   try {
@@ -253,162 +236,46 @@ std::string local_address_towards(const std::string& host) {
   return address;
 }
 
-std::pair<std::string, int> split_host_port(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return {address.substr(0, colon), std::stoi(address.substr(colon + 1))};
-}
-
-// A seed for rank `rank` derived from --seed: the same (seed, rank) always
-// gives the same stream, different ranks unrelated ones.
-uint64_t derived_seed(int rank) {
-  std::seed_seq seq{static_cast<uint32_t>(FLAGS_seed), static_cast<uint32_t>(FLAGS_seed >> 32),
-                    static_cast<uint32_t>(rank)};
-  uint32_t words[2];
-  seq.generate(words, words + 2);
-  return (uint64_t{words[0]} << 32) | words[1];
-}
-
-// The flags that define what a trainer does. The master sends its own, and a
-// trainer started with other ones (possible when a launcher starts the ranks
-// on several hosts) refuses to run.
-std::string workload_flags() {
-  return absl::StrFormat(
-      "--trainers=%d --ps=%d --num_embeddings=%d --embedding_dim=%d --iters=%d --warmup=%d "
-      "--batches_per_iter=%d --lr=%g --seed=%d --check_convergence=%d --backend=%s "
-      "--lookups=%s --dense_kernel=%s --sparse=%d",
-      FLAGS_trainers, FLAGS_ps, FLAGS_num_embeddings, FLAGS_embedding_dim, FLAGS_iters,
-      FLAGS_warmup, FLAGS_batches_per_iter, FLAGS_lr, FLAGS_seed, FLAGS_check_convergence,
-      FLAGS_backend, FLAGS_lookups, models::dense_kernel_name(dense_kernels()[0]), FLAGS_sparse);
+// The workload of the flags, as the trainer library takes it.
+models::HybridTrainerOptions trainer_options() {
+  models::HybridTrainerOptions o;
+  o.trainers = FLAGS_trainers;
+  o.ps = FLAGS_ps;
+  o.num_embeddings = FLAGS_num_embeddings;
+  o.embedding_dim = FLAGS_embedding_dim;
+  o.iters = FLAGS_iters;
+  o.warmup = FLAGS_warmup;
+  o.batches_per_iter = FLAGS_batches_per_iter;
+  o.lr = FLAGS_lr;
+  o.seed = FLAGS_seed;
+  o.learnable_target = FLAGS_check_convergence;
+  o.sparse = FLAGS_sparse;
+  o.sequential_lookups = FLAGS_lookups == "sequential";
+  o.dense_kernel = dense_kernels()[0];
+  o.backend = FLAGS_backend == "nccl" ? models::CollectiveBackend::kNccl
+                                      : models::CollectiveBackend::kGloo;
+  o.run_timeout = absl::Seconds(FLAGS_timeout_s);
+  o.collective_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
+  o.fetch_tables = FLAGS_check_convergence;
+  return o;
 }
 
 // ---------------------------------------------------------------------------
-// Trainer.
+// Trainer: trainer0 shows its progress on stderr.
 
-struct Batch {
-  at::Tensor indices, offsets, targets;
-};
-
-// One iteration's batches, as the seed: each has 20..50 indices in
-// [0, num_embeddings) cut into bags by offsets with random steps 1..10, and
-// one target in [0, 8) per bag. The targets are random (the seed's workload:
-// nothing to learn) or, with --check_convergence, learnable: every index of
-// a bag is a row of the bag's target class (index % 8 == target).
-std::vector<Batch> make_batches(std::mt19937_64& rng) {
-  auto uniform = [&rng](int64_t lo, int64_t hi) {
-    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+models::HybridTrainerService::ProgressCallback trainer0_progress() {
+  auto progress = std::make_shared<std::unique_ptr<bench::Progress>>();
+  return [progress](const models::TrainerProgress& p) {
+    if (p.iteration == 0) {
+      *progress = std::make_unique<bench::Progress>("ddp_rpc: trainer0 iteration", p.total);
+      return;
+    }
+    (*progress)->update(p.iteration,
+                        absl::StrFormat("%s, trainer0 %.0f ex/s, mean loss %.4f",
+                                        p.measured ? "measured" : "warm-up",
+                                        p.seconds > 0 ? p.examples / p.seconds : 0.0, p.mean_loss));
   };
-  const int64_t rows = FLAGS_num_embeddings;
-  std::vector<Batch> out;
-  for (int b = 0; b < FLAGS_batches_per_iter; ++b) {
-    const int64_t k = uniform(20, 50);
-    std::vector<int64_t> offsets;
-    for (int64_t s = 0; s < k; s += uniform(1, 10)) offsets.push_back(s);
-    std::vector<int64_t> indices(k), targets(offsets.size());
-    for (size_t bag = 0; bag < offsets.size(); ++bag) {
-      const int64_t target = uniform(0, kClasses - 1);
-      targets[bag] = target;
-      const int64_t end = bag + 1 < offsets.size() ? offsets[bag + 1] : k;
-      for (int64_t i = offsets[bag]; i < end; ++i) {
-        indices[i] = FLAGS_check_convergence
-                         ? target + kClasses * uniform(0, (rows - 1 - target) / kClasses)
-                         : uniform(0, rows - 1);
-      }
-    }
-    out.push_back({at::tensor(indices, at::kLong), at::tensor(offsets, at::kLong),
-                   at::tensor(targets, at::kLong)});
-  }
-  return out;
 }
-
-// Per measured iteration: seconds and examples; the mean milliseconds per
-// measured batch spent in forward, backward, optimizer step and context
-// release; per iteration (warm-up included): the mean loss of its batches.
-using TrainerResult = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>,
-                                 std::vector<double>>;
-
-// Runs on each trainer, started by the master.
-TrainerResult run_trainer(std::vector<rpc::RRef<models::EmbeddingTable>> tables, int64_t rank,
-                          std::string master_workload) {
-  if (master_workload != workload_flags()) {
-    throw std::invalid_argument(absl::StrCat("trainer", rank, " was started with other flags (",
-                                             workload_flags(), ") than the master (",
-                                             master_workload, ")"));
-  }
-  std::mt19937_64 rng(derived_seed(static_cast<int>(rank)));
-  models::HybridModelOptions model_options;
-  model_options.lookups = FLAGS_lookups == "sequential"
-                              ? models::HybridModelOptions::Lookups::kSequential
-                              : models::HybridModelOptions::Lookups::kConcurrent;
-  model_options.dense_kernel = dense_kernels()[0];
-  model_options.sparse = FLAGS_sparse;
-  models::HybridModel model(std::move(tables), FLAGS_embedding_dim, model_options);
-  // DDP among the trainers (rendezvous through the RPC store): the same
-  // initial dense parameters everywhere, gradients averaged inside every
-  // dist_autograd backward pass.
-  auto agent = rpc::current_agent();
-  const auto [store_host, store_port] = split_host_port(agent->store().address());
-  auto store = std::make_shared<rpc::Store>(store_host, store_port, absl::Seconds(FLAGS_timeout_s));
-  ddprpc::ddp::ProcessGroupOptions group_options;
-  group_options.listen_address = split_host_port(agent->self().address).first;
-  // A collective waiting on a stopped or unreachable trainer fails like an RPC would.
-  group_options.timeout = absl::Seconds(FLAGS_rpc_timeout_s);
-  auto make_group = FLAGS_backend == "nccl" ? ddprpc::ddp::make_nccl_group
-                                            : ddprpc::ddp::make_gloo_group;
-  auto group = make_group(store, "ddp/trainers/", static_cast<int>(rank), FLAGS_trainers,
-                          group_options);
-  ddprpc::ddp::DdpOptions ddp_options;
-  ddp_options.timeout = absl::Seconds(FLAGS_rpc_timeout_s);
-  ddprpc::ddp::DistributedDataParallel ddp(model.dense().ptr(), group, ddp_options);
-  ddprpc::optim::DistributedOptimizer optimizer("sgd", {{"lr", FLAGS_lr}},
-                                                model.parameter_rrefs());
-  std::vector<double> seconds, losses;
-  std::vector<int64_t> examples;
-  std::vector<double> phase_ms(4, 0.0);  // forward, backward, step, release
-  int64_t measured_batches = 0;
-  const int total = FLAGS_iters + FLAGS_warmup;
-  bench::Progress progress("ddp_rpc: trainer0 iteration", total);
-  for (int it = 0; it < total; ++it) {
-    const bool measured = it >= FLAGS_warmup;
-    absl::Time start = absl::Now();
-    int64_t n = 0;
-    double loss_sum = 0;
-    for (const Batch& b : make_batches(rng)) {
-      n += b.targets.size(0);
-      absl::Time t[5];
-      {
-        t[0] = absl::Now();
-        dist_autograd::Context context;
-        at::Tensor loss = at::cross_entropy_loss(model.forward(b.indices, b.offsets), b.targets);
-        loss_sum += loss.item<double>();
-        t[1] = absl::Now();
-        dist_autograd::backward(context.id(), {loss});
-        t[2] = absl::Now();
-        optimizer.step(context.id());
-        t[3] = absl::Now();
-      }
-      t[4] = absl::Now();
-      if (measured) {
-        for (int i = 0; i < 4; ++i) phase_ms[i] += absl::ToDoubleMilliseconds(t[i + 1] - t[i]);
-        ++measured_batches;
-      }
-    }
-    if (measured) {
-      seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
-      examples.push_back(n);
-    }
-    losses.push_back(loss_sum / FLAGS_batches_per_iter);
-    if (rank == 0) {
-      const double seconds_this = absl::ToDoubleSeconds(absl::Now() - start);
-      progress.update(it + 1, absl::StrFormat("%s, trainer0 %.0f ex/s, mean loss %.4f",
-                                              measured ? "measured" : "warm-up",
-                                              seconds_this > 0 ? n / seconds_this : 0.0,
-                                              losses.back()));
-    }
-  }
-  for (double& ms : phase_ms) ms /= std::max<int64_t>(1, measured_batches);
-  return {seconds, examples, phase_ms, losses};
-}
-DDPRPC_REGISTER_FUNCTION(run_trainer);
 
 // ---------------------------------------------------------------------------
 // Master: the run and its report.
@@ -455,26 +322,130 @@ void json_percentiles(bench::Json& json, const Percentiles& p, const std::vector
   json.end_array().end_object();
 }
 
-// A copy of every table's weight, fetched from its parameter server.
-std::vector<at::Tensor> fetch_weights(const std::vector<rpc::RRef<models::EmbeddingTable>>& tables) {
-  std::vector<at::Tensor> out;
-  for (const auto& table : tables) {
-    out.push_back(table.rpc_sync(&models::EmbeddingTable::parameter_rrefs).at(0).to_here());
+// How a table changed during training (--check_convergence).
+struct TableChange {
+  int64_t rows = 0, rows_changed = 0;
+  double norm_before = 0, norm_after = 0;
+};
+
+// What the master hands the local launch: every trainer's samples, the
+// wall time and the tables' changes; the report follows from it.
+struct RunFigures {
+  std::vector<models::TrainerResult> trainers;  // by rank
+  double wall_s = 0;
+  std::vector<TableChange> tables;  // with --check_convergence
+};
+
+RunFigures figures_of(const models::HybridRunResult& result) {
+  RunFigures f;
+  f.trainers = result.trainers;
+  f.wall_s = result.wall_s;
+  for (size_t i = 0; i < result.tables_before.size() && i < result.tables_after.size(); ++i) {
+    const at::Tensor& before = result.tables_before[i];
+    const at::Tensor& after = result.tables_after[i];
+    TableChange t;
+    t.rows = before.size(0);
+    t.rows_changed = (after - before).abs().amax(1).gt(0).sum().item<int64_t>();
+    t.norm_before = before.norm().item<double>();
+    t.norm_after = after.norm().item<double>();
+    f.tables.push_back(t);
+  }
+  return f;
+}
+
+// RunFigures as JSON and back: numbers exact (protobuf prints doubles so
+// that they parse back to the same value), non-finite ones as null.
+bench::JsonValue number_json(double v) {
+  bench::JsonValue out;
+  if (std::isfinite(v)) {
+    out.set_number_value(v);
+  } else {
+    out.set_null_value(google::protobuf::NULL_VALUE);
   }
   return out;
+}
+
+template <typename T>
+bench::JsonValue list_json(const std::vector<T>& values) {
+  bench::JsonValue out;
+  auto* list = out.mutable_list_value();
+  for (T v : values) *list->add_values() = number_json(static_cast<double>(v));
+  return out;
+}
+
+double json_double(const bench::JsonValue& v) {
+  return v.kind_case() == bench::JsonValue::kNumberValue ? v.number_value() : std::nan("");
+}
+
+template <typename T>
+std::vector<T> json_list(const bench::JsonValue& at, const std::string& key) {
+  std::vector<T> out;
+  const bench::JsonValue* list = bench::json_at(at, {key});
+  if (list == nullptr) return out;
+  for (const auto& v : list->list_value().values()) out.push_back(static_cast<T>(json_double(v)));
+  return out;
+}
+
+bench::JsonValue to_result(const RunFigures& f) {
+  bench::JsonValue out;
+  auto& fields = *out.mutable_struct_value()->mutable_fields();
+  fields["wall_s"] = number_json(f.wall_s);
+  auto* trainers = fields["trainers"].mutable_list_value();
+  for (const auto& t : f.trainers) {
+    auto& tf = *trainers->add_values()->mutable_struct_value()->mutable_fields();
+    tf["seconds"] = list_json(t.seconds);
+    tf["examples"] = list_json(t.examples);
+    tf["losses"] = list_json(t.losses);
+    tf["ms_per_batch"] =
+        list_json(std::vector<double>{t.forward_ms, t.backward_ms, t.step_ms, t.release_ms});
+  }
+  auto* tables = fields["tables"].mutable_list_value();
+  for (const auto& t : f.tables) {
+    tables->add_values()->CopyFrom(list_json(
+        std::vector<double>{static_cast<double>(t.rows), static_cast<double>(t.rows_changed),
+                            t.norm_before, t.norm_after}));
+  }
+  return out;
+}
+
+bool from_result(const bench::JsonValue& v, RunFigures* f) {
+  const bench::JsonValue* trainers = bench::json_at(v, {"trainers"});
+  if (trainers == nullptr || !trainers->has_list_value()) return false;
+  f->wall_s = bench::json_number(v, {"wall_s"}, 0);
+  for (const auto& t : trainers->list_value().values()) {
+    models::TrainerResult r;
+    r.seconds = json_list<double>(t, "seconds");
+    r.examples = json_list<int64_t>(t, "examples");
+    r.losses = json_list<double>(t, "losses");
+    const std::vector<double> ms = json_list<double>(t, "ms_per_batch");
+    if (ms.size() != 4) return false;
+    r.forward_ms = ms[0];
+    r.backward_ms = ms[1];
+    r.step_ms = ms[2];
+    r.release_ms = ms[3];
+    f->trainers.push_back(std::move(r));
+  }
+  if (const bench::JsonValue* tables = bench::json_at(v, {"tables"})) {
+    for (const auto& t : tables->list_value().values()) {
+      const auto& n = t.list_value().values();
+      if (n.size() != 4) return false;
+      f->tables.push_back({static_cast<int64_t>(json_double(n[0])),
+                           static_cast<int64_t>(json_double(n[1])), json_double(n[2]),
+                           json_double(n[3])});
+    }
+  }
+  return true;
 }
 
 // --check_convergence: the mean loss (over the trainers and an iteration's
 // batches) of the last iteration must be kMinLossFall below the first one's,
 // and every parameter server's table must have changed.
-bool report_convergence(const std::vector<TrainerResult>& results,
-                        const std::vector<at::Tensor>& before,
-                        const std::vector<at::Tensor>& after, std::ostream& out,
-                        bench::Json& json) {
+bool report_convergence(const RunFigures& f, std::ostream& out, bench::Json& json) {
   std::vector<double> loss(FLAGS_iters + FLAGS_warmup, 0.0);
-  for (const auto& result : results) {
-    const std::vector<double>& trainer_loss = std::get<3>(result);
-    for (size_t i = 0; i < loss.size(); ++i) loss[i] += trainer_loss[i] / results.size();
+  for (const auto& trainer : f.trainers) {
+    for (size_t i = 0; i < loss.size() && i < trainer.losses.size(); ++i) {
+      loss[i] += trainer.losses[i] / f.trainers.size();
+    }
   }
   const double first = loss.front(), last = loss.back();
   const bool fell = last <= (1 - kMinLossFall) * first;
@@ -488,16 +459,14 @@ bool report_convergence(const std::vector<TrainerResult>& results,
   for (double l : loss) json.value(l);
   json.end_array();
   json.key("tables").begin_array();
-  bool all_changed = true;
-  for (size_t i = 0; i < before.size(); ++i) {
-    const int64_t changed = (after[i] - before[i]).abs().amax(1).gt(0).sum().item<int64_t>();
-    const double norm_before = before[i].norm().item<double>();
-    const double norm_after = after[i].norm().item<double>();
-    all_changed = all_changed && changed > 0;
+  bool all_changed = !f.tables.empty();
+  for (size_t i = 0; i < f.tables.size(); ++i) {
+    const TableChange& t = f.tables[i];
+    all_changed = all_changed && t.rows_changed > 0;
     out << absl::StrFormat("  ps%d: %d of %d embedding rows changed, weight norm %.4f -> %.4f\n",
-                           i, changed, before[i].size(0), norm_before, norm_after);
-    json.begin_object().key("rows_changed").value(changed);
-    json.key("norm_before").value(norm_before).key("norm_after").value(norm_after).end_object();
+                           i, t.rows_changed, t.rows, t.norm_before, t.norm_after);
+    json.begin_object().key("rows_changed").value(t.rows_changed);
+    json.key("norm_before").value(t.norm_before).key("norm_after").value(t.norm_after).end_object();
   }
   json.end_array();
   const bool passed = fell && all_changed;
@@ -506,54 +475,26 @@ bool report_convergence(const std::vector<TrainerResult>& results,
   return passed;
 }
 
-// Returns the exit code: 0, kTrainingFailed or kNotConverged. `report`
-// receives the table, `report_json` every figure.
-int run_master(const Role& role, std::string* report, std::string* report_json) {
-  absl::Time start = absl::Now();
-  std::vector<rpc::RRef<models::EmbeddingTable>> tables;
-  for (int i = 0; i < role.ps; ++i) {
-    tables.push_back(rpc::remote<models::EmbeddingTable>(absl::StrCat("ps", i),
-                                                          int64_t{FLAGS_num_embeddings},
-                                                          int64_t{FLAGS_embedding_dim}));
-  }
-  std::vector<at::Tensor> weights_before;
-  if (FLAGS_check_convergence) weights_before = fetch_weights(tables);
-  std::vector<rpc::Future<TrainerResult>> runs;
-  for (int r = 0; r < role.trainers; ++r) {
-    runs.push_back(rpc::rpc_async<TrainerResult>(rpc::CallOptions{absl::Seconds(FLAGS_timeout_s)},
-                                                 absl::StrCat("trainer", r), "run_trainer", tables,
-                                                 int64_t{r}, workload_flags()));
-  }
-  rpc::collect_all(runs).wait();
-  std::vector<TrainerResult> results;
-  bool failed = false;
-  for (int r = 0; r < role.trainers; ++r) {
-    if (runs[r].has_error()) {
-      // Every failure: the first one in rank order may only be a symptom
-      // (e.g. an allreduce broken because another trainer stopped).
-      std::fprintf(stderr, "ddp_rpc: training failed on trainer%d: %s\n", r,
-                   runs[r].error_message().c_str());
-      failed = true;
-    } else {
-      results.push_back(runs[r].value());
-    }
-  }
-  if (failed) return kTrainingFailed;
-  const double wall = absl::ToDoubleSeconds(absl::Now() - start);
-
+// The report of a run with dense layers on `kernel`: its table in *text,
+// every figure in *report_json. False when --check_convergence failed.
+bool report(const RunFigures& f, const std::string& kernel, std::string* text,
+            std::string* report_json) {
+  const int trainers = static_cast<int>(f.trainers.size());
   std::ostringstream out;
   out << "------------------ ddprpc Distributed Benchmark (DDP and RPC), dense layers on "
-      << models::dense_kernel_name(dense_kernels()[0]) << " ------------------\n";
+      << kernel << " ------------------\n";
   out << "                sec/iter    ex/sec      sec/iter    ex/sec      sec/iter    ex/sec      "
          "sec/iter    ex/sec\n";
   bench::Json json;
   json.begin_object();
   std::vector<double> all_sec(FLAGS_iters, 0.0), all_ex(FLAGS_iters, 0.0);
   std::vector<double> phases(4, 0.0);
-  for (int r = 0; r < role.trainers; ++r) {
-    const auto& [sec, ex, phase_ms, losses] = results[r];
-    for (int i = 0; i < 4; ++i) phases[i] += phase_ms[i] / role.trainers;
-    std::vector<double> exd(ex.begin(), ex.end());
+  for (int r = 0; r < trainers; ++r) {
+    const models::TrainerResult& t = f.trainers[r];
+    const double phase_ms[] = {t.forward_ms, t.backward_ms, t.step_ms, t.release_ms};
+    for (int i = 0; i < 4; ++i) phases[i] += phase_ms[i] / trainers;
+    const std::vector<double>& sec = t.seconds;
+    std::vector<double> exd(t.examples.begin(), t.examples.end());
     Percentiles p = percentiles(sec, exd);
     out << pct_line(absl::StrCat("Trainer", r), p) << "\n";
     json.key(absl::StrCat("trainer", r));
@@ -567,7 +508,7 @@ int run_master(const Role& role, std::string* report, std::string* report_json) 
   out << pct_line("All", all) << "\n";
   json.key("all");
   json_percentiles(json, all, all_sec, all_ex);
-  json.key("wall_s").value(wall);
+  json.key("wall_s").value(f.wall_s);
   static const char* kPhases[] = {"forward", "backward", "optimizer_step", "context_release"};
   out << absl::StrFormat("Where a batch goes (mean over trainers, ms): ");
   json.key("ms_per_batch").begin_object();
@@ -577,13 +518,11 @@ int run_master(const Role& role, std::string* report, std::string* report_json) 
   }
   json.end_object();
   bool converged = true;
-  if (FLAGS_check_convergence) {
-    converged = report_convergence(results, weights_before, fetch_weights(tables), out, json);
-  }
+  if (FLAGS_check_convergence) converged = report_convergence(f, out, json);
   json.end_object();
-  *report = out.str();
+  *text = out.str();
   *report_json = json.str();
-  return converged ? 0 : kNotConverged;
+  return converged;
 }
 
 // ---------------------------------------------------------------------------
@@ -730,10 +669,47 @@ void write_json(const Report& r) {
 // ---------------------------------------------------------------------------
 // One process of the world.
 
+// The master's part: trains (models::run_hybrid_training), then reports
+// (a role started on its own) or hands its figures to the local launch.
+// Returns the exit code: 0, kTrainingFailed or kNotConverged.
+int run_master(bool standalone) {
+  RunFigures figures;
+  try {
+    figures = figures_of(models::run_hybrid_training(trainer_options()));
+  } catch (const models::HybridTrainingError& e) {
+    // Every failure: the first one in rank order may only be a symptom
+    // (e.g. an allreduce broken because another trainer stopped).
+    for (const auto& f : e.failures()) {
+      std::fprintf(stderr, "ddp_rpc: training failed on trainer%d: %s\n", f.trainer,
+                   f.message.c_str());
+    }
+    return kTrainingFailed;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ddp_rpc: training failed: %s\n", e.what());
+    return kTrainingFailed;
+  }
+  const std::string kernel = models::dense_kernel_name(dense_kernels()[0]);
+  std::string text, report_json;
+  const bool converged = report(figures, kernel, &text, &report_json);
+  if (standalone) {
+    std::printf("%sPyTorch reference not run (roles started on their own)\n", text.c_str());
+    Report r;
+    r.ours[kernel] = report_json;
+    write_json(r);
+  } else {
+    std::string error;
+    if (!bench::write_result(to_result(figures), &error)) {
+      std::fprintf(stderr, "ddp_rpc: cannot hand the figures back: %s\n", error.c_str());
+      return kTrainingFailed;
+    }
+  }
+  return converged ? 0 : kNotConverged;
+}
+
 int worker(const Placement& where) {
-  const Role role = role_of(where.rank);
+  const models::HybridWorld roles = world();
+  const int rank = where.rank;
   at::set_num_threads(1);  // as the reference: many processes share the cores
-  at::manual_seed(derived_seed(where.rank));  // the tables' and dense stack's initial values
   rpc::RpcBackendOptions options;
   options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
@@ -746,34 +722,27 @@ int worker(const Placement& where) {
     usage_error(absl::StrCat("no local address routes to ", where.master_addr,
                              "; pass --listen_address"));
   }
-  const bool standalone = FLAGS_result_file.empty();  // not started by the local launch
+  const bool standalone = !bench::started_by_run_roles();  // not started by the local launch
   if (standalone) {
     std::fprintf(stderr, "ddp_rpc: %s (rank %d) joining at %s:%d, serving on %s\n",
-                 role.name().c_str(), where.rank, where.master_addr.c_str(), where.master_port,
-                 options.listen_address.c_str());
-    if (role.is_master()) {
+                 roles.name(rank).c_str(), where.rank, where.master_addr.c_str(),
+                 where.master_port, options.listen_address.c_str());
+    if (roles.is_master(rank)) {
       print_info(absl::StrFormat("this process is the master (rank %d) of %d trainers + %d "
                                  "parameter servers + 1 master started on their own",
                                  where.rank, FLAGS_trainers, FLAGS_ps));
     }
   }
-  rpc::init_rpc(role.name(), where.rank, FLAGS_trainers + FLAGS_ps + 1, options);
-  int rc = 0;
-  if (role.is_master()) {
-    std::string report, report_json;
-    rc = run_master(role, &report, &report_json);
-    if (standalone) {
-      std::printf("%sPyTorch reference not run (roles started on their own)\n", report.c_str());
-      if (rc != kTrainingFailed) {
-        Report r;
-        r.ours[models::dense_kernel_name(dense_kernels()[0])] = report_json;
-        write_json(r);
-      }
-    } else {
-      std::ofstream(FLAGS_result_file + ".txt") << report;
-      std::ofstream(FLAGS_result_file) << report_json << "\n";
-    }
+  // A trainer trains when the master reaches it; the tables are created
+  // on the parameter servers by the master.
+  std::unique_ptr<models::HybridTrainerService> trainer;
+  if (roles.is_trainer(rank)) {
+    trainer = std::make_unique<models::HybridTrainerService>(
+        trainer_options(), rank == 0 ? trainer0_progress() : nullptr);
   }
+  rpc::init_rpc(roles.name(rank), rank, roles.size(), options);
+  int rc = 0;
+  if (roles.is_master(rank)) rc = run_master(standalone);
   // A failed convergence check is still a complete run: shut down gracefully.
   rpc::shutdown(/*graceful=*/rc != kTrainingFailed);
   return rc;
@@ -836,22 +805,22 @@ std::string run_pytorch_reference(const std::string& script, const std::string& 
 // (`full`) or its "All" line. Returns 0 with the master's JSON in *json, or
 // the exit code of a failed run.
 int run_ours(int argc, char** argv, const std::string& kernel, bool full, std::string* json) {
-  const int world = FLAGS_trainers + FLAGS_ps + 1;
-  const std::string tmp = bench::temp_path("ddp_rpc");
-  auto launch = bench::relaunch_self(world, argc, argv);
-  launch.argv.push_back("--dense_kernel=" + kernel);
-  launch.argv.push_back("--result_file=" + tmp);
+  const models::HybridWorld roles = world();
+  bench::RolesOptions launch;
+  launch.nprocs = roles.size();
+  launch.args = {"--dense_kernel=" + kernel};
   launch.master_addr = FLAGS_master_addr;
   launch.master_port = FLAGS_master_port;
   launch.timeout = absl::Seconds(FLAGS_timeout_s);
   launch.grace_period = absl::Seconds(20);  // let the master report which call failed
-  std::fprintf(stderr, "ddp_rpc: starting %d processes (dense layers on %s)\n", world,
+  std::fprintf(stderr, "ddp_rpc: starting %d processes (dense layers on %s)\n", roles.size(),
                kernel.c_str());
-  rpc::LaunchResult r = rpc::launch(launch);
-  *json = bench::read_file(tmp);
-  const std::string table = bench::read_file(tmp + ".txt");
-  std::remove(tmp.c_str());
-  std::remove((tmp + ".txt").c_str());
+  const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+  // The master's figures, also when the convergence check failed.
+  std::string table;
+  json->clear();
+  RunFigures figures;
+  if (r.has_result && from_result(r.result, &figures)) report(figures, kernel, &table, json);
   if (full) {
     std::printf("%s", table.c_str());  // also when the convergence check failed
   } else {
@@ -863,12 +832,12 @@ int run_ours(int argc, char** argv, const std::string& kernel, bool full, std::s
     }
   }
   std::fflush(stdout);  // the table shows before PyTorch's reference starts, also in a pipe
-  if (r.exit_code == kNotConverged && role_of(r.failed_rank).is_master()) {
+  if (r.exit_code == kNotConverged && roles.is_master(r.failed_rank)) {
     std::fprintf(stderr, "ddp_rpc: the convergence check failed (see the report above)\n");
     return kNotConverged;
   }
   if (r.exit_code != 0) {
-    std::string who = r.failed_rank < 0 ? "" : role_of(r.failed_rank).name() + ": ";
+    std::string who = r.failed_rank < 0 ? "" : roles.name(r.failed_rank) + ": ";
     std::fprintf(stderr, "ddp_rpc: failed: %s%s\n", who.c_str(), r.message.c_str());
     return kTrainingFailed;
   }
@@ -951,7 +920,7 @@ void check_flags() {
   if (FLAGS_warmup < 0 || FLAGS_embedding_dim < 1 || FLAGS_num_embeddings < 1) {
     usage_error("--warmup must be at least 0, --embedding_dim and --num_embeddings at least 1");
   }
-  if (FLAGS_check_convergence && FLAGS_num_embeddings < kClasses) {
+  if (FLAGS_check_convergence && FLAGS_num_embeddings < models::kHybridClasses) {
     usage_error("--check_convergence needs --num_embeddings of at least 8 (a row per class)");
   }
   if (FLAGS_master_port < 0 || FLAGS_master_port > 65535) usage_error("--master_port is 0..65535");

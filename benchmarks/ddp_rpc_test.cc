@@ -17,7 +17,7 @@
 #include "absl/time/clock.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
-#include "rpc/launch.h"
+#include "rpc/rendezvous/launch.h"
 
 namespace {
 

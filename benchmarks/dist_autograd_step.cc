@@ -11,13 +11,17 @@
 #include <gflags/gflags.h>
 
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "autograd/dist_autograd.h"
 #include "benchmarks/common.h"
+#include "benchmarks/harness.h"
 #include "models/split_model.h"
 #include "optim/distributed_optimizer.h"
-#include "rpc/launch.h"
+#include "rpc/rpc.h"
+#include "rpc/rref/rref.h"
 
 DEFINE_int32(iters, 500, "measured iterations");
 DEFINE_int32(warmup, 50, "iterations before measuring");
@@ -30,6 +34,8 @@ using ddprpc::models::RemoteEmbedding;
 using ddprpc::models::RemoteLinear;
 
 namespace {
+
+const char* const kPhases[] = {"forward (2 RPCs)", "dist backward", "optimizer step", "iteration"};
 
 int worker() {
   const int rank = bench::env_rank();
@@ -62,21 +68,49 @@ int worker() {
       phase[2].push_back(absl::ToDoubleMicroseconds(t3 - t2));
       phase[3].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
     }
-    const char* names[] = {"forward (2 RPCs)", "dist backward", "optimizer step", "iteration"};
-    bench::Table table({"3-worker split model", "p50", "p90"});
-    bench::Json json;
-    json.begin_object();
+    // The samples go back to the launcher: phase name -> microseconds.
+    bench::JsonValue result;
+    auto& fields = *result.mutable_struct_value()->mutable_fields();
     for (int i = 0; i < 4; ++i) {
-      double p50 = bench::percentile(phase[i], 0.5), p90 = bench::percentile(phase[i], 0.9);
-      table.add({names[i], absl::StrFormat("%.0f us", p50), absl::StrFormat("%.0f us", p90)});
-      json.key(names[i]).begin_object().key("p50_us").value(p50).key("p90_us").value(p90).end_object();
+      auto* samples = fields[kPhases[i]].mutable_list_value();
+      for (double us : phase[i]) samples->add_values()->set_number_value(us);
     }
-    json.end_object();
-    std::printf("%s", table.str().c_str());
-    const std::string path = bench::output_path(FLAGS_json);
-    if (json.write(path)) std::printf("wrote %s\n", path.c_str());
+    std::string error;
+    if (!bench::write_result(result, &error)) {
+      std::fprintf(stderr, "dist_autograd_step: cannot hand the samples back: %s\n", error.c_str());
+    }
   }
   rpc::shutdown();
+  return 0;
+}
+
+// Starts the 3 workers; prints the table and writes the JSON of their samples.
+int launcher(int argc, char** argv) {
+  bench::RolesOptions launch;
+  launch.nprocs = 3;
+  launch.timeout = absl::Minutes(5);
+  const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+  if (!r.ok()) {
+    std::fprintf(stderr, "dist_autograd_step: %s\n",
+                 r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
+    return r.exit_code != 0 ? r.exit_code : 1;
+  }
+  bench::Table table({"3-worker split model", "p50", "p90"});
+  bench::Json json;
+  json.begin_object();
+  for (const char* name : kPhases) {
+    std::vector<double> samples;
+    if (const bench::JsonValue* list = bench::json_at(r.result, {name})) {
+      for (const auto& v : list->list_value().values()) samples.push_back(v.number_value());
+    }
+    double p50 = bench::percentile(samples, 0.5), p90 = bench::percentile(samples, 0.9);
+    table.add({name, absl::StrFormat("%.0f us", p50), absl::StrFormat("%.0f us", p90)});
+    json.key(name).begin_object().key("p50_us").value(p50).key("p90_us").value(p90).end_object();
+  }
+  json.end_object();
+  std::printf("%s", table.str().c_str());
+  const std::string path = bench::output_path(FLAGS_json);
+  if (json.write(path)) std::printf("wrote %s\n", path.c_str());
   return 0;
 }
 
@@ -86,8 +120,5 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage("per-iteration cost of dist autograd + DistributedOptimizer (3 workers)");
   bench::parse_flags(&argc, &argv, "benchmarks/dist_autograd_step");
   if (bench::env_rank() >= 0) return worker();
-  auto launch = bench::relaunch_self(3, argc, argv);
-  launch.prefix_output = false;
-  launch.timeout = absl::Minutes(5);
-  return rpc::launch(launch).exit_code;
+  return launcher(argc, argv);
 }

@@ -23,9 +23,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "benchmarks/common.h"
-#include "rpc/launch.h"
+#include "benchmarks/harness.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 DEFINE_int32(iters, 2000, "timed rpc_sync calls per small tensor size");
 DEFINE_int32(big_iters, 200, "timed rpc_sync calls for the 4 MiB tensor");
@@ -39,7 +39,6 @@ DEFINE_string(pytorch_script, "",
               "PyTorch reference script; default: benchmarks/reference/rpc_pingpong.py from this "
               "binary's runfiles");
 DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs /usr/bin/python3 with torch)");
-DEFINE_string(result_file, "", "internal: where rank 0 writes its raw results");
 
 namespace rpc = ddprpc::rpc;
 namespace bench = ddprpc::benchmarks;
@@ -112,19 +111,22 @@ int worker() {
     rpc::wait_all(futures);
     results["async_16B_calls_per_s"] =
         FLAGS_async_calls / absl::ToDoubleSeconds(absl::Now() - start);
-    std::ofstream out(FLAGS_result_file);
-    for (const auto& [k, v] : results) out << k << " " << v << "\n";
+    // Handed back as one JSON object of numbers.
+    bench::JsonValue out;
+    auto& fields = *out.mutable_struct_value()->mutable_fields();
+    for (const auto& [k, v] : results) fields[k].set_number_value(v);
+    std::string error;
+    if (!bench::write_result(out, &error)) {
+      std::fprintf(stderr, "rpc_pingpong: cannot hand the results back: %s\n", error.c_str());
+    }
   }
   rpc::shutdown();
   return 0;
 }
 
-std::map<std::string, double> read_results(const std::string& path) {
+std::map<std::string, double> read_results(const bench::JsonValue& result) {
   std::map<std::string, double> out;
-  std::ifstream in(path);
-  std::string key;
-  double value;
-  while (in >> key >> value) out[key] = value;
+  for (const auto& [k, v] : result.struct_value().fields()) out[k] = v.number_value();
   return out;
 }
 
@@ -145,14 +147,16 @@ std::map<std::string, double> parse_reference_json(const std::string& text) {
 }
 
 int coordinator(int argc, char** argv) {
-  const std::string tmp = bench::temp_path("rpc_pingpong");
-  auto launch = bench::relaunch_self(2, argc, argv);
-  launch.argv.push_back("--result_file=" + tmp);
+  bench::RolesOptions launch;
+  launch.nprocs = 2;
   launch.timeout = absl::Minutes(10);
   std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers on loopback\n");
-  if (rpc::launch(launch).exit_code != 0) return 1;
-  std::map<std::string, double> ours = read_results(tmp);
-  std::remove(tmp.c_str());
+  const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+  if (!r.ok()) {
+    std::fprintf(stderr, "rpc_pingpong: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
+    return 1;
+  }
+  std::map<std::string, double> ours = read_results(r.result);
 
   std::map<std::string, double> theirs;
   std::string script = FLAGS_pytorch_script.empty()

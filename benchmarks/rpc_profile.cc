@@ -24,8 +24,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "benchmarks/common.h"
-#include "rpc/launch.h"
-#include "rpc/profiler.h"
+#include "benchmarks/harness.h"
+#include "rpc/profiler/profiler.h"
 #include "rpc/rpc.h"
 
 DEFINE_int32(udf_sleep_ms, 1000, "how long udf_with_ops sleeps before its operators");
@@ -37,7 +37,6 @@ DEFINE_string(trace_dir, "/tmp/rpc_profile", "where the Chrome traces and PNGs g
 DEFINE_string(json, "rpc_profile.json", "JSON results (relative: to the directory run from)");
 DEFINE_string(phase, "", "internal: walkthrough (8 threads) or tuning (1 thread)");
 DEFINE_int32(worker_threads, 8, "internal: the callee's num_worker_threads in this phase");
-DEFINE_string(result_file, "", "internal: where rank 0 writes its report");
 
 namespace rpc = ddprpc::rpc;
 namespace prof = ddprpc::rpc::profiler;
@@ -137,8 +136,13 @@ int worker() {
     std::ostringstream warmup;
     tuning(warmup);  // first calls (connections, allocations) stay out of the comparison
     const double wall_ms = tuning(report);
-    std::ofstream(FLAGS_result_file + ".txt") << report.str();
-    std::ofstream(FLAGS_result_file + ".wall_ms") << wall_ms << "\n";
+    bench::Json result;
+    result.begin_object().key("report").value(report.str());
+    result.key("wall_ms").value(wall_ms).end_object();
+    std::string error;
+    if (!bench::write_result(result, &error)) {
+      std::fprintf(stderr, "rpc_profile: cannot hand the report back: %s\n", error.c_str());
+    }
   }
   rpc::shutdown();
   return 0;
@@ -147,22 +151,23 @@ int worker() {
 // Runs both workers for one phase; returns rank 0's report and wall time.
 bool run_phase(int argc, char** argv, const std::string& phase, int threads, std::string* report,
                double* wall_ms) {
-  const std::string tmp = bench::temp_path(absl::StrCat("rpc_profile_", phase));
-  auto launch = bench::relaunch_self(2, argc, argv);
-  launch.argv.push_back("--phase=" + phase);
-  launch.argv.push_back(absl::StrCat("--worker_threads=", threads));
-  launch.argv.push_back("--result_file=" + tmp);
+  bench::RolesOptions launch;
+  launch.nprocs = 2;
+  launch.args = {"--phase=" + phase, absl::StrCat("--worker_threads=", threads)};
   launch.timeout = absl::Minutes(5);
   // One OpenMP thread per RPC thread (the setting is per thread otherwise):
   // parallelism comes from num_worker_threads only.
   launch.env.push_back({"OMP_NUM_THREADS", "1"});
   std::fprintf(stderr, "rpc_profile: %s, callee num_worker_threads=%d ...\n", phase.c_str(),
                threads);
-  if (rpc::launch(launch).exit_code != 0) return false;
-  *report = bench::read_file(tmp + ".txt");
-  *wall_ms = std::stod("0" + bench::read_file(tmp + ".wall_ms"));
-  std::remove((tmp + ".txt").c_str());
-  std::remove((tmp + ".wall_ms").c_str());
+  const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+  if (!r.ok()) {
+    std::fprintf(stderr, "rpc_profile: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
+    return false;
+  }
+  const bench::JsonValue* text = bench::json_at(r.result, {"report"});
+  *report = text != nullptr ? text->string_value() : "";
+  *wall_ms = bench::json_number(r.result, {"wall_ms"}, 0);
   return true;
 }
 

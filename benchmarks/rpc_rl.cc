@@ -51,10 +51,11 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "benchmarks/common.h"
+#include "benchmarks/harness.h"
 #include "models/categorical.h"
 #include "models/linear.h"
-#include "rpc/launch.h"
-#include "rpc/rref.h"
+#include "rpc/rendezvous/launch.h"
+#include "rpc/rref/rref.h"
 
 DEFINE_string(world_size, "5", "processes: coordinator + agent + (world_size - 2) observers");
 DEFINE_string(master_addr, "127.0.0.1", "address of the rendezvous (rank 0)");
@@ -83,7 +84,6 @@ DEFINE_int32(pairs, 1,
 DEFINE_int32(num_worker_threads, 16, "RPC worker threads per process");
 DEFINE_int32(timeout_s, 600, "wall-clock limit of each configuration, in seconds (stops its processes)");
 DEFINE_int32(rpc_timeout_s, 60, "deadline of each RPC, in seconds (episodes get --timeout_s)");
-DEFINE_string(result_file, "", "internal: where the coordinator writes its results");
 
 namespace ddprpc {
 namespace {
@@ -447,8 +447,9 @@ int coordinator(const Config& c) {
   json.end_object();
   json.key("requests").value(requests).key("answered").value(answered).key("valid_actions").value(valid);
   json.end_object();
-  if (!json.write(FLAGS_result_file)) {
-    std::fprintf(stderr, "rpc_rl: cannot write %s\n", FLAGS_result_file.c_str());
+  std::string error;
+  if (!bench::write_result(json, &error)) {
+    std::fprintf(stderr, "rpc_rl: cannot hand the results back: %s\n", error.c_str());
     return 1;
   }
   return requests == answered && valid == requests ? 0 : 3;
@@ -526,22 +527,18 @@ bool run_ours(int argc, char** argv, const std::string& x_name, const std::vecto
               const std::vector<Config>& configs, const std::string& kernel,
               std::vector<Figures>* figures, google::protobuf::ListValue* results) {
   for (size_t i = 0; i < configs.size(); ++i) {
-    const std::string tmp = bench::temp_path("rpc_rl");
-    auto launch = bench::relaunch_self(configs[i].world_size, argc, argv);
-    if (!x_name.empty()) launch.argv.push_back("--" + x_name + "=" + xs[i]);
-    launch.argv.push_back("--dense_kernel=" + kernel);
-    launch.argv.push_back("--result_file=" + tmp);
+    bench::RolesOptions launch;
+    launch.nprocs = configs[i].world_size;
+    if (!x_name.empty()) launch.args.push_back("--" + x_name + "=" + xs[i]);
+    launch.args.push_back("--dense_kernel=" + kernel);
     launch.master_addr = FLAGS_master_addr;
     launch.master_port = FLAGS_master_port;
     launch.timeout = absl::Seconds(FLAGS_timeout_s);
     launch.grace_period = absl::Seconds(10);
     std::fprintf(stderr, "rpc_rl: %s%s%s: %d processes, policy on %s\n", x_name.c_str(),
                  x_name.empty() ? "" : "=", xs[i].c_str(), configs[i].world_size, kernel.c_str());
-    rpc::LaunchResult r = rpc::launch(launch);
-    bench::JsonValue result;
-    std::string parse_error;
-    const bool parsed = bench::parse_json(bench::read_file(tmp), &result, &parse_error);
-    std::remove(tmp.c_str());
+    const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+    bench::JsonValue result = r.result;
     if (r.exit_code != 0) {
       std::fprintf(stderr, "rpc_rl: failed%s: %s\n",
                    r.failed_rank < 0 ? "" : (" on " + worker_name(r.failed_rank)).c_str(),
@@ -549,9 +546,9 @@ bool run_ours(int argc, char** argv, const std::string& x_name, const std::vecto
                                     : r.message.c_str());
       return false;
     }
-    if (!parsed || !result.has_struct_value()) {
+    if (!r.has_result || !result.has_struct_value()) {
       std::fprintf(stderr, "rpc_rl: the coordinator's result is not a JSON object: %s\n",
-                   parse_error.c_str());
+                   r.result_error.c_str());
       return false;
     }
     figures->push_back(parse_figures(result));

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "models/linear.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 namespace ddprpc::models {
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 namespace ddprpc::models {
 
