@@ -20,7 +20,7 @@
 #include <cstdlib>
 
 #include "gtest/gtest.h"
-#include "rpc/store.h"
+#include "rpc/rendezvous/store.h"
 #include "tests/multiprocess.h"
 
 namespace ddp = ddprpc::ddp;

@@ -26,7 +26,8 @@
 #include "absl/synchronization/mutex.h"
 #include "ddp/internal/op_queue.h"
 #include "ddp/process_group.h"
-#include "rpc/store.h"
+#include "rpc/rendezvous/init_method.h"
+#include "rpc/rendezvous/store.h"
 
 namespace ddprpc::ddp {
 namespace {
@@ -289,16 +290,6 @@ class ProcessGroupGloo : public ProcessGroup {
   internal::OpQueue ops_;  // last: its thread stops before the contexts go
 };
 
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  int out;
-  if (!v || !absl::SimpleAtoi(v, &out)) {
-    throw std::invalid_argument(std::string("init_process_group: set ") + name +
-                                " or pass rank/size");
-  }
-  return out;
-}
-
 }  // namespace
 
 std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<rpc::Store> store,
@@ -345,26 +336,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
     throw std::invalid_argument("init_process_group: unknown backend '" + backend +
                                 "' (use gloo or nccl)");
   }
-  if (rank < 0) rank = env_int("RANK");
-  if (size < 0) size = env_int("WORLD_SIZE");
   std::string host;
   int port = 0;
-  if (init_method == "env://") {
-    const char* a = std::getenv("MASTER_ADDR");
-    const char* p = std::getenv("MASTER_PORT");
-    if (!a || !p || !absl::SimpleAtoi(p, &port)) {
-      throw std::invalid_argument("init_process_group: env:// needs MASTER_ADDR and MASTER_PORT");
-    }
-    host = a;
-  } else if (init_method.rfind("tcp://", 0) == 0) {
-    std::string rest = init_method.substr(6);
-    size_t colon = rest.rfind(':');
-    if (colon == std::string::npos || !absl::SimpleAtoi(rest.substr(colon + 1), &port)) {
-      throw std::invalid_argument("init_process_group: bad init_method '" + init_method + "'");
-    }
-    host = rest.substr(0, colon);
-  } else {
-    throw std::invalid_argument("init_process_group: unsupported init_method '" + init_method + "'");
+  try {
+    const rpc::RankAndSize place = rpc::rank_and_size(rank, size);
+    rank = place.rank;
+    size = place.world_size;
+    const rpc::StoreAddress address = rpc::parse_init_method(init_method);
+    host = address.host;
+    port = address.port;
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("init_process_group: ") + e.what());
   }
   std::unique_ptr<rpc::StoreServer> server;
   if (rank == 0) server = rpc::StoreServer::start(host, port);

@@ -14,7 +14,7 @@
 #include "absl/time/time.h"
 #include "ddp/internal/op_queue.h"
 #include "ddp/process_group.h"
-#include "rpc/store.h"
+#include "rpc/rendezvous/store.h"
 
 #ifdef DDPRPC_WITH_NCCL
 #include <cuda_runtime.h>

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "autograd/dist_autograd.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 namespace ddprpc::optim {
 

@@ -14,15 +14,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
+#include "rpc/extension.h"
 #include "rpc/hooks.h"
-#include "rpc/internal/auth.h"
 #include "rpc/internal/callee.h"
-#include "rpc/internal/codec.h"
 #include "rpc/internal/fault.h"
-#include "rpc/internal/rref_context.h"
+#include "rpc/internal/future_driver.h"
 #include "rpc/internal/thread_pool.h"
-#include "rpc/internal/transport.h"
-#include "rpc/launch_env.h"
+#include "rpc/rendezvous/init_method.h"
+#include "rpc/transport/transport.h"
+#include "rpc/wire/codec.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -32,43 +32,6 @@ using internal::Frame;
 // The innermost SyncCallScope of this thread, or nullptr.
 thread_local SyncCallScope* t_sync_scope = nullptr;
 
-std::pair<std::string, int> parse_init_method(const std::string& init_method) {
-  std::string host, port;
-  if (init_method.empty() || init_method == "env://") {
-    LaunchEnv env;
-    try {
-      env = launch_env();
-    } catch (const std::invalid_argument& e) {
-      throw RpcError(ErrorCode::kInvalidArgument, std::string("init_method env://: ") + e.what());
-    }
-    if (env.master_addr.empty() || env.master_port == 0) {
-      throw RpcError(ErrorCode::kInvalidArgument,
-                     "init_method env:// needs the MASTER_ADDR and MASTER_PORT environment "
-                     "variables, or a Slurm task's (or pass init_method=\"tcp://host:port\")");
-    }
-    host = env.master_addr;
-    port = std::to_string(env.master_port);
-  } else if (absl::StartsWith(init_method, "tcp://")) {
-    std::string rest = init_method.substr(6);
-    size_t colon = rest.rfind(':');
-    if (colon == std::string::npos) {
-      throw RpcError(ErrorCode::kInvalidArgument,
-                     "init_method '" + init_method + "' has no port (expected tcp://host:port)");
-    }
-    host = rest.substr(0, colon);
-    port = rest.substr(colon + 1);
-  } else {
-    throw RpcError(ErrorCode::kInvalidArgument,
-                   "unsupported init_method '" + init_method + "' (use tcp://host:port or env://)");
-  }
-  int port_number = 0;
-  if (!absl::SimpleAtoi(port, &port_number) || port_number <= 0 || port_number > 65535) {
-    throw RpcError(ErrorCode::kInvalidArgument, "invalid rendezvous port '" + port + "'");
-  }
-  if (host == "localhost") host = "127.0.0.1";
-  return {host, port_number};
-}
-
 absl::Time deadline_after(absl::Duration timeout) {
   if (timeout <= absl::ZeroDuration() || timeout == absl::InfiniteDuration()) {
     return absl::InfiniteFuture();
@@ -77,6 +40,34 @@ absl::Time deadline_after(absl::Duration timeout) {
 }
 
 // Tells a call's hooks that it ended (reply: the response's ext, or nullptr).
+// Requests and notices only, each from the worker whose connection
+// carried it; anything else ends that connection.
+absl::Status check_request(int caller, const Frame& frame) {
+  const wire::Header& header = frame.header;
+  if (header.kind() != wire::REQUEST && header.kind() != wire::NOTICE) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "malformed frame: a caller sent a frame of kind ", static_cast<int>(header.kind())));
+  }
+  if (header.src() != caller) {
+    return absl::PermissionDeniedError(absl::StrCat("a frame from worker ", caller,
+                                                    "'s stream claims to come from worker ",
+                                                    header.src()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Mutex extensions_mu(absl::kConstInit);
+std::vector<std::pair<std::string, AgentExtensionFactory>>& extension_factories()
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(extensions_mu) {
+  static auto* factories = new std::vector<std::pair<std::string, AgentExtensionFactory>>();
+  return *factories;
+}
+
+std::vector<std::pair<std::string, AgentExtensionFactory>> registered_extensions() {
+  absl::MutexLock lock(&extensions_mu);
+  return extension_factories();
+}
+
 void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& hooks,
                const MessageExt* reply) {
   for (const auto& [hook, state] : hooks) hook->end_call(state, reply);
@@ -84,10 +75,25 @@ void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& ho
 
 }  // namespace
 
+void register_agent_extension(const std::string& name, AgentExtensionFactory factory) {
+  absl::MutexLock lock(&extensions_mu);
+  for (const auto& [known, unused] : extension_factories()) {
+    if (known == name) throw std::logic_error("RPC extension '" + name + "' registered twice");
+  }
+  extension_factories().emplace_back(name, std::move(factory));
+}
+
+std::shared_ptr<AgentExtension> RpcAgent::extension(const std::string& name) const {
+  for (const auto& [known, extension] : extensions_) {
+    if (known == name) return extension;
+  }
+  return nullptr;
+}
+
 SyncCallScope::SyncCallScope() : saved_(t_sync_scope) { t_sync_scope = this; }
 SyncCallScope::~SyncCallScope() {
   t_sync_scope = saved_;
-  if (auto queue = reserved_.lock()) queue->unreserve();
+  if (auto transport = reserved_.lock()) transport->release_reading();
 }
 
 namespace {
@@ -131,7 +137,14 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   if (options_.num_worker_threads < 1) {
     throw RpcError(ErrorCode::kInvalidArgument, "num_worker_threads must be at least 1");
   }
-  auto [host, port] = parse_init_method(options_.init_method);
+  StoreAddress store_address;
+  try {
+    store_address = parse_init_method(options_.init_method);
+  } catch (const std::invalid_argument& e) {
+    throw RpcError(ErrorCode::kInvalidArgument, e.what());
+  }
+  const std::string& host = store_address.host;
+  const int port = store_address.port;
   const Security& security = options_.security;
   if (!security.authenticated() && !security.encrypted() &&
       !(loopback(options_.listen_address) && loopback(host))) {
@@ -160,18 +173,26 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     free_workers_ = options_.num_worker_threads;
   }
   // Before the server starts: peers may call as soon as they know us.
-  rrefs_ = std::make_shared<internal::RRefContext>(this, rank_, world_size, registry_);
+  for (const auto& [ext_name, factory] : registered_extensions()) {
+    std::shared_ptr<AgentExtension> extension = factory(*this, rank_, world_size, registry_);
+    if (!extension) continue;
+    if (const internal::ExtensionCodec* codec = extension->codec()) {
+      extension_codecs_.push_back(*codec);
+    }
+    extensions_.emplace_back(ext_name, std::move(extension));
+  }
   internal::Callee::Options callee;
   callee.self = rank_;
   callee.self_name = name;
   callee.max_message_bytes = options_.max_message_bytes;
   callee.functions = registry_;
-  callee.internal_prefix = internal::RRefContext::kFunctionPrefix;
-  callee.internal_functions = &rrefs_->functions();
-  callee.extension = rrefs_.get();
+  for (const auto& [ext_name, extension] : extensions_) {
+    callee.internal_functions.emplace_back(extension->function_prefix(), &extension->functions());
+  }
+  callee.extensions = &extension_codecs_;
   callee.reply_sender = reply_sender_.get();
   callee_ = std::make_unique<internal::Callee>(std::move(callee));
-  internal::ServerLimits limits;
+  transport::ServerLimits limits;
   limits.world_size = world_size;
   limits.max_message_bytes = options_.max_message_bytes;
   limits.max_pending_requests = options_.max_pending_requests_per_stream;
@@ -184,17 +205,18 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);
     limits.max_buffered_bytes = std::max(int64_t{256} << 20, 4 * message);
   }
-  server_ = internal::TransportServer::start(
+  transport_ = transport::make_default_transport();
+  server_ = transport_->listen(
       options_.listen_address, limits, security,
-      [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
+      [](int caller, const Frame& frame) { return check_request(caller, frame); },
+      [this](std::shared_ptr<transport::Responder> responder, Frame frame) {
         if (!try_acquire_worker()) return offload(std::move(responder), std::move(frame));
         serve(responder, frame, absl::Now());
         release_worker();
       },
-      [this](std::shared_ptr<internal::Responder> responder, Frame frame) {
+      [this](std::shared_ptr<transport::Responder> responder, Frame frame) {
         offload(std::move(responder), std::move(frame));
       });
-  client_queue_ = std::make_shared<internal::ClientQueue>();
   for (int i = 0; i < world_size; ++i) peers_.push_back(std::make_unique<PeerSlot>());
   {
     absl::MutexLock lock(&mu_);
@@ -227,10 +249,11 @@ void RpcAgent::start_serving() {
 
 RpcAgent::~RpcAgent() {
   stop(/*graceful=*/false);
-  reply_sender_.reset();  // sends what is queued while rrefs_ still exists
-  if (rrefs_) rrefs_->detach();
+  reply_sender_.reset();  // sends what is queued while the extensions still exist
+  for (const auto& [name, extension] : extensions_) extension->detach();
   peers_.clear();  // before mu_ goes: a stream's close callback takes it
-  client_queue_.reset();  // after its streams are closed
+  server_.reset();
+  transport_.reset();  // after its channels are closed
 }
 
 void RpcAgent::rendezvous(const std::string& name, int world_size) {
@@ -331,13 +354,14 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     c10::IValue packed(c10::ivalue::Tuple::create(std::move(args)));
     for (const auto& hook : hooks) hook->outgoing_request(to, packed, &ext);
     internal::write_ext(std::move(ext), &header);
-    internal::encode_value(packed, header.mutable_payload(), &frame, {rrefs_.get(), to});
+    internal::encode_value(packed, header.mutable_payload(), &frame, {&extension_codecs_, to});
   } catch (const std::exception& e) {
     fail_pending({call}, ErrorCode::kInvalidArgument,
                  absl::StrCat("cannot send the arguments: ", e.what()));
     return future;
   }
   uint64_t id;
+  bool more_in_flight = false;
   {
     absl::MutexLock lock(&mu_);
     if (!running_) {
@@ -353,7 +377,7 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
                                 options_.max_message_bytes, ")"));
       return future;
     }
-    header.set_more_in_flight(in_flight_[to] > 0);
+    more_in_flight = in_flight_[to] > 0;
     if (!one_way) {
       ++in_flight_[to];
       pending_.emplace(id, call);
@@ -362,11 +386,12 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
   }
   // Before the request goes: the background reader leaves its reply to us.
   if (!one_way && t_sync_scope && !t_sync_scope->reserved_.lock()) {
-    client_queue_->reserve();
-    t_sync_scope->reserved_ = client_queue_;
+    transport_->reserve_reading();
+    t_sync_scope->reserved_ = transport_;
   }
-  std::shared_ptr<internal::PeerStream> stream = peer(to);  // null once stopped
-  const bool sent = stream && stream->send(internal::serialize_frame(frame), !one_way);
+  std::shared_ptr<transport::Channel> stream = peer(to);  // null once stopped
+  const bool sent =
+      stream && stream->send(std::move(frame), transport::SendOptions{!one_way, more_in_flight});
   if (one_way) {
     if (sent) {
       future.set_result(c10::IValue());
@@ -385,17 +410,17 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     return future;
   }
   // A waiter reads the queue itself.
-  std::weak_ptr<internal::ClientQueue> weak = client_queue_;
+  std::weak_ptr<transport::Transport> weak = transport_;
   const absl::Time deadline = call.deadline;
-  future.set_driver(std::make_shared<const internal::FutureDriver>(
+  future.set_driver(std::make_shared<const internal::FutureDriver>(internal::FutureDriver{
       [weak, deadline](const std::function<bool()>& done, absl::Time until) {
         if (auto q = weak.lock()) q->drive(done, std::min(deadline, until));
-      }));
+      }}));
   return future;
 }
 
-internal::PeerOptions RpcAgent::peer_options() const {
-  internal::PeerOptions options;
+transport::PeerOptions RpcAgent::peer_options() const {
+  transport::PeerOptions options;
   options.self = rank_;
   options.max_message_bytes = options_.max_message_bytes;
   options.keepalive_interval = options_.keepalive_interval;
@@ -404,7 +429,7 @@ internal::PeerOptions RpcAgent::peer_options() const {
   return options;
 }
 
-std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
+std::shared_ptr<transport::Channel> RpcAgent::peer(int to) {
   PeerSlot& slot = *peers_[to];
   absl::MutexLock lock(&slot.mu);
   if (!slot.stream || slot.stream->broken()) {
@@ -415,19 +440,19 @@ std::shared_ptr<internal::PeerStream> RpcAgent::peer(int to) {
       if (stopped_) return nullptr;
       if (slot.stream) broken_.push_back(std::move(slot.stream));
     }
-    slot.stream = internal::PeerStream::open(
-        workers_[to].address, peer_options(), client_queue_.get(),
+    slot.stream = transport_->connect(
+        workers_[to].address, peer_options(),
         [this, to](Frame frame) { return on_reply(to, std::move(frame)); },
-        [this, to](const grpc::Status& status) {
+        [this, to](const transport::CloseReason& reason) {
           std::string why;
-          if (status.ok()) {
+          if (reason.ok) {
             why = "the worker closed the connection";
-          } else if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-            why = absl::StrCat("the worker is unreachable (", status.error_message(), ")");
+          } else if (reason.unreachable) {
+            why = absl::StrCat("the worker is unreachable (", reason.message, ")");
           } else {
-            why = absl::StrCat("the connection failed (", status.error_message(), ")");
+            why = absl::StrCat("the connection failed (", reason.message, ")");
           }
-          on_peer_closed(to, why, status.error_code() == grpc::StatusCode::UNAVAILABLE);
+          on_peer_closed(to, why, reason.unreachable);
         });
   }
   return slot.stream;
@@ -468,7 +493,7 @@ absl::Status RpcAgent::on_reply(int from, Frame frame) {
   c10::IValue value;
   const MessageExt ext = internal::read_ext(header);
   try {
-    value = internal::decode_value(header.payload(), frame, {rrefs_.get(), call.to});
+    value = internal::decode_value(header.payload(), frame, {&extension_codecs_, call.to});
     for (const auto& hook : rpc_hooks()) hook->incoming_response(call.to, value, ext);
   } catch (const RpcError& e) {
     fail_pending({call}, e.code(), absl::StrCat("refused response: ", e.what()));
@@ -501,7 +526,7 @@ bool RpcAgent::is_reachable(int id) const {
 
 void RpcAgent::check_connections() {
   for (auto& slot : peers_) {
-    std::shared_ptr<internal::PeerStream> stream;
+    std::shared_ptr<transport::Channel> stream;
     {
       absl::MutexLock lock(&slot->mu);
       stream = slot->stream;
@@ -620,8 +645,8 @@ void RpcAgent::release_worker() {
   ++free_workers_;
 }
 
-void RpcAgent::offload(std::shared_ptr<internal::Responder> responder, Frame frame) {
-  auto task = std::make_shared<std::pair<std::shared_ptr<internal::Responder>, Frame>>(
+void RpcAgent::offload(std::shared_ptr<transport::Responder> responder, Frame frame) {
+  auto task = std::make_shared<std::pair<std::shared_ptr<transport::Responder>, Frame>>(
       std::move(responder), std::move(frame));
   const bool queued = pool_->try_run(
       [this, task, received = absl::Now()] {
@@ -643,7 +668,7 @@ void RpcAgent::offload(std::shared_ptr<internal::Responder> responder, Frame fra
   task->first->send(callee_->error_reply(header.id(), ErrorCode::kResourceExhausted, why));
 }
 
-void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Frame& request,
+void RpcAgent::serve(const std::shared_ptr<transport::Responder>& responder, Frame& request,
                      absl::Time received) {
   {
     // Peers may call as soon as the rendezvous is done, before we are.
@@ -655,7 +680,7 @@ void RpcAgent::serve(const std::shared_ptr<internal::Responder>& responder, Fram
   // The caller is the worker its stream belongs to (checked against every
   // frame by the transport), never what a frame says.
   callee_->serve(responder->caller(), request, received,
-                 [responder](grpc::ByteBuffer reply) { responder->send(std::move(reply)); });
+                 [responder](Frame reply) { responder->send(std::move(reply)); });
 }
 
 int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing() : 0; }
@@ -663,10 +688,8 @@ int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing(
 // ----------------------------------------------------------------- shutdown
 
 bool RpcAgent::peer_alive(int id) const {
-  auto channel = grpc::CreateCustomChannel(workers_[id].address,
-                                           internal::channel_credentials(options_.security),
-                                           internal::channel_arguments(peer_options()));
-  return channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+  return transport_->probe(workers_[id].address, peer_options(),
+                           absl::Now() + absl::Milliseconds(500));
 }
 
 bool RpcAgent::store_barrier(const std::string& prefix, bool wait, absl::Duration timeout) {
@@ -756,7 +779,7 @@ std::map<std::string, std::string> RpcAgent::debug_info() const {
   int unreachable = 0;
   for (const WorkerInfo& w : workers_) unreachable += w.id != rank_ && !is_reachable(w.id);
   info["agent.unreachable_workers"] = std::to_string(unreachable);
-  if (rrefs_) info["rref.owned"] = std::to_string(rrefs_->owned_count());
+  for (const auto& [name, extension] : extensions_) extension->add_debug_info(&info);
   return info;
 }
 
@@ -815,12 +838,9 @@ bool RpcAgent::shutdown(bool graceful) {
     }
   }
   if (graceful && barrier_ok) {
-    // Every worker has finished its calls, RRef deletions included.
-    rrefs_alive_at_shutdown_ = static_cast<int64_t>(rrefs_->owned_count());
-    if (rrefs_alive_at_shutdown_ > 0) {
-      LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << rrefs_alive_at_shutdown_
-                   << " owned RRef(s) are still referenced";
-    }
+    // Every worker has finished its calls (an extension's too, such as
+    // RRef deletions).
+    for (const auto& [name, extension] : extensions_) extension->drained();
   }
   stop(graceful);
   if (graceful && barrier_ok) {
@@ -853,7 +873,7 @@ void RpcAgent::stop(bool graceful) {
   fail_pending(failed, ErrorCode::kShutdown, "RPC was shut down before the reply arrived");
   if (timer_.joinable()) timer_.join();
   for (int to = 0; to < static_cast<int>(peers_.size()); ++to) {
-    std::shared_ptr<internal::PeerStream> stream;
+    std::shared_ptr<transport::Channel> stream;
     {
       absl::MutexLock lock(&peers_[to]->mu);
       stream = std::move(peers_[to]->stream);
@@ -862,7 +882,7 @@ void RpcAgent::stop(bool graceful) {
     // that is unreachable.
     if (stream) stream->close(graceful && is_reachable(to));
   }
-  std::vector<std::shared_ptr<internal::PeerStream>> broken;
+  std::vector<std::shared_ptr<transport::Channel>> broken;
   {
     absl::MutexLock lock(&mu_);
     broken.swap(broken_);
@@ -873,9 +893,9 @@ void RpcAgent::stop(bool graceful) {
   if (server_) server_->shutdown(graceful ? absl::Seconds(2) : absl::ZeroDuration());
   pool_.reset();
   server_.reset();
-  // Requests still waiting for an RRef's creation end now, while the reply
-  // sender their callbacks may use exists.
-  if (rrefs_) rrefs_->fail_awaited();
+  // Requests still waiting for an extension (e.g. an RRef's creation) end
+  // now, while the reply sender their callbacks may use exists.
+  for (const auto& [name, extension] : extensions_) extension->stopped();
 }
 
 }  // namespace ddprpc::rpc

@@ -2,10 +2,12 @@
 //
 // Created by rpc::init_rpc, or directly (several agents may live in one
 // process). It rendezvouses through the Store, serves registered functions
-// on a pool of num_worker_threads, sends requests over one gRPC stream per
-// peer, and fails every call that cannot complete with an RpcError naming
-// the worker and the function: timeouts, dead peers, oversized messages,
-// unknown functions, bad arguments, remote exceptions, shutdown.
+// (and the internal functions of extensions, extension.h) on a pool of
+// num_worker_threads, sends requests over a transport channel per peer
+// (rpc/transport/transport.h; gRPC by default), and fails every call that
+// cannot complete with an RpcError naming the worker and the function:
+// timeouts, dead peers, oversized messages, unknown functions, bad
+// arguments, remote exceptions, shutdown.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -28,24 +30,30 @@
 #include "absl/time/time.h"
 #include "rpc/future.h"
 #include "rpc/registry.h"
+#include "rpc/rendezvous/store.h"
 #include "rpc/security.h"
-#include "rpc/store.h"
+#include "rpc/worker.h"
 
 namespace ddprpc::rpc {
 
 class RpcHook;
 
+class AgentExtension;
+
 namespace internal {
 struct Frame;
-struct PeerOptions;
 class Callee;
-class ClientQueue;
-class PeerStream;
-class RRefContext;
-class Responder;
+struct ExtensionCodec;
 class ThreadPool;
-class TransportServer;
 }  // namespace internal
+
+namespace transport {
+struct PeerOptions;
+class Channel;
+class Responder;
+class Server;
+class Transport;
+}  // namespace transport
 
 // Sentinel for "the agent's default rpc_timeout".
 inline constexpr absl::Duration kDefaultTimeout = absl::Seconds(-1);
@@ -104,22 +112,6 @@ struct RpcBackendOptions {
   absl::Duration inline_request_handoff = absl::Milliseconds(10);
 };
 
-struct WorkerInfo {
-  std::string name;
-  int id = -1;
-  std::string address;  // host:port of its RPC server
-};
-
-// What a callee knows about the request it is running.
-struct CallContext {
-  int caller = -1;       // worker id of the caller
-  std::string function;  // registered function name
-  absl::Time received;   // when it arrived (before waiting for a worker thread)
-};
-
-// The request being served on this thread, or nullptr outside a request.
-const CallContext* current_call();
-
 // Within its scope, this thread waits (Future::wait, value, wait_for,
 // wait_all) for the calls it makes before the scope ends, as rpc_sync,
 // RRef::rpc_sync, RRef::to_here and fan-outs waited with wait_all do. The
@@ -137,7 +129,7 @@ class SyncCallScope {
   friend class RpcAgent;
   SyncCallScope* const saved_;
   // The queue this scope holds the background reader off (the first call's).
-  std::weak_ptr<internal::ClientQueue> reserved_;
+  std::weak_ptr<transport::Transport> reserved_;
 };
 
 class RpcAgent {
@@ -170,8 +162,12 @@ class RpcAgent {
   // "agent.idle_worker_threads", "rref.owned", ...).
   std::map<std::string, std::string> debug_info() const;
   Store& store() { return *store_; }
-  // Remote-reference bookkeeping of this worker (rref.h).
-  internal::RRefContext& rrefs() { return *rrefs_; }
+  // The extension registered as `name` (extension.h), or nullptr when the
+  // process links none of that name.
+  std::shared_ptr<AgentExtension> extension(const std::string& name) const;
+  // Runs `fn` on the agent's timer thread at `when`, unless the agent stops
+  // first. `fn` must not block.
+  void run_at(absl::Time when, std::function<void()> fn);
 
   // Calls `function` on worker `to`. Errors name the call as
   // api('display') ("rpc_sync('add')"); display defaults to the function.
@@ -197,10 +193,6 @@ class RpcAgent {
   bool shutdown(bool graceful = true);
   bool running() const;
 
-  // RRefs this worker still owned when a graceful shutdown had heard from
-  // every worker (0 unless some reference leaked); -1 before shutdown.
-  int64_t rrefs_alive_at_shutdown() const { return rrefs_alive_at_shutdown_.load(); }
-
   // Requests whose function is running right now (on any thread); async
   // functions waiting on their future do not count.
   int busy_worker_threads() const;
@@ -217,13 +209,8 @@ class RpcAgent {
   };
   struct PeerSlot {
     absl::Mutex mu;
-    std::shared_ptr<internal::PeerStream> stream ABSL_GUARDED_BY(mu);
+    std::shared_ptr<transport::Channel> stream ABSL_GUARDED_BY(mu);
   };
-
-  friend class internal::RRefContext;
-  // Runs `fn` on the timer thread at `when`, unless the agent stops first.
-  // `fn` must not block.
-  void run_at(absl::Time when, std::function<void()> fn);
 
   Future<c10::IValue> send_request(int to, const std::string& function,
                                    std::vector<c10::IValue> args, absl::Duration timeout,
@@ -236,11 +223,11 @@ class RpcAgent {
   // Which of `ids` answer now (in parallel, at most about a second).
   std::vector<bool> peers_alive(const std::vector<int>& ids);
   // The open stream to `to` (opened anew if broken); nullptr once stopped.
-  std::shared_ptr<internal::PeerStream> peer(int to);
-  internal::PeerOptions peer_options() const;
+  std::shared_ptr<transport::Channel> peer(int to);
+  transport::PeerOptions peer_options() const;
   // Serves a request on a pool thread (when the stream's threads are busy).
-  void offload(std::shared_ptr<internal::Responder> responder, internal::Frame frame);
-  void serve(const std::shared_ptr<internal::Responder>& responder, internal::Frame& frame,
+  void offload(std::shared_ptr<transport::Responder> responder, internal::Frame frame);
+  void serve(const std::shared_ptr<transport::Responder>& responder, internal::Frame& frame,
              absl::Time received);
   // A reply from worker `from`; an error status if it breaks the protocol.
   absl::Status on_reply(int from, internal::Frame frame);
@@ -267,22 +254,24 @@ class RpcAgent {
   std::vector<WorkerInfo> workers_;
   std::unique_ptr<StoreServer> store_server_;  // rank 0 only
   std::unique_ptr<Store> store_;
-  std::unique_ptr<internal::TransportServer> server_;
+  // Moves the frames; created before the server and the channels, which
+  // must be gone before it goes.
+  std::shared_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Server> server_;
   std::unique_ptr<internal::ThreadPool> pool_;
   // Sends the replies of calls whose futures complete after their handler
   // returned (async execution). Lives as long as the agent.
   std::unique_ptr<internal::ThreadPool> reply_sender_;
-  std::shared_ptr<internal::RRefContext> rrefs_;
+  // Extensions (extension.h) by name, made before the server starts, and
+  // the codec of their values in messages.
+  std::vector<std::pair<std::string, std::shared_ptr<AgentExtension>>> extensions_;
+  std::vector<internal::ExtensionCodec> extension_codecs_;
   std::unique_ptr<internal::Callee> callee_;
-  // Completions of every stream to the peers; shared with the futures'
-  // drivers (weakly), which let a waiting caller read it.
-  std::shared_ptr<internal::ClientQueue> client_queue_;
   std::vector<std::unique_ptr<PeerSlot>> peers_;
   // Workers a shutdown barrier found gone (used by the thread shutting down).
   std::set<int> left_;
   std::atomic<int64_t> rpc_timeout_ns_;  // rpc_timeout(); INT64_MAX: infinite
   std::thread timer_;
-  std::atomic<int64_t> rrefs_alive_at_shutdown_{-1};
   mutable absl::Mutex workers_mu_;
   int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;
 
@@ -300,7 +289,7 @@ class RpcAgent {
   std::vector<std::string> unreachable_ ABSL_GUARDED_BY(mu_);
   absl::Time next_connection_check_ ABSL_GUARDED_BY(mu_);
   // Streams that broke; closed at shutdown.
-  std::vector<std::shared_ptr<internal::PeerStream>> broken_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<transport::Channel>> broken_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ddprpc::rpc

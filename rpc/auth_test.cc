@@ -14,8 +14,8 @@
 
 #include "gtest/gtest.h"
 #include "rpc/internal/auth.h"
+#include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
-#include "rpc/store.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 

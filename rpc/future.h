@@ -51,54 +51,13 @@ struct IsFuture : std::false_type {};
 template <typename T>
 struct IsFuture<Future<T>> : std::true_type {};
 
-// Work a thread holds back until it finishes what it is doing: RpcAgent
-// writes the replies that a request's handler completes (async execution,
-// e.g. a batch answered by its last caller) when the handler returns, so
-// completing a future costs no socket writes inside the handler (nor under
-// a lock it holds). A thread that is about to wait for a future runs its
-// held work first, so nothing held back can wait for what the thread waits
-// for. Scopes nest; each runs what it holds when it ends. Work must not throw.
-class HeldWork {
- public:
-  HeldWork() : saved_(current_) { current_ = this; }
-  ~HeldWork() {
-    run();
-    current_ = saved_;
-  }
-  HeldWork(const HeldWork&) = delete;
-  HeldWork& operator=(const HeldWork&) = delete;
-
-  // The innermost scope on this thread, or nullptr.
-  static HeldWork* current() { return current_; }
-  // Within it, this thread holds nothing back (current() is nullptr): a
-  // thread that reads replies while it waits runs their callbacks as a
-  // thread outside any scope would, since work held until its wait ends
-  // could be what the awaited reply depends on.
-  class Suspend {
-   public:
-    Suspend() : saved_(current_) { current_ = nullptr; }
-    ~Suspend() { current_ = saved_; }
-    Suspend(const Suspend&) = delete;
-    Suspend& operator=(const Suspend&) = delete;
-
-   private:
-    HeldWork* const saved_;
-  };
-  void add(std::function<void()> work) { work_.push_back(std::move(work)); }
-  // Runs what is held, in the order it was added (work may add more).
-  void run() {
-    while (!work_.empty()) {
-      std::vector<std::function<void()>> batch;
-      batch.swap(work_);
-      for (auto& work : batch) work();
-    }
-  }
-
- private:
-  static inline thread_local HeldWork* current_ = nullptr;
-  HeldWork* const saved_;
-  std::vector<std::function<void()>> work_;
-};
+// Scheduling the agent hooks into waits (internal/held_work.h,
+// internal/future_driver.h); defined in future.cc.
+struct FutureDriver;
+// Before a thread waits: runs the work it holds back (HeldWork).
+void run_held_work();
+// Runs `driver` (a waiter helping its future along) holding nothing back.
+void run_driver(const FutureDriver& driver, const std::function<bool()>& done, absl::Time until);
 
 }  // namespace internal
 
@@ -108,18 +67,9 @@ class HeldWork {
 // returns. PyTorch's Future.set_result sends them before it returns; a
 // handler that times its batch the same way calls this first. Elsewhere it
 // does nothing.
-inline void send_completed_replies() {
-  if (internal::HeldWork* held = internal::HeldWork::current()) held->run();
-}
+void send_completed_replies();
 
 namespace internal {
-
-// Lets a waiter make progress on what a future waits for on its own thread
-// (e.g. read the reply itself) instead of sleeping until another thread
-// completes it. It returns when done() (whether the future has completed)
-// or at `until` at the latest, or when it cannot help. It must not throw.
-using FutureDriver =
-    std::function<void(const std::function<bool()>& done, absl::Time until)>;
 
 template <typename T>
 struct FutureState {
@@ -302,7 +252,7 @@ class Future {
       if (state_->done) return true;
     }
     // About to wait: held work first (it may be what completes this future).
-    if (internal::HeldWork* held = internal::HeldWork::current()) held->run();
+    internal::run_held_work();
     std::shared_ptr<const internal::FutureDriver> driver;
     {
       absl::MutexLock lock(&state_->mu);
@@ -310,8 +260,8 @@ class Future {
       driver = state_->driver;
     }
     if (driver) {
-      internal::HeldWork::Suspend not_holding;  // see Suspend
-      (*driver)(
+      internal::run_driver(
+          *driver,
           [state = state_.get()] {
             absl::MutexLock lock(&state->mu);
             return state->done;

@@ -1,4 +1,6 @@
 #include "rpc/future.h"
+#include "rpc/internal/future_driver.h"
+#include "rpc/internal/held_work.h"
 
 #include <memory>
 #include <thread>
@@ -124,13 +126,13 @@ TEST(FutureTest, WaitRunsTheDriverAndThenInheritsIt) {
   int calls = 0;
   auto token = std::make_shared<int>(0);
   std::weak_ptr<int> alive = token;
-  f.set_driver(std::make_shared<const internal::FutureDriver>(
+  f.set_driver(std::make_shared<const internal::FutureDriver>(internal::FutureDriver{
       [f, &calls, token](const std::function<bool()>& done, absl::Time) {
         ++calls;
         EXPECT_FALSE(done());
         f.set_result(7);  // the waiter made the progress itself
         EXPECT_TRUE(done());
-      }));
+      }}));
   token.reset();
   Future<int> doubled = f.then([](const Future<int>& g) { return 2 * g.value(); });
   EXPECT_EQ(doubled.value(), 14);  // drives f, whose callback completes doubled
@@ -146,8 +148,8 @@ TEST(FutureTest, WaitRunsTheDriverAndThenInheritsIt) {
 // thread to complete the future.
 TEST(FutureTest, WaitSleepsWhenTheDriverGivesUp) {
   Future<int> f;
-  f.set_driver(std::make_shared<const internal::FutureDriver>(
-      [](const std::function<bool()>&, absl::Time) {}));
+  f.set_driver(std::make_shared<const internal::FutureDriver>(internal::FutureDriver{
+      [](const std::function<bool()>&, absl::Time) {}}));
   std::thread t([f] {
     absl::SleepFor(absl::Milliseconds(20));
     f.set_result(3);
@@ -160,11 +162,11 @@ TEST(FutureTest, WaitSleepsWhenTheDriverGivesUp) {
 TEST(FutureTest, WaitForRunsTheDriverUntilItsTimeout) {
   Future<int> f;
   absl::Time until_seen;
-  f.set_driver(std::make_shared<const internal::FutureDriver>(
+  f.set_driver(std::make_shared<const internal::FutureDriver>(internal::FutureDriver{
       [&until_seen](const std::function<bool()>& done, absl::Time until) {
         until_seen = until;
         EXPECT_FALSE(done());
-      }));
+      }}));
   const absl::Time before = absl::Now();
   EXPECT_FALSE(f.wait_for(absl::Milliseconds(30)));
   EXPECT_GE(until_seen, before + absl::Milliseconds(30));

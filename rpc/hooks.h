@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "rpc/agent.h"
+#include "rpc/worker.h"
 
 namespace ddprpc::rpc {
 

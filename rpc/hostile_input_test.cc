@@ -27,9 +27,9 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "rpc/internal/fault.h"
+#include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
-#include "rpc/store.h"
+#include "rpc/rref/rref.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 

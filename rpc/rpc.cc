@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
-#include "rpc/launch_env.h"
-#include "rpc/store.h"
+#include "rpc/rendezvous/launch_env.h"
+#include "rpc/rendezvous/store.h"
 
 namespace ddprpc::rpc {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 

@@ -16,8 +16,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
-#include "rpc/rref.h"
-#include "rpc/store.h"
+#include "rpc/rendezvous/store.h"
+#include "rpc/rref/rref.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;
@@ -69,7 +69,7 @@ at::Tensor bounce(std::string b, std::string a, std::string c, at::Tensor t) {
 }
 DDPRPC_REGISTER_FUNCTION(bounce);
 
-// Batch-updating parameter server (the seed's update_and_fetch_model): each
+// Batch-updating parameter server (update_and_fetch_model): each
 // caller adds its gradient and yields its thread; the last one completes the
 // shared future, which answers everyone.
 struct BatchServer {

@@ -14,7 +14,7 @@
 #include "gtest/gtest.h"
 #include "rpc/internal/fault.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 #include "rpc/testing/raw_peer.h"
 #include "tests/multiprocess.h"
 

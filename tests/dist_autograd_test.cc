@@ -27,7 +27,7 @@
 #include "models/hybrid_model.h"
 #include "models/split_model.h"
 #include "optim/distributed_optimizer.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;

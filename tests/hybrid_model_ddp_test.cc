@@ -15,8 +15,8 @@
 #include "gtest/gtest.h"
 #include "models/hybrid_model.h"
 #include "optim/distributed_optimizer.h"
+#include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
-#include "rpc/store.h"
 #include "tests/multiprocess.h"
 #include "tests/rpc_store.h"
 

@@ -4,23 +4,19 @@
 
 #include <cstdlib>
 
-#include "rpc/launch.h"
+#include "rpc/rendezvous/launch.h"
+#include "rpc/rendezvous/launch_env.h"
 
 namespace ddprpc::testing {
 namespace {
 
 constexpr char kWorkerEnv[] = "DDPRPC_TEST_WORKER";
 
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::atoi(v) : -1;
-}
-
 }  // namespace
 
 bool is_worker() { return std::getenv(kWorkerEnv) != nullptr; }
-int rank() { return env_int("RANK"); }
-int world_size() { return env_int("WORLD_SIZE"); }
+int rank() { return rpc::launch_env().rank; }
+int world_size() { return rpc::launch_env().world_size; }
 
 std::string worker_name(int r) { return "worker" + std::to_string(r < 0 ? rank() : r); }
 

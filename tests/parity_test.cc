@@ -21,9 +21,9 @@
 #include "autograd/dist_autograd.h"
 #include "ddp/process_group.h"
 #include "gtest/gtest.h"
-#include "rpc/profiler.h"
+#include "rpc/profiler/profiler.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 #include "tests/multiprocess.h"
 #include "tests/rpc_store.h"
 

@@ -4,7 +4,7 @@
 
 #include <memory>
 
-#include "rpc/store.h"
+#include "rpc/rendezvous/store.h"
 
 namespace ddprpc::testing {
 

@@ -19,7 +19,7 @@
 #include "ddp/process_group.h"
 #include "models/hybrid_model.h"
 #include "optim/distributed_optimizer.h"
-#include "rpc/launch.h"
+#include "rpc/rendezvous/launch.h"
 #include "rpc/rpc.h"
 
 namespace rpc = ddprpc::rpc;

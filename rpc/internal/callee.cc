@@ -8,10 +8,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
-#include "rpc/agent.h"
 #include "rpc/hooks.h"
 #include "rpc/internal/fault.h"
+#include "rpc/internal/held_work.h"
 #include "rpc/internal/thread_pool.h"
+#include "rpc/worker.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -76,9 +77,8 @@ void write_ext(MessageExt ext, wire::Header* header) {
   }
 }
 
-grpc::ByteBuffer Callee::error_reply(uint64_t id, ErrorCode code,
-                                     const std::string& message) const {
-  return serialize_frame(error_frame(options_.self, id, code, message));
+Frame Callee::error_reply(uint64_t id, ErrorCode code, const std::string& message) const {
+  return error_frame(options_.self, id, code, message);
 }
 
 void Callee::serve(int caller, Frame& request, absl::Time received, const Respond& respond) {
@@ -95,9 +95,13 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
     respond(error_reply(id, code, message));
   };
 
-  const bool internal = !options_.internal_prefix.empty() &&
-                        absl::StartsWith(function, options_.internal_prefix);
-  const FunctionRegistry* registry = internal ? options_.internal_functions : options_.functions;
+  const FunctionRegistry* registry = options_.functions;
+  for (const auto& [prefix, functions] : options_.internal_functions) {
+    if (!prefix.empty() && absl::StartsWith(function, prefix)) {
+      registry = functions;
+      break;
+    }
+  }
   const Handler* handler = registry ? registry->find(function) : nullptr;
   if (!handler) {
     return reply_error(ErrorCode::kUnknownFunction,
@@ -111,7 +115,7 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
   try {
     fault_point("agent.serve");
     c10::IValue value =
-        decode_value(header.payload(), request, {options_.extension, caller});
+        decode_value(header.payload(), request, {options_.extensions, caller});
     if (!value.isTuple()) throw std::invalid_argument("arguments are not a tuple");
     if (!hooks->empty()) {
       const MessageExt ext = read_ext(header);
@@ -154,8 +158,8 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
   if (one_way) return;
   const int64_t limit = options_.max_message_bytes;
   const int self = options_.self;
-  ExtensionCodec* const extension = options_.extension;
-  auto reply = [respond, id, function, limit, self, caller, extension, hooks,
+  const std::vector<ExtensionCodec>* const extensions = options_.extensions;
+  auto reply = [respond, id, function, limit, self, caller, extensions, hooks,
                 hook_states](const Future<c10::IValue>& f) {
     Frame out;
     if (std::exception_ptr error = f.error()) {
@@ -175,7 +179,7 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
           }
           write_ext(std::move(ext), &out.header);
         }
-        encode_value(f.value(), out.header.mutable_payload(), &out, {extension, caller});
+        encode_value(f.value(), out.header.mutable_payload(), &out, {extensions, caller});
         const uint64_t size = out.size();
         if (size > static_cast<uint64_t>(limit)) {
           out = error_frame(self, id, ErrorCode::kMessageTooLarge,
@@ -190,7 +194,7 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
     // Runs on threads that must not see an exception (held work, the reply
     // sender): a reply that cannot be written is logged and dropped.
     try {
-      respond(serialize_frame(out));
+      respond(std::move(out));
     } catch (const std::exception& e) {
       LOG(ERROR) << "rpc: the reply of '" << function << "' to worker " << caller
                  << " could not be sent: " << e.what();

@@ -3,24 +3,25 @@
 // extension such as RRefs), decodes and checks the arguments, runs the hooks
 // and the function, and encodes the result or the error. Which thread reads
 // requests and how replies travel is the agent's business; the callee only
-// calls `respond` with the reply's bytes.
+// calls `respond` with the reply frame.
 //
 // Nothing a request contains escapes as an exception: every failure becomes
 // an error reply naming the function and this worker.
 #pragma once
 
 #include <ATen/core/ivalue.h>
-#include <grpcpp/support/byte_buffer.h>
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "rpc/errors.h"
-#include "rpc/internal/codec.h"
 #include "rpc/registry.h"
+#include "rpc/wire/codec.h"
 
 namespace ddprpc::rpc {
 class MessageExt;
@@ -41,14 +42,14 @@ class Callee {
     std::string self_name;
     int64_t max_message_bytes = int64_t{1} << 31;
     const FunctionRegistry* functions = nullptr;  // user functions
-    // Internal functions of an extension, by name prefix (e.g. "__rref.").
-    std::string internal_prefix;
-    const FunctionRegistry* internal_functions = nullptr;
-    ExtensionCodec* extension = nullptr;  // decodes and encodes extension values
+    // Internal functions of extensions, by name prefix (e.g. "__rref.").
+    std::vector<std::pair<std::string, const FunctionRegistry*>> internal_functions;
+    // Decode and encode the extensions' values.
+    const std::vector<ExtensionCodec>* extensions = nullptr;
     // Sends the replies of async results completed outside any request.
     ThreadPool* reply_sender = nullptr;
   };
-  using Respond = std::function<void(grpc::ByteBuffer reply)>;
+  using Respond = std::function<void(Frame reply)>;
 
   explicit Callee(Options options) : options_(std::move(options)) {}
 
@@ -58,7 +59,7 @@ class Callee {
   void serve(int caller, Frame& request, absl::Time received, const Respond& respond);
 
   // The reply that fails request `id` with `code`.
-  grpc::ByteBuffer error_reply(uint64_t id, ErrorCode code, const std::string& message) const;
+  Frame error_reply(uint64_t id, ErrorCode code, const std::string& message) const;
 
   // Requests whose function is running right now.
   int executing() const { return executing_.load(); }

@@ -10,8 +10,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "rpc/internal/rref_context.h"
 #include "rpc/internal/thread_pool.h"
+#include "rpc/rref/internal/rref_context.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -44,9 +44,9 @@ class CalleeTest : public ::testing::Test {
     options.self = 0;
     options.self_name = "worker0";
     options.functions = &functions_;
-    options.internal_prefix = RRefContext::kFunctionPrefix;
-    options.internal_functions = &rrefs_->functions();
-    options.extension = rrefs_.get();
+    options.internal_functions = {{RRefContext::kFunctionPrefix, &rrefs_->functions()}};
+    codecs_ = {*rrefs_->codec()};
+    options.extensions = &codecs_;
     options.reply_sender = &reply_sender_;
     callee_ = std::make_unique<Callee>(std::move(options));
   }
@@ -54,8 +54,8 @@ class CalleeTest : public ::testing::Test {
   // Serves one request synchronously (every function here completes inline).
   Served serve(int caller, Frame frame) {
     Served out;
-    callee_->serve(caller, frame, absl::Now(), [&](grpc::ByteBuffer bytes) {
-      out.answered = parse_frame(bytes, &out.reply).ok();
+    callee_->serve(caller, frame, absl::Now(), [&](Frame reply) {
+      out.answered = parse_frame(serialize_frame(reply), &out.reply).ok();
     });
     return out;
   }
@@ -69,6 +69,7 @@ class CalleeTest : public ::testing::Test {
   FunctionRegistry functions_;
   ThreadPool reply_sender_{1};
   std::shared_ptr<RRefContext> rrefs_;
+  std::vector<ExtensionCodec> codecs_;
   std::unique_ptr<Callee> callee_;
 };
 

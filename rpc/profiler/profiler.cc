@@ -1,4 +1,4 @@
-#include "rpc/profiler.h"
+#include "rpc/profiler/profiler.h"
 
 #include <ATen/record_function.h>
 
@@ -17,8 +17,8 @@
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
+#include "rpc/profiler/profiler.pb.h"
 #include "rpc/rpc.h"
-#include "rpc/wire.pb.h"
 
 namespace ddprpc::rpc::profiler {
 
@@ -222,7 +222,7 @@ class ProfilerHook : public RpcHook {
     if (!reply) return;
     auto it = reply->find(kEventsKey);
     if (it == reply->end()) return;
-    wire::ProfiledRequest shipped;
+    ::ddprpc::profiling::ProfiledRequest shipped;
     if (!shipped.ParseFromString(it->second)) {
       LOG(WARNING) << "profiler: malformed remote events in the reply to " << state->name;
       return;
@@ -279,10 +279,10 @@ class ProfilerHook : public RpcHook {
     if (!recorder_ptr) return;  // the function never ran
     Recorder& recorder = *recorder_ptr;
     recorder.close();
-    wire::ProfiledRequest shipped;
+    ::ddprpc::profiling::ProfiledRequest shipped;
     shipped.set_duration_ns(now_ns() - recorder.origin_ns);
     for (const Event& e : recorder.events()) {
-      wire::ProfiledEvent* out = shipped.add_events();
+      ::ddprpc::profiling::ProfiledEvent* out = shipped.add_events();
       out->set_name(e.name);
       out->set_node(e.node);
       out->set_thread(e.thread);

@@ -17,7 +17,7 @@
 // until the function returns, and sends them back with the reply; they appear
 // as "<rpc event>#remote_op: aten::add" with the callee's node id, placed on
 // the caller's clock halfway through the round trip's slack. Callee support
-// needs //rpc:profiler linked into the callee's binary too. Scopes on
+// needs //rpc/profiler linked into the callee's binary too. Scopes on
 // different threads are independent; a scope on a thread that already has
 // one shadows it until it stops. With no Profile running anywhere in the
 // process the RPC path pays one relaxed atomic load.

@@ -1,7 +1,7 @@
 // The RPC profiler across real worker processes on loopback: event names and
 // node ids, remote operators, nested calls, the table, the Chrome trace, and
 // independent scopes on two threads.
-#include "rpc/profiler.h"
+#include "rpc/profiler/profiler.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/add.h>
@@ -20,7 +20,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "rpc/rpc.h"
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;

@@ -1,4 +1,4 @@
-#include "rpc/launch_env.h"
+#include "rpc/rendezvous/launch_env.h"
 
 #include <cstdlib>
 #include <stdexcept>

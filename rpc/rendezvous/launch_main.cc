@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
-#include "rpc/launch.h"
+#include "rpc/rendezvous/launch.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "rpc/launch.h"
+#include "rpc/rendezvous/launch.h"
 
 #include "gtest/gtest.h"
 

@@ -1,4 +1,4 @@
-#include "rpc/store.h"
+#include "rpc/rendezvous/store.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -13,8 +13,8 @@
 #include "rpc/errors.h"
 #include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
-#include "rpc/internal/store_state.h"
-#include "rpc/wire.grpc.pb.h"
+#include "rpc/rendezvous/internal/store_state.h"
+#include "rpc/rendezvous/store.grpc.pb.h"
 
 namespace ddprpc::rpc {
 
@@ -27,9 +27,9 @@ class StoreServer::Service final : public grpc::Service {
   explicit Service(const Security& security)
       : auth_(security.authenticated() ? std::make_unique<internal::AuthChecker>(security.token)
                                        : nullptr) {
-    static const char* const kNames[] = {"/ddprpc.wire.Store/Set", "/ddprpc.wire.Store/Get",
-                                         "/ddprpc.wire.Store/Add", "/ddprpc.wire.Store/Wait",
-                                         "/ddprpc.wire.Store/Check"};
+    static const char* const kNames[] = {"/ddprpc.rendezvous.Store/Set", "/ddprpc.rendezvous.Store/Get",
+                                         "/ddprpc.rendezvous.Store/Add", "/ddprpc.rendezvous.Store/Wait",
+                                         "/ddprpc.rendezvous.Store/Check"};
     for (int m = kSet; m <= kCheck; ++m) {
       AddMethod(new grpc::internal::RpcServiceMethod(
           kNames[m], grpc::internal::RpcMethod::NORMAL_RPC,
@@ -54,8 +54,8 @@ class StoreServer::Service final : public grpc::Service {
     try {
       internal::fault_point("store.request");
       if (auth_) status = auth_->check(ctx->client_metadata(), "store", -1);
-      wire::StoreRequest req;
-      wire::StoreResponse resp;
+      rendezvous::StoreRequest req;
+      rendezvous::StoreResponse resp;
       if (status.ok() && !parse(raw, &req)) {
         status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed store request");
       }
@@ -85,7 +85,7 @@ class StoreServer::Service final : public grpc::Service {
     return status;
   }
 
-  static bool parse(const grpc::ByteBuffer& raw, wire::StoreRequest* req) {
+  static bool parse(const grpc::ByteBuffer& raw, rendezvous::StoreRequest* req) {
     std::vector<grpc::Slice> slices;
     if (!raw.Dump(&slices).ok()) return false;
     std::string bytes;
@@ -155,18 +155,18 @@ Store::~Store() = default;
 
 namespace {
 
-using Method = grpc::Status (wire::Store::Stub::*)(grpc::ClientContext*, const wire::StoreRequest&,
-                                                 wire::StoreResponse*);
+using Method = grpc::Status (rendezvous::Store::Stub::*)(grpc::ClientContext*, const rendezvous::StoreRequest&,
+                                                 rendezvous::StoreResponse*);
 
-wire::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, const std::string& address,
+rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, const std::string& address,
                          const std::string& token, Method method, const char* what,
-                         const wire::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
-  wire::Store::Stub stub(channel);
+                         const rendezvous::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
+  rendezvous::Store::Stub stub(channel);
   grpc::ClientContext ctx;
   if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, "store", -1));
   ctx.set_wait_for_ready(!fail_fast);  // at rendezvous the server may not be up yet
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(1)));
-  wire::StoreResponse resp;
+  rendezvous::StoreResponse resp;
   grpc::Status status = (stub.*method)(&ctx, req, &resp);
   if (!status.ok()) {
     ErrorCode code = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
@@ -181,38 +181,38 @@ wire::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, const st
 }  // namespace
 
 void Store::set(const std::string& key, const std::string& value) {
-  wire::StoreRequest req;
+  rendezvous::StoreRequest req;
   req.set_key(key);
   req.set_value(value);
-  call(channel_, address_, token_, &wire::Store::Stub::Set, "set", req, timeout_, fail_fast_);
+  call(channel_, address_, token_, &rendezvous::Store::Stub::Set, "set", req, timeout_, fail_fast_);
 }
 
 std::string Store::get(const std::string& key) {
-  wire::StoreRequest req;
+  rendezvous::StoreRequest req;
   req.set_key(key);
   req.set_timeout_ms(absl::ToInt64Milliseconds(timeout_));
-  return call(channel_, address_, token_, &wire::Store::Stub::Get, "get", req, timeout_, fail_fast_).value();
+  return call(channel_, address_, token_, &rendezvous::Store::Stub::Get, "get", req, timeout_, fail_fast_).value();
 }
 
 int64_t Store::add(const std::string& key, int64_t amount) {
-  wire::StoreRequest req;
+  rendezvous::StoreRequest req;
   req.set_key(key);
   req.set_amount(amount);
-  return call(channel_, address_, token_, &wire::Store::Stub::Add, "add", req, timeout_, fail_fast_).number();
+  return call(channel_, address_, token_, &rendezvous::Store::Stub::Add, "add", req, timeout_, fail_fast_).number();
 }
 
 void Store::wait(const std::vector<std::string>& keys, absl::Duration timeout) {
-  wire::StoreRequest req;
+  rendezvous::StoreRequest req;
   for (const auto& k : keys) req.add_keys(k);
   req.set_key(absl::StrJoin(keys, ","));
   req.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
-  call(channel_, address_, token_, &wire::Store::Stub::Wait, "wait", req, timeout, fail_fast_);
+  call(channel_, address_, token_, &rendezvous::Store::Stub::Wait, "wait", req, timeout, fail_fast_);
 }
 
 bool Store::check(const std::vector<std::string>& keys) {
-  wire::StoreRequest req;
+  rendezvous::StoreRequest req;
   for (const auto& k : keys) req.add_keys(k);
-  return call(channel_, address_, token_, &wire::Store::Stub::Check, "check", req, timeout_, fail_fast_).number() == 1;
+  return call(channel_, address_, token_, &rendezvous::Store::Stub::Check, "check", req, timeout_, fail_fast_).number() == 1;
 }
 
 }  // namespace ddprpc::rpc

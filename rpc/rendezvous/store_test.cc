@@ -1,4 +1,4 @@
-#include "rpc/store.h"
+#include "rpc/rendezvous/store.h"
 
 #include <atomic>
 #include <string>
@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "rpc/errors.h"
-#include "rpc/internal/store_state.h"
+#include "rpc/rendezvous/internal/store_state.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -77,8 +77,8 @@ TEST(StoreTest, PortInUseIsAClearError) {
 TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   using internal::StoreState;
   StoreState state;
-  wire::StoreRequest req;
-  wire::StoreResponse resp;
+  rendezvous::StoreRequest req;
+  rendezvous::StoreResponse resp;
   for (size_t i = 0; i < StoreState::kMaxKeys; ++i) {
     req.set_key(absl::StrCat(i));
     ASSERT_TRUE(state.set(req, &resp).ok()) << i;
@@ -98,14 +98,14 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   // max_waiters requests block; the next is refused at once.
   constexpr int kWaiters = 16;
   StoreState waits(kWaiters);
-  wire::StoreRequest wait;
+  rendezvous::StoreRequest wait;
   wait.add_keys("never");
   wait.set_timeout_ms(600000);  // stop() ends them
   std::vector<std::thread> waiters;
   std::atomic<int> unavailable{0};
   for (int i = 0; i < kWaiters; ++i) {
     waiters.emplace_back([&] {
-      wire::StoreResponse r;
+      rendezvous::StoreResponse r;
       if (waits.wait(wait, &r, [] { return false; }).error_code() == grpc::StatusCode::UNAVAILABLE) {
         ++unavailable;
       }

@@ -1,4 +1,4 @@
-#include "rpc/class_registry.h"
+#include "rpc/rref/class_registry.h"
 
 #include <stdexcept>
 

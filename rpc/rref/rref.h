@@ -20,9 +20,10 @@
 #include <typeinfo>
 #include <utility>
 
-#include "rpc/class_registry.h"
-#include "rpc/internal/rref_context.h"
+#include "absl/time/time.h"
 #include "rpc/rpc.h"
+#include "rpc/rref/class_registry.h"
+#include "rpc/rref/rref_state.h"
 
 namespace ddprpc::rpc {
 
@@ -43,7 +44,24 @@ struct UnwrapFuture<Future<T>> {
   using type = T;
 };
 
-RRefContext& rref_context(const std::shared_ptr<RpcAgent>& agent);
+// The RRef extension of `agent` (defined in rref.cc); each throws RpcError.
+std::shared_ptr<RRefState> rref_create_local(RpcAgent& agent, c10::IValue value);
+std::shared_ptr<RRefState> rref_create_object(RpcAgent& agent, int to, const std::string& cls,
+                                              std::vector<c10::IValue> args,
+                                              absl::Duration timeout);
+std::shared_ptr<RRefState> rref_create_value(RpcAgent& agent, int to, const std::string& function,
+                                             std::vector<c10::IValue> args,
+                                             absl::Duration timeout);
+std::shared_ptr<RRefState> rref_create_method_value(RpcAgent& agent, const RRefState& target,
+                                                    const std::string& method,
+                                                    std::vector<c10::IValue> args,
+                                                    absl::Duration timeout);
+Future<c10::IValue> rref_fetch(RpcAgent& agent, const RRefState& rref, absl::Duration timeout);
+Future<c10::IValue> rref_call_method(RpcAgent& agent, const RRefState& rref,
+                                     const std::string& method, std::vector<c10::IValue> args,
+                                     absl::Duration timeout);
+Future<c10::IValue> rref_local_value(RpcAgent& agent, const RRefState& rref);
+std::shared_ptr<void> rref_local_object(RpcAgent& agent, const RRefState& rref);
 
 }  // namespace internal
 
@@ -59,7 +77,7 @@ class RRef {
   template <typename U = T, typename = std::enable_if_t<internal::IsValueType<U>::value>>
   explicit RRef(U value) {
     auto agent = current_agent();
-    state_ = internal::rref_context(agent).create_local(to_ivalue(std::move(value)));
+    state_ = internal::rref_create_local(*agent, to_ivalue(std::move(value)));
   }
 
   bool defined() const { return state_ != nullptr; }
@@ -74,9 +92,9 @@ class RRef {
   template <typename U = T, typename = std::enable_if_t<internal::IsValueType<U>::value>>
   U to_here(absl::Duration timeout = kDefaultTimeout) const {
     auto agent = current_agent();
-    if (is_owner()) return from_value(internal::rref_context(agent).local_value(state()).value());
+    if (is_owner()) return from_value(internal::rref_local_value(*agent, state()).value());
     SyncCallScope waits_at_once;
-    return from_value(internal::rref_context(agent).fetch(state(), timeout).value());
+    return from_value(internal::rref_fetch(*agent, state(), timeout).value());
   }
 
   // On the owner: the value itself (a tensor shares its storage), or a
@@ -89,9 +107,9 @@ class RRef {
                          "' but the owner is '" + agent->worker(state().owner).name + "'");
     }
     if constexpr (kIsValue) {
-      return from_value(internal::rref_context(agent).local_value(state()).value());
+      return from_value(internal::rref_local_value(*agent, state()).value());
     } else {
-      return std::static_pointer_cast<T>(internal::rref_context(agent).local_object(state()));
+      return std::static_pointer_cast<T>(internal::rref_local_object(*agent, state()));
     }
   }
 
@@ -111,8 +129,9 @@ class RRef {
     Future<c10::IValue> raw;
     try {
       const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
-      raw = internal::rref_context(agent).call_method(
-          state(), name, internal::pack_args(std::forward<A>(args)...), options.timeout);
+      raw = internal::rref_call_method(*agent, state(), name,
+                                       internal::pack_args(std::forward<A>(args)...),
+                                       options.timeout);
     } catch (const RpcError& e) {
       raw.set_error(e);
     }
@@ -144,8 +163,8 @@ class RRef {
                   "RRef<T>::remote: the arguments do not match the method's parameters");
     auto agent = current_agent();
     const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
-    return RRef<R>(internal::rref_context(agent).create_method_value(
-        state(), name, internal::pack_args(std::forward<A>(args)...), options.timeout));
+    return RRef<R>(internal::rref_create_method_value(
+        *agent, state(), name, internal::pack_args(std::forward<A>(args)...), options.timeout));
   }
 
   const internal::RRefState& state() const {
@@ -198,8 +217,8 @@ RRef<T> remote(const CallOptions& options, const WorkerRef& to, Args&&... args) 
   static_assert(std::is_constructible_v<T, std::decay_t<Args>...>,
                 "rpc::remote<T>: T cannot be constructed from these arguments");
   auto agent = current_agent();
-  return RRef<T>(internal::rref_context(agent).create_object(
-      to.resolve(*agent).id, internal::class_name_of(typeid(T)),
+  return RRef<T>(internal::rref_create_object(
+      *agent, to.resolve(*agent).id, internal::class_name_of(typeid(T)),
       internal::pack_args(std::forward<Args>(args)...), options.timeout));
 }
 template <typename T, typename... Args,
@@ -215,8 +234,8 @@ template <typename R, typename... Args,
 RRef<R> remote(const CallOptions& options, const WorkerRef& to, const std::string& function,
                Args&&... args) {
   auto agent = current_agent();
-  return RRef<R>(internal::rref_context(agent).create_value(
-      to.resolve(*agent).id, function, internal::pack_args(std::forward<Args>(args)...),
+  return RRef<R>(internal::rref_create_value(
+      *agent, to.resolve(*agent).id, function, internal::pack_args(std::forward<Args>(args)...),
       options.timeout));
 }
 template <typename R, typename... Args,
@@ -224,5 +243,11 @@ template <typename R, typename... Args,
 RRef<R> remote(const WorkerRef& to, const std::string& function, Args&&... args) {
   return remote<R>(CallOptions{}, to, function, std::forward<Args>(args)...);
 }
+
+// RRefs `agent` still owned when its graceful shutdown had heard from every
+// worker (0 unless some reference leaked); -1 before such a shutdown.
+int64_t rrefs_alive_at_shutdown(RpcAgent& agent);
+// RRefs `agent` owns now that are still referenced somewhere.
+size_t owned_rrefs(RpcAgent& agent);
 
 }  // namespace ddprpc::rpc

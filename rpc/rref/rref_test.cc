@@ -1,6 +1,6 @@
 // Remote references across real processes: creation, method calls,
 // to_here, passing RRefs between workers, reference counting, failures.
-#include "rpc/rref.h"
+#include "rpc/rref/rref.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
@@ -87,7 +87,7 @@ DDPRPC_REGISTER_FUNCTION(drop_kept);
 
 std::vector<int64_t> table_counts() {
   return {g_tables_created.load(), g_tables_destroyed.load(),
-          static_cast<int64_t>(rpc::current_agent()->rrefs().owned_count())};
+          static_cast<int64_t>(rpc::owned_rrefs(*rpc::current_agent()))};
 }
 DDPRPC_REGISTER_FUNCTION(table_counts);
 
@@ -211,7 +211,7 @@ MULTIPROCESS_TEST(RRefTest, ForkStormDestroysOnceWhenAllDropped, 3) {
   }
   auto agent = rpc::current_agent();
   rpc::shutdown();
-  EXPECT_EQ(agent->rrefs_alive_at_shutdown(), 0);
+  EXPECT_EQ(rpc::rrefs_alive_at_shutdown(*agent), 0);
   EXPECT_EQ(g_tables_created.load(), g_tables_destroyed.load());
 }
 
@@ -225,7 +225,7 @@ MULTIPROCESS_TEST(RRefTest, LiveReferenceIsReportedAtShutdown, 2) {
   auto agent = rpc::current_agent();
   rpc::shutdown();
   // worker0 still holds a reference, so worker1 reports one live RRef.
-  EXPECT_EQ(agent->rrefs_alive_at_shutdown(), mp::rank() == 1 ? 1 : 0);
+  EXPECT_EQ(rpc::rrefs_alive_at_shutdown(*agent), mp::rank() == 1 ? 1 : 0);
 }
 
 MULTIPROCESS_TEST(RRefTest, DeadOwnerFailsCalls, 3) {

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/internal/auth.h"
-#include "rpc/internal/transport.h"
+#include "rpc/transport/grpc_transport.h"
 
 namespace ddprpc::rpc::testing {
 namespace {

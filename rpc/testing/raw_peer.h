@@ -11,8 +11,8 @@
 #include <string>
 
 #include "absl/time/time.h"
-#include "rpc/internal/codec.h"
-#include "rpc/wire.pb.h"
+#include "rpc/wire/codec.h"
+#include "rpc/wire/wire.pb.h"
 
 namespace ddprpc::rpc::testing {
 

@@ -1,4 +1,4 @@
-#include "rpc/internal/transport.h"
+#include "rpc/transport/grpc_transport.h"
 
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
@@ -395,20 +395,20 @@ class ServerStream {
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
-Responder::Responder(std::shared_ptr<ServerStream> stream)
+GrpcResponder::GrpcResponder(std::shared_ptr<ServerStream> stream)
     : stream_(std::move(stream)), caller_(stream_->caller()), address_(stream_->address()) {
   stream_->begin_request();
 }
 
-bool Responder::answered() const { return answered_.load(std::memory_order_acquire); }
+bool GrpcResponder::answered() const { return answered_.load(std::memory_order_acquire); }
 
-Responder::~Responder() {
+GrpcResponder::~GrpcResponder() {
   if (stream_) stream_->end_request();
 }
 
-void Responder::send(grpc::ByteBuffer reply) {
+void GrpcResponder::send(Frame reply) {
   if (!stream_) return;
-  stream_->send(std::move(reply));
+  stream_->send(serialize_frame(reply));
   answered_.store(true, std::memory_order_release);
   stream_->end_request();
   stream_.reset();
@@ -426,10 +426,11 @@ void Responder::send(grpc::ByteBuffer reply) {
 // thread (started if none) takes over the queue.
 class TransportServer::Service {
  public:
-  Service(const ServerLimits& limits, const Security& security, OnRequest run_inline,
-          OnRequest offload)
+  Service(const ServerLimits& limits, const Security& security, CheckRequest check,
+          OnRequest run_inline, OnRequest offload)
       : limits_(limits),
         auth_(security.authenticated() ? std::make_unique<AuthChecker>(security.token) : nullptr),
+        check_(std::move(check)),
         run_inline_(std::move(run_inline)),
         offload_(std::move(offload)),
         streams_of_worker_(std::max(limits.world_size, 1), 0) {}
@@ -714,12 +715,12 @@ class TransportServer::Service {
       reject(s, valid);
       return true;
     }
-    auto responder = std::make_shared<Responder>(self);
+    std::shared_ptr<transport::Responder> responder = std::make_shared<GrpcResponder>(self);
     uint64_t seq = 0;
     {
       absl::MutexLock lock(&mu_);
       // The caller has more requests coming: keep reading while this runs.
-      if (!frame.header.more_in_flight() &&
+      if (!frame.more_in_flight &&
           static_cast<int>(threads_.size()) - idle_ < kMaxThreads) {
         seq = ++inline_seq_;
         inline_active_ = true;
@@ -737,7 +738,7 @@ class TransportServer::Service {
       return true;
     }
     wake_watchdog();
-    const std::weak_ptr<Responder> mine = responder;
+    const std::weak_ptr<transport::Responder> mine = responder;
     try {
       run_inline_(std::move(responder), std::move(frame));
     } catch (const std::exception& e) {
@@ -754,7 +755,7 @@ class TransportServer::Service {
       }
     }
     // After the reply, if it is ready; a no-op if the watchdog posted it.
-    const std::shared_ptr<Responder> still_held = mine.lock();
+    const std::shared_ptr<transport::Responder> still_held = mine.lock();
     if (s->defer_read(still_held && !still_held->answered())) {
       absl::MutexLock lock(&mu_);
       deferred_.push_back({self, watchdog_ticks_});
@@ -778,16 +779,13 @@ class TransportServer::Service {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("malformed frame: ", parsed.message()));
     }
-    const wire::Header& header = frame->header;
-    if (header.kind() != wire::REQUEST && header.kind() != wire::NOTICE) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("malformed frame: a caller sent a frame of kind ",
-                                       static_cast<int>(header.kind())));
-    }
-    if (header.src() != s->caller()) {
-      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                          absl::StrCat("a frame from worker ", s->caller(),
-                                       "'s stream claims to come from worker ", header.src()));
+    if (check_) {
+      const absl::Status checked = check_(s->caller(), *frame);
+      if (!checked.ok()) {
+        // absl's status codes are gRPC's canonical codes.
+        return grpc::Status(static_cast<grpc::StatusCode>(checked.code()),
+                            std::string(checked.message()));
+      }
     }
     return grpc::Status::OK;
   }
@@ -852,6 +850,7 @@ class TransportServer::Service {
 
   const ServerLimits limits_;
   const std::unique_ptr<AuthChecker> auth_;  // null: streams are not authenticated
+  const CheckRequest check_;
   const OnRequest run_inline_;
   const OnRequest offload_;
   grpc::AsyncGenericService generic_;
@@ -885,10 +884,11 @@ class TransportServer::Service {
 std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
                                                         const ServerLimits& limits,
                                                         const Security& security,
-                                                        OnRequest run_inline, OnRequest offload) {
+                                                        CheckRequest check, OnRequest run_inline,
+                                                        OnRequest offload) {
   std::unique_ptr<TransportServer> s(new TransportServer());
-  s->service_ =
-      std::make_unique<Service>(limits, security, std::move(run_inline), std::move(offload));
+  s->service_ = std::make_unique<Service>(limits, security, std::move(check),
+                                          std::move(run_inline), std::move(offload));
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(host, ":0"), server_credentials(security), &s->port_);
   // gRPC enforces this only without a minimal stack (and after receiving
@@ -974,12 +974,12 @@ void ClientQueue::will_post() {
   ++pending_;
 }
 
-void ClientQueue::reserve() {
+void ClientQueue::reserve_reading() {
   absl::MutexLock lock(&mu_);
   ++reserved_;
 }
 
-void ClientQueue::unreserve() {
+void ClientQueue::release_reading() {
   absl::MutexLock lock(&mu_);
   if (reserved_ > 0) --reserved_;
 }
@@ -1128,7 +1128,10 @@ bool PeerStream::broken() const {
   return read_failed_ || (writes_closed_ && !closing_);
 }
 
-bool PeerStream::send(grpc::ByteBuffer frame, bool expects_reply) {
+bool PeerStream::send(Frame message, const transport::SendOptions& options) {
+  const bool expects_reply = options.expects_reply;
+  message.more_in_flight = options.more_in_flight;
+  grpc::ByteBuffer frame = serialize_frame(message);
   void* write_tag = nullptr;
   void* read_tag = nullptr;
   {
@@ -1231,8 +1234,12 @@ void PeerStream::handle(Op op, bool ok) {
         finished_ = true;  // writes closed and queue cleared when the read failed
         status = read_status_.ok() ? finish_status_ : read_status_;
       }
+      transport::CloseReason reason;
+      reason.ok = status.ok();
+      reason.unreachable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
+      reason.message = status.error_message();
       try {
-        on_close_(status);
+        on_close_(reason);
       } catch (const std::exception& e) {
         LOG(ERROR) << "rpc transport: a stream's close handler threw (ignored): " << e.what();
       }
@@ -1387,4 +1394,56 @@ bool PeerStream::wait_reading(const std::function<bool()>& cond, absl::Time dead
   return true;
 }
 
+// ------------------------------------------------------------ the transport
+
+namespace {
+
+class GrpcTransport : public transport::Transport {
+ public:
+  GrpcTransport() : queue_(std::make_unique<ClientQueue>()) {}
+
+  std::unique_ptr<transport::Server> listen(const std::string& host, const ServerLimits& limits,
+                                            const Security& security, CheckRequest check,
+                                            OnRequest run_inline, OnRequest offload) override {
+    return TransportServer::start(host, limits, security, std::move(check),
+                                  std::move(run_inline), std::move(offload));
+  }
+
+  std::shared_ptr<transport::Channel> connect(const std::string& address,
+                                              const PeerOptions& options,
+                                              transport::Channel::OnFrame on_frame,
+                                              transport::Channel::OnClose on_close) override {
+    return PeerStream::open(address, options, queue_.get(), std::move(on_frame),
+                            std::move(on_close));
+  }
+
+  void reserve_reading() override { queue_->reserve_reading(); }
+  void release_reading() override { queue_->release_reading(); }
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    queue_->drive(done, deadline);
+  }
+
+  bool probe(const std::string& address, const PeerOptions& options,
+             absl::Time deadline) override {
+    auto channel = grpc::CreateCustomChannel(address, channel_credentials(options.security),
+                                             channel_arguments(options));
+    return channel->WaitForConnected(absl::ToChronoTime(deadline));
+  }
+
+ private:
+  // Every stream opened through connect() must be closed before the
+  // transport goes (the queue's destructor drains it).
+  const std::unique_ptr<ClientQueue> queue_;
+};
+
+}  // namespace
+
+std::shared_ptr<transport::Transport> make_grpc_transport() {
+  return std::make_shared<GrpcTransport>();
+}
+
 }  // namespace ddprpc::rpc::internal
+
+namespace ddprpc::rpc::transport {
+std::shared_ptr<Transport> make_default_transport() { return internal::make_grpc_transport(); }
+}  // namespace ddprpc::rpc::transport

@@ -1,5 +1,6 @@
-// gRPC transport of the RPC agent: one bidirectional stream per (caller,
-// callee) pair carries serialized frames (see codec.h) both ways.
+// The gRPC implementation of the transport interface (transport.h): one
+// bidirectional stream per (caller, callee) pair carries serialized frames
+// (rpc/wire/codec.h) both ways.
 //
 // - TransportServer: accepts streams; each request frame is handed to the
 //   agent with a Responder that sends exactly one reply on the same stream.
@@ -30,8 +31,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "rpc/internal/codec.h"
 #include "rpc/security.h"
+#include "rpc/transport/transport.h"
+#include "rpc/wire/codec.h"
 
 namespace ddprpc::rpc::internal {
 
@@ -40,20 +42,20 @@ class ServerStream;
 // Initial metadata of a stream: the caller's worker id, in decimal.
 inline constexpr char kWorkerMetadataKey[] = "ddprpc-worker";
 
-// Sends the single reply to one request. Dropping it unsent counts the
-// request as answered (e.g. one-way notices).
-class Responder {
+using transport::PeerOptions;
+using transport::ServerLimits;
+
+// The Responder of a request read from a ServerStream.
+class GrpcResponder : public transport::Responder {
  public:
-  explicit Responder(std::shared_ptr<ServerStream> stream);
-  ~Responder();
-  Responder(const Responder&) = delete;
-  Responder& operator=(const Responder&) = delete;
-  void send(grpc::ByteBuffer reply);
-  // True once send() was called (from any thread).
-  bool answered() const;
-  // The worker the request's stream belongs to, and its network address.
-  int caller() const { return caller_; }
-  const std::string& address() const { return address_; }
+  explicit GrpcResponder(std::shared_ptr<ServerStream> stream);
+  ~GrpcResponder() override;
+  GrpcResponder(const GrpcResponder&) = delete;
+  GrpcResponder& operator=(const GrpcResponder&) = delete;
+  void send(Frame reply) override;
+  bool answered() const override;
+  int caller() const override { return caller_; }
+  const std::string& address() const override { return address_; }
 
  private:
   std::shared_ptr<ServerStream> stream_;
@@ -62,36 +64,10 @@ class Responder {
   std::atomic<bool> answered_{false};
 };
 
-// What one peer may make the server hold.
-struct ServerLimits {
-  int world_size = 1;  // streams name a worker id in [0, world_size)
-  // Larger frames end their stream with RESOURCE_EXHAUSTED (gRPC checks too).
-  int64_t max_message_bytes = int64_t{1} << 31;
-  // Per stream: requests read and not yet answered; reading pauses there.
-  int max_pending_requests = 1024;
-  // Per stream: bytes of replies waiting for the caller to read them;
-  // reading pauses above it.
-  int64_t max_pending_reply_bytes = int64_t{64} << 20;
-  // Open streams naming the same worker (a caller reopens a broken one).
-  int max_streams_per_worker = 4;
-  // HTTP/2 pings to callers silent this long; unanswered for
-  // keepalive_timeout, the caller's streams end (UNAVAILABLE).
-  absl::Duration keepalive_interval = absl::Seconds(2);
-  absl::Duration keepalive_timeout = absl::Seconds(5);
-  // A request run inline by the polling thread for about this long (up to
-  // 5 ms more) hands the polling role to another thread, so that a request
-  // that blocks does not stop its stream (see RpcBackendOptions).
-  absl::Duration inline_handoff = absl::Milliseconds(10);
-  // Bytes gRPC may buffer for all connections together. gRPC 1.51 checks a
-  // message's size only once it has received all of it (and not at all
-  // with a minimal stack), so this quota is what bounds the memory of a
-  // message that claims to be huge: past it gRPC cancels streams.
-  int64_t max_buffered_bytes = int64_t{8} << 30;
-};
-
-class TransportServer {
+class TransportServer : public transport::Server {
  public:
-  using OnRequest = std::function<void(std::shared_ptr<Responder>, Frame)>;
+  using OnRequest = transport::Transport::OnRequest;
+  using CheckRequest = transport::Transport::CheckRequest;
   // Listens on host:0. Each request is passed either to `run_inline`, which
   // serves it on the calling (polling) thread, or to `offload`, which must
   // hand it to another thread (when the caller has more requests in flight).
@@ -103,14 +79,14 @@ class TransportServer {
   // address. With TLS, callers need a certificate from the job's CA.
   static std::unique_ptr<TransportServer> start(const std::string& host,
                                                 const ServerLimits& limits,
-                                                const Security& security, OnRequest run_inline,
-                                                OnRequest offload);
-  ~TransportServer();
-  int port() const { return port_; }
+                                                const Security& security, CheckRequest check,
+                                                OnRequest run_inline, OnRequest offload);
+  ~TransportServer() override;
+  int port() const override { return port_; }
   // Ends all streams. Those whose callers are still connected get at most
   // `grace` to answer what they have read; replies due on streams their
   // callers have closed are dropped.
-  void shutdown(absl::Duration grace);
+  void shutdown(absl::Duration grace) override;
 
   class Service;
 
@@ -122,21 +98,6 @@ class TransportServer {
 };
 
 class PeerStream;
-
-// How a PeerStream connects.
-struct PeerOptions {
-  int self = 0;  // this worker's id, sent in the stream's metadata
-  // Replies larger than this end the stream.
-  int64_t max_message_bytes = int64_t{1} << 31;
-  // An HTTP/2 ping goes to the peer after this much silence; unanswered for
-  // keepalive_timeout, the stream ends with UNAVAILABLE ("keepalive watchdog
-  // timeout"): a peer that stopped, died without closing or was cut off is
-  // found within seconds, whether or not calls are outstanding.
-  absl::Duration keepalive_interval = absl::Seconds(2);
-  absl::Duration keepalive_timeout = absl::Seconds(5);
-  // The job's token (proven in the stream's metadata) and TLS material.
-  Security security;
-};
 
 // The completion queue of all of a process's PeerStreams, read by one
 // thread at a time (the reading role): a caller waiting for a reply
@@ -154,8 +115,8 @@ class ClientQueue {
 
   // While reservations are held (SyncCallScope: callers that will wait for
   // their calls), the background thread leaves the queue to those callers.
-  void reserve();
-  void unreserve();
+  void reserve_reading();
+  void release_reading();
   // Reads the queue on this thread, running the streams' events, until
   // done() or `deadline`. While another thread reads, waits for done() or
   // for the role (which that thread then hands over after its event).
@@ -181,7 +142,7 @@ class ClientQueue {
   absl::Mutex mu_;
   // State below is protected by mu_.
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted operations not yet completed
-  int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // see reserve()
+  int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // see reserve_reading()
   bool driving_ ABSL_GUARDED_BY(mu_) = false; // a thread holds the reading role
   int want_role_ ABSL_GUARDED_BY(mu_) = 0;    // drive()rs waiting for it
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
@@ -192,32 +153,26 @@ class ClientQueue {
 // The caller's end of a stream to one peer, on gRPC's asynchronous API,
 // its completions read from a ClientQueue. The stream keeps itself alive
 // while it has operations posted; close() it before letting it go.
-class PeerStream {
+class PeerStream : public transport::Channel {
  public:
-  // A reply frame; a non-OK status ends the stream with it (a reply that
-  // breaks the protocol). Must not throw: an exception ends the stream too.
-  using OnFrame = std::function<absl::Status(Frame)>;
-  // Called once when the stream ends, with why (OK after close()).
-  using OnClose = std::function<void(const grpc::Status&)>;
 
   // `queue` must outlive the stream's operations (close() waits for them).
   static std::shared_ptr<PeerStream> open(const std::string& address, const PeerOptions& options,
                                           ClientQueue* queue, OnFrame on_frame, OnClose on_close);
-  ~PeerStream();
+  ~PeerStream() override;
 
   // Queues a frame; false when the stream is closed or broken.
-  // `expects_reply`: the peer answers it with one frame.
-  bool send(grpc::ByteBuffer frame, bool expects_reply);
-  bool broken() const;
+  bool send(Frame frame, const transport::SendOptions& options) override;
+  bool broken() const override;
   // An idle stream (no read posted) learns that its connection died (e.g.
   // keepalive found the peer gone) only from its next operation: if the
   // connection is gone, this posts a read, whose failure ends the stream
   // (OnClose) now. Cheap: it looks at the channel's state.
-  void check_connection();
+  void check_connection() override;
   // graceful: half-close and wait (at most 5 s) for the peer to end the
   // stream; otherwise cancel at once. Returns once every operation of the
   // stream has completed: no callback runs after it.
-  void close(bool graceful);
+  void close(bool graceful) override;
 
  private:
   friend class ClientQueue;

@@ -1,4 +1,4 @@
-#include "rpc/internal/codec.h"
+#include "rpc/wire/codec.h"
 
 #include <ATen/ops/_sparse_coo_tensor_unsafe.h>
 #include <ATen/ops/empty.h>
@@ -72,6 +72,15 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
   frame->tensors.push_back(std::move(data));
 }
 
+// The codec of the extension that claims capsule `v`, or nullptr.
+const ExtensionCodec* codec_of(const c10::IValue& v, const CodecContext& ctx) {
+  if (!ctx.extensions) return nullptr;
+  for (const ExtensionCodec& codec : *ctx.extensions) {
+    if (codec.claims_capsule(v)) return &codec;
+  }
+  return nullptr;
+}
+
 void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx,
                int depth);
 
@@ -121,8 +130,8 @@ void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const Codec
     for (const c10::IValue& item : list) all_strings = all_strings && item.isString();
     encode_list(list, all_strings ? out->mutable_string_list() : out->mutable_list(), frame, ctx,
                 depth);
-  } else if (v.isCapsule() && ctx.ext) {
-    ctx.ext->encode(v, ctx.peer, out->mutable_ext());
+  } else if (const ExtensionCodec* codec = v.isCapsule() ? codec_of(v, ctx) : nullptr) {
+    codec->encode_capsule(v, ctx.peer, out->mutable_ext());
   } else {
     throw TypeMismatch("values of type " + ivalue_type_name(v) +
                        " cannot be sent over RPC");
@@ -153,8 +162,14 @@ bool sendable_dtype(int32_t dtype) {
   }
 }
 
+namespace {
+// Header.more_in_flight = true, appended to a serialized Header (protobuf
+// takes the last value of a repeated scalar field).
+constexpr char kMoreInFlight[] = {(10 << 3) | 0, 1};
+}  // namespace
+
 uint64_t Frame::size() const {
-  uint64_t n = 4 + header.ByteSizeLong();
+  uint64_t n = 4 + header.ByteSizeLong() + (more_in_flight ? sizeof(kMoreInFlight) : 0);
   for (const auto& meta : header.tensors()) n += meta.nbytes();
   return n;
 }
@@ -229,11 +244,13 @@ class Decoder {
       case wire::Value::kSparseCoo:
         return c10::IValue(sparse_coo(v.sparse_coo()));
       case wire::Value::kExt:
-        if (!ctx_.ext) {
-          throw std::invalid_argument("extension value '" + v.ext().type().substr(0, 64) +
-                                      "' unexpected here");
+        if (ctx_.extensions) {
+          for (const ExtensionCodec& codec : *ctx_.extensions) {
+            if (codec.type == v.ext().type()) return codec.decode_capsule(v.ext(), ctx_.peer);
+          }
         }
-        return ctx_.ext->decode(v.ext(), ctx_.peer);
+        throw std::invalid_argument("extension value '" + v.ext().type().substr(0, 64) +
+                                    "' unexpected here");
       case wire::Value::KIND_NOT_SET:
         break;
     }
@@ -423,6 +440,7 @@ absl::Status parse_pieces(PieceReader reader, Frame* frame) {
   std::string head(header_size, '\0');
   reader.read(head.data(), header_size);
   if (!frame->header.ParseFromString(head)) return absl::DataLossError("frame header does not parse");
+  frame->more_in_flight = frame->header.more_in_flight();
 
   const auto& metas = frame->header.tensors();
   if (metas.size() > kMaxTensorsPerFrame) {
@@ -464,10 +482,15 @@ absl::Status parse_pieces(PieceReader reader, Frame* frame) {
 }  // namespace
 
 grpc::ByteBuffer serialize_frame(const Frame& frame) {
-  const uint32_t header_size = static_cast<uint32_t>(frame.header.ByteSizeLong());
+  const uint32_t proto_size = static_cast<uint32_t>(frame.header.ByteSizeLong());
+  const uint32_t header_size =
+      proto_size + (frame.more_in_flight ? sizeof(kMoreInFlight) : 0);
   std::string head(4 + header_size, '\0');
   for (int i = 0; i < 4; ++i) head[i] = static_cast<char>((header_size >> (8 * i)) & 0xff);
   frame.header.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(head.data() + 4));
+  if (frame.more_in_flight) {
+    std::memcpy(head.data() + 4 + proto_size, kMoreInFlight, sizeof(kMoreInFlight));
+  }
 
   std::vector<grpc::Slice> slices;
   slices.reserve(1 + frame.tensors.size());

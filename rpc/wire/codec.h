@@ -1,4 +1,7 @@
-// Frame codec: c10::IValue <-> wire::Value, and frames <-> grpc::ByteBuffer.
+// The wire codec: c10::IValue <-> wire::Value, and frames <-> bytes
+// (grpc::ByteBuffer, which references tensor memory without copying).
+// Values are encoded by the RPC agent and callee; frames are serialized and
+// parsed by the transport only.
 //
 // A frame is [u32 header size][wire::Header][tensor bytes in header order].
 // Serializing references the tensors' memory from the ByteBuffer (no copy);
@@ -17,11 +20,12 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "rpc/wire.pb.h"
+#include "rpc/wire/wire.pb.h"
 
 namespace ddprpc::rpc::internal {
 
@@ -29,22 +33,30 @@ struct Frame {
   wire::Header header;
   // Contiguous CPU tensors, in the order of header.tensors.
   std::vector<at::Tensor> tensors;
+  // A hint of the framing, not of the RPC: the sender has other requests
+  // to this peer awaiting replies. serialize_frame sends it (as the
+  // header's more_in_flight), parse_frame sets it from the header.
+  bool more_in_flight = false;
 
   // Bytes on the wire once serialized.
   uint64_t size() const;
 };
 
-// Encodes and decodes values held in c10 capsules (e.g. RRefs), which need
-// to know the peer: encoding may register the value with its owner.
-class ExtensionCodec {
- public:
-  virtual ~ExtensionCodec() = default;
-  virtual void encode(const c10::IValue& capsule, int dest, wire::Extension* out) = 0;
-  virtual c10::IValue decode(const wire::Extension& ext, int src) = 0;
+// How values held in c10 capsules (e.g. RRefs) cross the wire, given by
+// the layer that defines them. Both ends need the peer: encoding may
+// register the value with its owner. Several codecs may serve one frame,
+// each for its own values.
+struct ExtensionCodec {
+  std::string type;  // wire::Extension.type of its values
+  // Whether `capsule` is one of its values.
+  std::function<bool(const c10::IValue& capsule)> claims_capsule;
+  std::function<void(const c10::IValue& capsule, int dest, wire::Extension* out)> encode_capsule;
+  // Throws std::invalid_argument for a malformed value.
+  std::function<c10::IValue(const wire::Extension& ext, int src)> decode_capsule;
 };
 
 struct CodecContext {
-  ExtensionCodec* ext = nullptr;
+  const std::vector<ExtensionCodec>* extensions = nullptr;  // none: capsules are refused
   int peer = -1;  // destination when encoding, source when decoding
 };
 

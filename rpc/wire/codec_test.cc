@@ -1,4 +1,4 @@
-#include "rpc/internal/codec.h"
+#include "rpc/wire/codec.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>

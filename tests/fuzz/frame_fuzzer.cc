@@ -7,9 +7,9 @@
 #include <memory>
 
 #include "rpc/errors.h"
-#include "rpc/internal/codec.h"
-#include "rpc/internal/rref_context.h"
 #include "rpc/registry.h"
+#include "rpc/rref/internal/rref_context.h"
+#include "rpc/wire/codec.h"
 
 namespace {
 
@@ -31,9 +31,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // RRefs decode against worker 0 of a 4-worker job, with no agent; each
   // input starts from no RRefs (what one leaves behind never expires here).
   auto rrefs = std::make_shared<RRefContext>(nullptr, /*self_id=*/0, /*world_size=*/4, &registry());
+  const std::vector<ddprpc::rpc::internal::ExtensionCodec> codecs = {*rrefs->codec()};
   c10::IValue value;
   try {
-    value = ddprpc::rpc::internal::decode_value(frame.header.payload(), frame, {rrefs.get(), 1});
+    value = ddprpc::rpc::internal::decode_value(frame.header.payload(), frame, {&codecs, 1});
   } catch (const std::invalid_argument&) {
     return 0;
   } catch (const RpcError&) {
@@ -42,7 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // What was accepted can be sent on.
   Frame again;
   try {
-    ddprpc::rpc::internal::encode_value(value, again.header.mutable_payload(), &again, {rrefs.get(), 2});
+    ddprpc::rpc::internal::encode_value(value, again.header.mutable_payload(), &again, {&codecs, 2});
   } catch (const RpcError& e) {
     // Forwarding another worker's RRef needs an agent to tell its owner.
     if (e.code() == ddprpc::rpc::ErrorCode::kShutdown) return 0;

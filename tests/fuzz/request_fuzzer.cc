@@ -14,10 +14,10 @@
 
 #include "autograd/dist_autograd.h"
 #include "rpc/internal/callee.h"
-#include "rpc/internal/codec.h"
-#include "rpc/internal/rref_context.h"
 #include "rpc/internal/thread_pool.h"
 #include "rpc/registry.h"
+#include "rpc/rref/internal/rref_context.h"
+#include "rpc/wire/codec.h"
 
 namespace {
 
@@ -49,6 +49,7 @@ rpc::internal::ThreadPool& reply_sender() {
 struct Worker {
   std::shared_ptr<rpc::internal::RRefContext> rrefs = std::make_shared<rpc::internal::RRefContext>(
       nullptr, /*self_id=*/0, kWorld, &rpc::FunctionRegistry::global());
+  std::vector<rpc::internal::ExtensionCodec> codecs = {*rrefs->codec()};
   std::unique_ptr<rpc::internal::Callee> callee;
   Worker() {
     rpc::internal::Callee::Options options;
@@ -56,9 +57,8 @@ struct Worker {
     options.self_name = "fuzzed";
     options.max_message_bytes = 1 << 20;
     options.functions = &rpc::FunctionRegistry::global();
-    options.internal_prefix = rpc::internal::RRefContext::kFunctionPrefix;
-    options.internal_functions = &rrefs->functions();
-    options.extension = rrefs.get();
+    options.internal_functions = {{rpc::internal::RRefContext::kFunctionPrefix, &rrefs->functions()}};
+    options.extensions = &codecs;
     options.reply_sender = &reply_sender();
     callee = std::make_unique<rpc::internal::Callee>(std::move(options));
   }
@@ -77,15 +77,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Frame request;
   if (!rpc::internal::parse_frame(data + 1, size - 1, &request).ok()) return 0;
   const auto kind = request.header.kind();
-  if (kind != ddprpc::wire::REQUEST && kind != ddprpc::wire::NOTICE) return 0;  // the transport's rule
+  if (kind != ddprpc::wire::REQUEST && kind != ddprpc::wire::NOTICE) return 0;  // the agent's rule for requests
   const int caller = data[0] % kWorld;
   request.header.set_src(caller);
   // Each input starts from no RRefs (what one leaves behind never expires
   // without an agent).
   Worker worker;
-  worker.callee->serve(caller, request, absl::Now(), [](grpc::ByteBuffer reply) {
+  worker.callee->serve(caller, request, absl::Now(), [](Frame reply) {
     Frame parsed;
-    if (!rpc::internal::parse_frame(reply, &parsed).ok()) {
+    if (!rpc::internal::parse_frame(rpc::internal::serialize_frame(reply), &parsed).ok()) {
       std::fprintf(stderr, "a reply does not parse\n");
       std::abort();
     }

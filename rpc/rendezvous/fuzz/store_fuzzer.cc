@@ -4,19 +4,19 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "rpc/internal/store_state.h"
-#include "rpc/wire.pb.h"
+#include "rpc/rendezvous/internal/store_state.h"
+#include "rpc/rendezvous/store.pb.h"
 
 using ddprpc::rpc::internal::StoreState;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static auto* state = new StoreState();
   if (size < 1) return 0;
-  ddprpc::wire::StoreRequest req;
+  ddprpc::rendezvous::StoreRequest req;
   if (!req.ParseFromArray(data + 1, static_cast<int>(size - 1))) return 0;
   // Waits that would block are cut short (a timeout in range stays one).
   if (req.timeout_ms() > 2 && req.timeout_ms() <= StoreState::kMaxTimeoutMs) req.set_timeout_ms(2);
-  ddprpc::wire::StoreResponse resp;
+  ddprpc::rendezvous::StoreResponse resp;
   auto never = [] { return false; };
   switch (data[0] % 5) {
     case 0: state->set(req, &resp); break;

@@ -1,4 +1,4 @@
-#include "rpc/internal/store_state.h"
+#include "rpc/rendezvous/internal/store_state.h"
 
 #include <vector>
 
@@ -58,7 +58,7 @@ grpc::Status StoreState::put(const std::string& key, std::string value) {
   return grpc::Status::OK;
 }
 
-grpc::Status StoreState::set(const wire::StoreRequest& req, wire::StoreResponse*) {
+grpc::Status StoreState::set(const rendezvous::StoreRequest& req, rendezvous::StoreResponse*) {
   grpc::Status ok = check_key(req.key());
   if (!ok.ok()) return ok;
   if (req.value().size() > kMaxValueBytes) {
@@ -69,7 +69,7 @@ grpc::Status StoreState::set(const wire::StoreRequest& req, wire::StoreResponse*
   return put(req.key(), req.value());
 }
 
-grpc::Status StoreState::get(const wire::StoreRequest& req, wire::StoreResponse* resp,
+grpc::Status StoreState::get(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp,
                              const std::function<bool()>& cancelled) {
   grpc::Status ok = check_key(req.key());
   if (ok.ok()) ok = check_timeout(req.timeout_ms());
@@ -81,7 +81,7 @@ grpc::Status StoreState::get(const wire::StoreRequest& req, wire::StoreResponse*
   return grpc::Status::OK;
 }
 
-grpc::Status StoreState::add(const wire::StoreRequest& req, wire::StoreResponse* resp) {
+grpc::Status StoreState::add(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp) {
   grpc::Status ok = check_key(req.key());
   if (!ok.ok()) return ok;
   absl::MutexLock lock(&mu_);
@@ -101,7 +101,7 @@ grpc::Status StoreState::add(const wire::StoreRequest& req, wire::StoreResponse*
   return grpc::Status::OK;
 }
 
-grpc::Status StoreState::wait(const wire::StoreRequest& req, wire::StoreResponse*,
+grpc::Status StoreState::wait(const rendezvous::StoreRequest& req, rendezvous::StoreResponse*,
                               const std::function<bool()>& cancelled) {
   if (req.keys_size() > kMaxKeysPerRequest) {
     return invalid(absl::StrCat(req.keys_size(), " keys in one request (at most ",
@@ -117,7 +117,7 @@ grpc::Status StoreState::wait(const wire::StoreRequest& req, wire::StoreResponse
   return await_keys(keys, req.timeout_ms(), cancelled);
 }
 
-grpc::Status StoreState::check(const wire::StoreRequest& req, wire::StoreResponse* resp) {
+grpc::Status StoreState::check(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp) {
   if (req.keys_size() > kMaxKeysPerRequest) {
     return invalid(absl::StrCat(req.keys_size(), " keys in one request (at most ",
                                 kMaxKeysPerRequest, ")"));

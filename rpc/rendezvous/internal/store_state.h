@@ -13,7 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "rpc/wire.pb.h"
+#include "rpc/rendezvous/store.pb.h"
 
 namespace ddprpc::rpc::internal {
 
@@ -34,13 +34,13 @@ class StoreState {
   // Each answers `req` into `resp`; a non-OK status names what was wrong.
   // get() and wait() block until their keys exist, the request's timeout
   // passes, `cancelled()` turns true, or stop().
-  grpc::Status set(const wire::StoreRequest& req, wire::StoreResponse* resp);
-  grpc::Status get(const wire::StoreRequest& req, wire::StoreResponse* resp,
+  grpc::Status set(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp);
+  grpc::Status get(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp,
                    const std::function<bool()>& cancelled);
-  grpc::Status add(const wire::StoreRequest& req, wire::StoreResponse* resp);
-  grpc::Status wait(const wire::StoreRequest& req, wire::StoreResponse* resp,
+  grpc::Status add(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp);
+  grpc::Status wait(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp,
                     const std::function<bool()>& cancelled);
-  grpc::Status check(const wire::StoreRequest& req, wire::StoreResponse* resp);
+  grpc::Status check(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp);
 
   // Wakes every blocked request; later ones fail at once.
   void stop();

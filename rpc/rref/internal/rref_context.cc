@@ -1,4 +1,4 @@
-#include "rpc/internal/rref_context.h"
+#include "rpc/rref/internal/rref_context.h"
 
 
 #include "absl/strings/numbers.h"
@@ -6,7 +6,7 @@
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
 #include "rpc/agent.h"
-#include "rpc/class_registry.h"
+#include "rpc/rref/class_registry.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -62,8 +62,20 @@ RRefContext::RRefContext(RpcAgent* agent, int self_id, int world_size,
                          const FunctionRegistry* user_functions)
     : self_id_(self_id), world_size_(world_size), user_functions_(user_functions), agent_(agent) {
   // The owner-side protocol, served by the agent like any function. Handlers
-  // hold a raw pointer: the agent stops serving before the context goes.
+  // and the codec hold a raw pointer: the agent stops serving before the
+  // context goes.
   RRefContext* self = this;
+  codec_.type = kRRefExtension;
+  codec_.claims_capsule = [](const c10::IValue& capsule) {
+    return capsule.isCapsule() &&
+           dynamic_cast<RRefCapsule*>(capsule.toCapsule().get()) != nullptr;
+  };
+  codec_.encode_capsule = [self](const c10::IValue& capsule, int dest, wire::Extension* out) {
+    self->encode(capsule, dest, out);
+  };
+  codec_.decode_capsule = [self](const wire::Extension& ext, int src) {
+    return self->decode(ext, src);
+  };
   functions_.add(kCreate, make_handler(kCreate, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
                                                         int64_t fork_l, std::string kind,
                                                         std::string name, int64_t target_w,
@@ -563,6 +575,18 @@ std::shared_ptr<void> RRefContext::local_object(const RRefState& rref) {
   if (!entry) throw RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker");
   entry->ready.wait();
   return entry->object;
+}
+
+void RRefContext::drained() {
+  alive_at_shutdown_ = static_cast<int64_t>(owned_count());
+  if (alive_at_shutdown_ > 0) {
+    LOG(WARNING) << "rpc shutdown on worker " << self_id_ << ": " << alive_at_shutdown_
+                 << " owned RRef(s) are still referenced";
+  }
+}
+
+void RRefContext::add_debug_info(std::map<std::string, std::string>* info) const {
+  (*info)["rref.owned"] = std::to_string(owned_count());
 }
 
 size_t RRefContext::owned_count() const {

@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -34,9 +35,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "rpc/extension.h"
 #include "rpc/future.h"
-#include "rpc/internal/codec.h"
 #include "rpc/registry.h"
+#include "rpc/rref/rref_state.h"
+#include "rpc/wire/codec.h"
 
 namespace ddprpc::rpc {
 
@@ -44,40 +47,12 @@ class RpcAgent;
 
 namespace internal {
 
-struct RRefId {
-  int32_t worker = -1;
-  int64_t local = 0;
-  bool valid() const { return worker >= 0; }
-  bool operator==(const RRefId& o) const { return worker == o.worker && local == o.local; }
-  template <typename H>
-  friend H AbslHashValue(H h, const RRefId& id) {
-    return H::combine(std::move(h), id.worker, id.local);
-  }
-};
-
-class RRefContext;
-
-// The identity of one RRef handle. Copies of an RRef<T> share one state;
-// destroying it releases the handle's fork at the owner.
-struct RRefState {
-  RRefId id;
-  RRefId fork;  // invalid for the owner's own (local) handles
-  int owner = -1;
-  std::string type;      // registered class name, or "" for a value
-  Future<void> created;  // completes when the owner confirmed creation
-  std::weak_ptr<RRefContext> context;
-  ~RRefState();
-};
-
-// How an RRef travels inside a c10::IValue (as a capsule).
-class RRefCapsule : public torch::CustomClassHolder {
+// The RRef extension of one agent (extension.h): it serves the owner's side
+// of the protocol ("__rref.*") and encodes RRefs in messages.
+class RRefContext : public AgentExtension, public std::enable_shared_from_this<RRefContext> {
  public:
-  explicit RRefCapsule(std::shared_ptr<RRefState> state) : state(std::move(state)) {}
-  std::shared_ptr<RRefState> state;
-};
-
-class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<RRefContext> {
- public:
+  // The name agents know the extension by (RpcAgent::extension).
+  static constexpr char kExtensionName[] = "rref";
   // Names of the internal functions start with this.
   static constexpr char kFunctionPrefix[] = "__rref.";
   // Bounds on what other workers' messages can make this worker hold.
@@ -91,11 +66,21 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   // Fails the waiters of every RRef whose creation has not come: the
   // agent is stopping, so it never will.
   void fail_awaited();
-  // The agent is going away: later releases do nothing.
-  void detach();
 
-  // The internal functions ("__rref.*") the agent serves.
-  const FunctionRegistry& functions() const { return functions_; }
+  // AgentExtension: the internal functions ("__rref.*") the agent serves.
+  std::string function_prefix() const override { return kFunctionPrefix; }
+  const FunctionRegistry& functions() const override { return functions_; }
+  const ExtensionCodec* codec() const override { return &codec_; }
+  void stopped() override { fail_awaited(); }
+  // The agent is going away: later releases do nothing.
+  void detach() override;
+  // Counts what is still owned (alive_at_shutdown()).
+  void drained() override;
+  void add_debug_info(std::map<std::string, std::string>* info) const override;
+
+  // RRefs this worker still owned when a graceful shutdown had heard from
+  // every worker (0 unless some reference leaked); -1 before that.
+  int64_t alive_at_shutdown() const { return alive_at_shutdown_.load(); }
 
   // Caller side. Creation is asynchronous: state->created reports the
   // outcome, an error with kTimeout when the owner has not confirmed it
@@ -122,8 +107,9 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   // Live owner entries (values this worker owns that are still referenced).
   size_t owned_count() const;
 
-  void encode(const c10::IValue& capsule, int dest, wire::Extension* out) override;
-  c10::IValue decode(const wire::Extension& ext, int src) override;
+  // RRefs in messages (codec()): a fork for `dest`, or the handle of one from `src`.
+  void encode(const c10::IValue& capsule, int dest, wire::Extension* out);
+  c10::IValue decode(const wire::Extension& ext, int src);
 
   void release(const RRefState& state);
 
@@ -183,7 +169,9 @@ class RRefContext : public ExtensionCodec, public std::enable_shared_from_this<R
   const int world_size_;
   const FunctionRegistry* const user_functions_;
   FunctionRegistry functions_;
+  ExtensionCodec codec_;
   std::atomic<int64_t> next_local_{1};
+  std::atomic<int64_t> alive_at_shutdown_{-1};
 
   mutable absl::Mutex mu_;
   // State below is protected by mu_.
