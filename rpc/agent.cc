@@ -21,6 +21,7 @@
 #include "rpc/internal/future_driver.h"
 #include "rpc/internal/thread_pool.h"
 #include "rpc/rendezvous/init_method.h"
+#include "rpc/transport/same_host_transport.h"
 #include "rpc/transport/transport.h"
 #include "rpc/wire/codec.h"
 
@@ -206,6 +207,9 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     limits.max_buffered_bytes = std::max(int64_t{256} << 20, 4 * message);
   }
   transport_ = transport::make_default_transport();
+  if (options_.same_host_transport && transport::same_host_transport_enabled()) {
+    transport_ = transport::make_same_host_transport(std::move(transport_));
+  }
   server_ = transport_->listen(
       options_.listen_address, limits, security,
       [](int caller, const Frame& frame) { return check_request(caller, frame); },
@@ -258,12 +262,14 @@ RpcAgent::~RpcAgent() {
 
 void RpcAgent::rendezvous(const std::string& name, int world_size) {
   std::string address = absl::StrCat(options_.listen_address, ":", server_->port());
-  store_->set(absl::StrCat("rpc/worker/", rank_), absl::StrCat(name, "\n", address));
+  store_->set(absl::StrCat("rpc/worker/", rank_),
+              absl::StrCat(name, "\n", address, "\n", server_->same_host_endpoint()));
   std::map<std::string, int> by_name;
   for (int r = 0; r < world_size; ++r) {
     std::string value = store_->get(absl::StrCat("rpc/worker/", r));
-    std::vector<std::string> parts = absl::StrSplit(value, absl::MaxSplits('\n', 1));
-    if (parts.size() != 2) {
+    std::vector<std::string> parts = absl::StrSplit(value, absl::MaxSplits('\n', 2));
+    if (parts.size() == 2) parts.emplace_back();  // no same-host endpoint
+    if (parts.size() != 3) {
       throw RpcError(ErrorCode::kInternal, "malformed worker record for rank " + std::to_string(r));
     }
     auto [it, inserted] = by_name.emplace(parts[0], r);
@@ -273,6 +279,11 @@ void RpcAgent::rendezvous(const std::string& name, int world_size) {
                                   " and ", r, "; names must be unique"));
     }
     workers_.push_back(WorkerInfo{parts[0], r, parts[1]});
+    same_host_endpoints_.push_back(parts[2]);
+  }
+  // The same-host path serves jobs whose workers all share this host.
+  if (!transport::all_on_this_host(same_host_endpoints_)) {
+    same_host_endpoints_.assign(world_size, std::string());
   }
 }
 
@@ -384,12 +395,12 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
       if (call.deadline != absl::InfiniteFuture()) deadlines_.emplace(call.deadline, id);
     }
   }
+  std::shared_ptr<transport::Channel> stream = peer(to);  // null once stopped
   // Before the request goes: the background reader leaves its reply to us.
   if (!one_way && t_sync_scope && !t_sync_scope->reserved_.lock()) {
     transport_->reserve_reading();
     t_sync_scope->reserved_ = transport_;
   }
-  std::shared_ptr<transport::Channel> stream = peer(to);  // null once stopped
   const bool sent =
       stream && stream->send(std::move(frame), transport::SendOptions{!one_way, more_in_flight});
   if (one_way) {
@@ -409,18 +420,24 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     }
     return future;
   }
-  // A waiter reads the queue itself.
+  // A waiter reads its channel itself.
   std::weak_ptr<transport::Transport> weak = transport_;
+  std::weak_ptr<transport::Channel> weak_channel = stream;
   const absl::Time deadline = call.deadline;
   future.set_driver(std::make_shared<const internal::FutureDriver>(internal::FutureDriver{
-      [weak, deadline](const std::function<bool()>& done, absl::Time until) {
-        if (auto q = weak.lock()) q->drive(done, std::min(deadline, until));
+      [weak, weak_channel, deadline](const std::function<bool()>& done, absl::Time until) {
+        auto transport = weak.lock();  // keeps what the channel reads with
+        auto channel = weak_channel.lock();
+        if (transport && channel) channel->drive(done, std::min(deadline, until));
       }}));
   return future;
 }
 
-transport::PeerOptions RpcAgent::peer_options() const {
+transport::PeerOptions RpcAgent::peer_options(int to) const {
   transport::PeerOptions options;
+  if (to >= 0 && to < static_cast<int>(same_host_endpoints_.size())) {
+    options.same_host_endpoint = same_host_endpoints_[to];
+  }
   options.self = rank_;
   options.max_message_bytes = options_.max_message_bytes;
   options.keepalive_interval = options_.keepalive_interval;
@@ -441,7 +458,7 @@ std::shared_ptr<transport::Channel> RpcAgent::peer(int to) {
       if (slot.stream) broken_.push_back(std::move(slot.stream));
     }
     slot.stream = transport_->connect(
-        workers_[to].address, peer_options(),
+        workers_[to].address, peer_options(to),
         [this, to](Frame frame) { return on_reply(to, std::move(frame)); },
         [this, to](const transport::CloseReason& reason) {
           std::string why;
@@ -688,7 +705,7 @@ int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing(
 // ----------------------------------------------------------------- shutdown
 
 bool RpcAgent::peer_alive(int id) const {
-  return transport_->probe(workers_[id].address, peer_options(),
+  return transport_->probe(workers_[id].address, peer_options(-1),
                            absl::Now() + absl::Milliseconds(500));
 }
 

@@ -110,6 +110,11 @@ struct RpcBackendOptions {
   // that arrive while others of their caller are in flight are handed on
   // at once, whatever this says.
   absl::Duration inline_request_handoff = absl::Milliseconds(10);
+  // Peers on this host (same boot and namespaces) are reached through the
+  // same-host transport (rpc/transport/same_host_transport.h: a Unix socket,
+  // large tensors copied once from the sender's memory), others over gRPC.
+  // DDPRPC_SAME_HOST_TRANSPORT=0 turns it off too.
+  bool same_host_transport = true;
 };
 
 // Within its scope, this thread waits (Future::wait, value, wait_for,
@@ -224,7 +229,8 @@ class RpcAgent {
   std::vector<bool> peers_alive(const std::vector<int>& ids);
   // The open stream to `to` (opened anew if broken); nullptr once stopped.
   std::shared_ptr<transport::Channel> peer(int to);
-  transport::PeerOptions peer_options() const;
+  // How to connect to worker `to` (-1: to its address only).
+  transport::PeerOptions peer_options(int to) const;
   // Serves a request on a pool thread (when the stream's threads are busy).
   void offload(std::shared_ptr<transport::Responder> responder, internal::Frame frame);
   void serve(const std::shared_ptr<transport::Responder>& responder, internal::Frame& frame,
@@ -252,6 +258,7 @@ class RpcAgent {
   const FunctionRegistry* const registry_;
   // Fixed once the constructor returns.
   std::vector<WorkerInfo> workers_;
+  std::vector<std::string> same_host_endpoints_;  // by worker id; empty: none
   std::unique_ptr<StoreServer> store_server_;  // rank 0 only
   std::unique_ptr<Store> store_;
   // Moves the frames; created before the server and the channels, which

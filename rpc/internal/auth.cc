@@ -117,7 +117,11 @@ grpc::Status AuthChecker::check(const std::multimap<grpc::string_ref, grpc::stri
                                 const std::string& purpose, int worker) {
   auto it = metadata.find(kAuthMetadataKey);
   if (it == metadata.end()) return refused("no proof of the job's token (ddprpc-auth metadata)");
-  const absl::string_view proof(it->second.data(), it->second.size());
+  return check_proof(absl::string_view(it->second.data(), it->second.size()), purpose, worker);
+}
+
+grpc::Status AuthChecker::check_proof(absl::string_view proof, const std::string& purpose,
+                                      int worker) {
   std::vector<absl::string_view> parts = absl::StrSplit(proof, '.');
   int64_t ms = 0;
   if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &ms) || parts[1].size() != 32 ||

@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/security.h"
@@ -41,6 +42,8 @@ class AuthChecker {
   // OK, or UNAUTHENTICATED saying what was wrong (never the token).
   grpc::Status check(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
                      const std::string& purpose, int worker);
+  // The same for a proof given directly (auth_proof's string).
+  grpc::Status check_proof(absl::string_view proof, const std::string& purpose, int worker);
 
  private:
   const std::string token_;

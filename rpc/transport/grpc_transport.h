@@ -164,6 +164,9 @@ class PeerStream : public transport::Channel {
   // Queues a frame; false when the stream is closed or broken.
   bool send(Frame frame, const transport::SendOptions& options) override;
   bool broken() const override;
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    client_queue_->drive(done, deadline);
+  }
   // An idle stream (no read posted) learns that its connection died (e.g.
   // keepalive found the peer gone) only from its next operation: if the
   // connection is gone, this posts a read, whose failure ends the stream

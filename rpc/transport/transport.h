@@ -68,6 +68,9 @@ struct PeerOptions {
   absl::Duration keepalive_timeout = absl::Seconds(5);
   // The job's token and TLS material.
   Security security;
+  // The peer's Server::same_host_endpoint(), empty if it has none: a
+  // transport that can reach that endpoint may connect there instead.
+  std::string same_host_endpoint;
 };
 
 struct SendOptions {
@@ -110,6 +113,10 @@ class Channel {
   // and the size checks happen here, on the calling thread.
   virtual bool send(Frame frame, const SendOptions& options) = 0;
   virtual bool broken() const = 0;
+  // Reads replies of this channel (and of others read the same way) on
+  // this thread until done() or `deadline`, as Transport::drive does: a
+  // caller waiting for a reply reads it itself.
+  virtual void drive(const std::function<bool()>& done, absl::Time deadline) = 0;
   // An idle channel learns that its connection died only from its next
   // operation: if the connection is gone, this ends the channel (OnClose)
   // now. Cheap.
@@ -123,6 +130,9 @@ class Server {
  public:
   virtual ~Server() = default;
   virtual int port() const = 0;
+  // Where peers on this host may connect besides host:port() (opaque to
+  // the agent, which publishes it); empty if nowhere.
+  virtual std::string same_host_endpoint() const { return {}; }
   // Ends all connections. Those whose callers are still connected get at
   // most `grace` to answer what they have read.
   virtual void shutdown(absl::Duration grace) = 0;

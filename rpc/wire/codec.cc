@@ -425,21 +425,25 @@ absl::Status check_tensor_meta(const wire::TensorMeta& meta, int index, uint64_t
   return absl::OkStatus();
 }
 
-absl::Status parse_pieces(PieceReader reader, Frame* frame) {
+// Parses the header of a frame from `head` (size prefix included, nothing
+// after it), checks every tensor's metadata and that their bytes add up to
+// `tensor_bytes`, then allocates each tensor and has `fill` write its bytes.
+absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const TensorFiller& fill,
+                         Frame* frame) {
   frame->header.Clear();
   frame->tensors.clear();
-  uint8_t size_bytes[4];
-  if (!reader.read(size_bytes, 4)) return absl::DataLossError("frame shorter than its size prefix");
+  if (head.size() < 4) return absl::DataLossError("frame shorter than its size prefix");
+  const auto* size_bytes = reinterpret_cast<const uint8_t*>(head.data());
   const uint32_t header_size = size_bytes[0] | (size_bytes[1] << 8) | (size_bytes[2] << 16) |
                                (static_cast<uint32_t>(size_bytes[3]) << 24);
-  if (header_size > reader.remaining()) {
+  if (header_size != head.size() - 4) {
     return absl::DataLossError(absl::StrCat("frame header of ", header_size,
-                                            " bytes exceeds the frame (", reader.remaining(),
-                                            " bytes left)"));
+                                            " bytes does not match the frame (", head.size() - 4,
+                                            " bytes of header)"));
   }
-  std::string head(header_size, '\0');
-  reader.read(head.data(), header_size);
-  if (!frame->header.ParseFromString(head)) return absl::DataLossError("frame header does not parse");
+  if (!frame->header.ParseFromArray(head.data() + 4, static_cast<int>(header_size))) {
+    return absl::DataLossError("frame header does not parse");
+  }
   frame->more_in_flight = frame->header.more_in_flight();
 
   const auto& metas = frame->header.tensors();
@@ -453,16 +457,17 @@ absl::Status parse_pieces(PieceReader reader, Frame* frame) {
     uint64_t bytes;
     absl::Status ok = check_tensor_meta(metas[i], i, &bytes);
     if (!ok.ok()) return ok;
-    if (__builtin_add_overflow(total, bytes, &total) || total > reader.remaining()) {
+    if (__builtin_add_overflow(total, bytes, &total) || total > tensor_bytes) {
       return absl::DataLossError("the frame's tensors need more bytes than it has");
     }
   }
-  if (total != reader.remaining()) {
-    return absl::DataLossError(absl::StrCat(reader.remaining() - total,
+  if (total != tensor_bytes) {
+    return absl::DataLossError(absl::StrCat(tensor_bytes - total,
                                             " trailing bytes after the frame"));
   }
   frame->tensors.reserve(metas.size());
-  for (const auto& meta : metas) {
+  for (int i = 0; i < metas.size(); ++i) {
+    const auto& meta = metas[i];
     if (meta.dtype() == kUndefinedTensor) {
       frame->tensors.emplace_back();
       continue;
@@ -470,7 +475,10 @@ absl::Status parse_pieces(PieceReader reader, Frame* frame) {
     const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
     at::Tensor t = at::empty(std::vector<int64_t>(meta.sizes().begin(), meta.sizes().end()),
                              at::TensorOptions().dtype(dtype));
-    if (meta.nbytes() > 0) reader.read(t.data_ptr(), meta.nbytes());
+    if (meta.nbytes() > 0) {
+      absl::Status filled = fill(i, t.data_ptr(), meta.nbytes());
+      if (!filled.ok()) return filled;
+    }
     if (meta.requires_grad() && (at::isFloatingType(dtype) || at::isComplexType(dtype))) {
       t.requires_grad_(true);
     }
@@ -479,9 +487,30 @@ absl::Status parse_pieces(PieceReader reader, Frame* frame) {
   return absl::OkStatus();
 }
 
+absl::Status parse_pieces(PieceReader reader, Frame* frame) {
+  frame->header.Clear();
+  frame->tensors.clear();
+  uint8_t size_bytes[4];
+  if (!reader.read(size_bytes, 4)) return absl::DataLossError("frame shorter than its size prefix");
+  const uint32_t header_size = size_bytes[0] | (size_bytes[1] << 8) | (size_bytes[2] << 16) |
+                               (static_cast<uint32_t>(size_bytes[3]) << 24);
+  if (header_size > reader.remaining()) {
+    return absl::DataLossError(absl::StrCat("frame header of ", header_size,
+                                            " bytes exceeds the frame (", reader.remaining(),
+                                            " bytes left)"));
+  }
+  std::string head(4 + header_size, '\0');
+  std::memcpy(head.data(), size_bytes, 4);
+  reader.read(head.data() + 4, header_size);
+  return parse_parts(head, reader.remaining(), [&reader](int, void* dst, uint64_t n) {
+    return reader.read(dst, n) ? absl::OkStatus()
+                               : absl::DataLossError("frame shorter than its tensors");
+  }, frame);
+}
+
 }  // namespace
 
-grpc::ByteBuffer serialize_frame(const Frame& frame) {
+std::string serialize_head(const Frame& frame) {
   const uint32_t proto_size = static_cast<uint32_t>(frame.header.ByteSizeLong());
   const uint32_t header_size =
       proto_size + (frame.more_in_flight ? sizeof(kMoreInFlight) : 0);
@@ -491,7 +520,11 @@ grpc::ByteBuffer serialize_frame(const Frame& frame) {
   if (frame.more_in_flight) {
     std::memcpy(head.data() + 4 + proto_size, kMoreInFlight, sizeof(kMoreInFlight));
   }
+  return head;
+}
 
+grpc::ByteBuffer serialize_frame(const Frame& frame) {
+  const std::string head = serialize_head(frame);
   std::vector<grpc::Slice> slices;
   slices.reserve(1 + frame.tensors.size());
   slices.emplace_back(head);
@@ -515,6 +548,11 @@ absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame) {
 
 absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame) {
   return parse_pieces(PieceReader({{data, size}}), frame);
+}
+
+absl::Status parse_frame(absl::string_view head, uint64_t tensor_bytes, const TensorFiller& fill,
+                         Frame* frame) {
+  return parse_parts(head, tensor_bytes, fill, frame);
 }
 
 }  // namespace ddprpc::rpc::internal

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "rpc/wire/wire.pb.h"
 
 namespace ddprpc::rpc::internal {
@@ -90,5 +91,20 @@ grpc::ByteBuffer serialize_frame(const Frame& frame);
 absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame);
 // The same, from contiguous bytes.
 absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame);
+
+// The head of a serialized frame: its size prefix and header, without the
+// tensor bytes (which follow it in header order).
+std::string serialize_head(const Frame& frame);
+
+// Writes the `nbytes` bytes of tensor `index` into `dst`; a non-OK status
+// ends the parse with it.
+using TensorFiller = std::function<absl::Status(int index, void* dst, uint64_t nbytes)>;
+// Parses a frame delivered in two parts: `head`, as serialize_head wrote
+// it, and tensor bytes (`tensor_bytes` in all, as the sender claims) that
+// `fill` writes straight into each new tensor. The head is checked as
+// parse_frame checks it, and the tensors' byte counts must add up to
+// `tensor_bytes`, before any tensor is allocated.
+absl::Status parse_frame(absl::string_view head, uint64_t tensor_bytes, const TensorFiller& fill,
+                         Frame* frame);
 
 }  // namespace ddprpc::rpc::internal

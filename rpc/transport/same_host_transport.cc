@@ -1,0 +1,1588 @@
+#include "rpc/transport/same_host_transport.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "glog/logging.h"
+#include "rpc/internal/auth.h"
+#include "rpc/internal/fault.h"
+#include "rpc/security.h"
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+using internal::Frame;
+
+// ------------------------------------------------------------ the protocol
+//
+// Every message starts with a Preamble. A connection opens with kHello
+// (caller -> server: worker id, proof of the token, probe address) and
+// kWelcome (server -> caller: accepted or why not, probe address, whether
+// the server can read the caller's memory), then kConfirm (whether the
+// caller can read the server's). Frames follow both ways: the preamble,
+// the head (serialize_head), a RemoteTensor per tensor to copy from the
+// sender's memory, then the other tensors' bytes in header order. A frame
+// with remote tensors is answered with kAck once they are copied.
+// kGoodbye says the sender is closing on purpose.
+
+constexpr uint32_t kMagic = 0x43505244;  // "DRPC"
+enum Kind : uint8_t { kHello = 1, kWelcome, kConfirm, kFrame, kAck, kGoodbye };
+constexpr uint8_t kFlagMoreInFlight = 1;  // kFrame
+constexpr uint8_t kFlagCrossMemory = 1;   // kConfirm: the caller can read the server's memory
+
+struct Preamble {
+  uint32_t magic = kMagic;
+  uint8_t kind = 0;
+  uint8_t flags = 0;
+  uint16_t unused = 0;
+  uint32_t body = 0;        // kFrame: bytes of the head; kHello, kWelcome: of the body
+  uint32_t num_remote = 0;  // kFrame: tensors copied from the sender's memory
+  uint64_t inline_bytes = 0;
+  uint64_t remote_bytes = 0;
+  uint64_t seq = 0;  // kFrame with remote tensors, and its kAck
+};
+static_assert(sizeof(Preamble) == 40, "Preamble layout");
+
+struct RemoteTensor {
+  uint32_t index = 0;
+  uint32_t unused = 0;
+  uint64_t address = 0;
+};
+static_assert(sizeof(RemoteTensor) == 16, "RemoteTensor layout");
+
+struct HelloBody {
+  int32_t worker = -1;
+  uint32_t proof_size = 0;
+  uint64_t probe = 0;
+};  // followed by the proof
+struct WelcomeBody {
+  int32_t code = 0;  // absl::StatusCode
+  uint32_t message_size = 0;
+  uint64_t probe = 0;
+  uint32_t cross_memory = 0;  // the server can read the caller's memory
+  uint32_t unused = 0;
+};  // followed by the message
+
+constexpr uint32_t kMaxHandshakeBody = 4096;
+constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
+// What each process shows its peers to test cross-memory reads.
+alignas(16) const char kProbe[16] = "ddprpc-cma-ok!!";
+
+std::string read_small_file(const char* path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  std::string out = s.str();
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out;
+}
+
+std::string link_target(const char* path) {
+  char buf[256];
+  ssize_t n = readlink(path, buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, n) : std::string();
+}
+
+// The state letter of process `pid` ('R', 'S', 'T', 'Z', ...), or 0 if it
+// is gone.
+char process_state(pid_t pid) {
+  std::string stat = read_small_file(absl::StrCat("/proc/", pid, "/stat").c_str());
+  size_t close = stat.rfind(')');
+  if (close == std::string::npos || close + 2 >= stat.size()) return 0;
+  return stat[close + 2];
+}
+
+// Copies `n` bytes at `remote` in process `pid` to `dst`.
+absl::Status read_remote(pid_t pid, void* dst, uint64_t remote, uint64_t n) {
+  auto* out = static_cast<char*>(dst);
+  while (n > 0) {
+    iovec local{out, n};
+    iovec from{reinterpret_cast<void*>(remote), n};
+    ssize_t got = process_vm_readv(pid, &local, 1, &from, 1, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      if (errno == ESRCH) return absl::UnavailableError("the peer process is gone");
+      return absl::DataLossError(absl::StrCat("cannot read the peer's tensor memory: ",
+                                              std::strerror(errno)));
+    }
+    if (got == 0) return absl::DataLossError("the peer's tensor memory ended early");
+    out += got;
+    remote += got;
+    n -= got;
+  }
+  return absl::OkStatus();
+}
+
+bool can_read_remote(pid_t pid, uint64_t probe) {
+  if (pid <= 0 || probe == 0) return false;
+  char got[sizeof(kProbe)];
+  return read_remote(pid, got, probe, sizeof(got)).ok() &&
+         std::memcmp(got, kProbe, sizeof(got)) == 0;
+}
+
+void set_abstract_address(const std::string& name, sockaddr_un* addr, socklen_t* len) {
+  std::memset(addr, 0, sizeof(*addr));
+  addr->sun_family = AF_UNIX;
+  const size_t n = std::min(name.size(), sizeof(addr->sun_path) - 1);
+  std::memcpy(addr->sun_path + 1, name.data(), n);  // sun_path[0] = 0: abstract
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + n);
+}
+
+pid_t peer_pid_of(int fd, uid_t* uid) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return 0;
+  *uid = cred.uid;
+  return cred.pid;
+}
+
+// ------------------------------------------------------------ connection
+
+// One end of a socket: sends from any thread without blocking (what the
+// socket does not take waits in a queue that the reading thread flushes),
+// and reads on one thread at a time.
+class Conn {
+ public:
+  Conn(int fd, pid_t peer_pid, int64_t max_message_bytes, absl::Duration keepalive_interval,
+       absl::Duration keepalive_timeout)
+      : fd_(fd),
+        wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
+        peer_pid_(peer_pid),
+        max_message_bytes_(max_message_bytes),
+        keepalive_interval_(std::max(keepalive_interval, absl::Milliseconds(10))),
+        keepalive_timeout_(keepalive_timeout) {}
+  ~Conn() {
+    ::close(fd_);
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+  }
+  Conn(const Conn&) = delete;
+  Conn& operator=(const Conn&) = delete;
+
+  pid_t peer_pid() const { return peer_pid_; }
+
+  void set_may_send_remote(bool may) {
+    absl::MutexLock lock(&write_mu_);
+    may_send_remote_ = may;
+  }
+
+  // Queues a frame; false once the connection is shut down or broken.
+  bool send_frame(const Frame& frame) {
+    std::string head = internal::serialize_head(frame);
+    Preamble p;
+    p.kind = kFrame;
+    p.flags = frame.more_in_flight ? kFlagMoreInFlight : 0;
+    p.body = static_cast<uint32_t>(head.size());
+    std::vector<RemoteTensor> remote;
+    std::vector<at::Tensor> held;
+    std::vector<const at::Tensor*> inline_tensors;
+    absl::MutexLock lock(&write_mu_);
+    if (shut_ || broken_) return false;
+    for (size_t i = 0; i < frame.tensors.size(); ++i) {
+      const at::Tensor& t = frame.tensors[i];
+      if (!t.defined() || t.numel() == 0) continue;
+      const uint64_t n = t.numel() * t.element_size();
+      if (may_send_remote_ && n >= kCrossMemoryMinBytes) {
+        remote.push_back({static_cast<uint32_t>(i), 0, reinterpret_cast<uint64_t>(t.data_ptr())});
+        held.push_back(t);
+        p.remote_bytes += n;
+      } else {
+        inline_tensors.push_back(&t);
+        p.inline_bytes += n;
+      }
+    }
+    p.num_remote = static_cast<uint32_t>(remote.size());
+    if (!remote.empty()) {
+      p.seq = ++next_seq_;
+      unacked_.emplace(p.seq, std::make_pair(std::move(held), p.remote_bytes));
+      unacked_bytes_ += p.remote_bytes;
+    }
+    std::string first(sizeof(p) + head.size() + remote.size() * sizeof(RemoteTensor), '\0');
+    std::memcpy(first.data(), &p, sizeof(p));
+    std::memcpy(first.data() + sizeof(p), head.data(), head.size());
+    if (!remote.empty()) {
+      std::memcpy(first.data() + sizeof(p) + head.size(), remote.data(),
+                  remote.size() * sizeof(RemoteTensor));
+    }
+    enqueue(std::move(first), at::Tensor());
+    for (const at::Tensor* t : inline_tensors) enqueue(std::string(), *t);
+    flush_locked();
+    return !broken_;
+  }
+
+  // Sends a message without tensors.
+  bool send_control(Kind kind, uint8_t flags, uint64_t seq, const std::string& body = {}) {
+    Preamble p;
+    p.kind = kind;
+    p.flags = flags;
+    p.seq = seq;
+    p.body = static_cast<uint32_t>(body.size());
+    std::string bytes(sizeof(p) + body.size(), '\0');
+    std::memcpy(bytes.data(), &p, sizeof(p));
+    std::memcpy(bytes.data() + sizeof(p), body.data(), body.size());
+    absl::MutexLock lock(&write_mu_);
+    if (shut_ || broken_) return false;
+    enqueue(std::move(bytes), at::Tensor());
+    flush_locked();
+    return !broken_;
+  }
+
+  // Bytes sent but not yet taken by the peer: queued here, or lent to it
+  // (remote tensors not acknowledged).
+  int64_t backlog_bytes() const {
+    absl::MutexLock lock(&write_mu_);
+    return queued_bytes_ + unacked_bytes_;
+  }
+
+  absl::Status on_ack(uint64_t seq) {
+    absl::MutexLock lock(&write_mu_);
+    auto it = unacked_.find(seq);
+    if (it == unacked_.end()) {
+      return absl::DataLossError(absl::StrCat("acknowledgement of unknown frame ", seq));
+    }
+    unacked_bytes_ -= it->second.second;
+    unacked_.erase(it);
+    return absl::OkStatus();
+  }
+
+  // No more sends; wakes the reader, whose next wait fails.
+  void shutdown() {
+    {
+      absl::MutexLock lock(&write_mu_);
+      shut_ = true;
+      out_.clear();
+      queued_bytes_ = 0;
+    }
+    ::shutdown(fd_, SHUT_RDWR);
+    wake();
+  }
+
+  // Lets the writes queued so far go out (at most `timeout`), then shuts down.
+  void shutdown_after_flush(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    for (;;) {
+      {
+        absl::MutexLock lock(&write_mu_);
+        flush_locked();
+        if (out_.empty() || broken_) break;
+      }
+      if (absl::Now() >= deadline) break;
+      pollfd p{fd_, POLLOUT, 0};
+      poll(&p, 1, 5);
+    }
+    shutdown();
+  }
+
+  bool broken() const {
+    absl::MutexLock lock(&write_mu_);
+    return broken_ || shut_;
+  }
+
+  void wake() {
+    if (wake_fd_ < 0) return;
+    uint64_t one = 1;
+    ssize_t ignored = ::write(wake_fd_, &one, sizeof(one));
+    (void)ignored;
+  }
+
+  // ---- reading: one thread at a time.
+
+  // Waits until the socket has bytes and `paused()` is false (flushing the
+  // send queue and watching the peer meanwhile), or `deadline`. Cancelled
+  // once shut down; Unavailable when the peer's process stopped or died.
+  // With `yield`, returns Aborted whenever yield() is true when it looks.
+  absl::Status wait_readable(const std::function<bool()>& paused,
+                             absl::Time deadline = absl::InfiniteFuture(),
+                             const std::function<bool()>& yield = nullptr) {
+    for (;;) {
+      if (shut_now()) return absl::CancelledError("the connection was closed");
+      if (yield && yield()) return absl::AbortedError("another thread reads");
+      const bool hold = paused && paused();
+      bool want_out;
+      {
+        absl::MutexLock lock(&write_mu_);
+        flush_locked();
+        want_out = !out_.empty();
+        if (broken_) return absl::UnavailableError(broken_why_);
+      }
+      pollfd fds[2] = {{fd_, static_cast<short>((hold ? 0 : POLLIN) | (want_out ? POLLOUT : 0)), 0},
+                       {wake_fd_, POLLIN, 0}};
+      const absl::Time now = absl::Now();
+      absl::Duration wait = std::min(keepalive_interval_, deadline - now);
+      if (wait <= absl::ZeroDuration()) return absl::DeadlineExceededError("timed out");
+      int r = poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+      if (r < 0 && errno != EINTR) return absl::InternalError(std::strerror(errno));
+      if (fds[1].revents & POLLIN) drain_wake();
+      if (!hold && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+        stopped_since_ = absl::InfiniteFuture();
+        return absl::OkStatus();
+      }
+      if (r == 0) {
+        absl::Status alive = check_peer();
+        if (!alive.ok()) return alive;
+      }
+    }
+  }
+
+  int fd() const { return fd_; }
+  int wake_fd() const { return wake_fd_; }
+  void drain_wake() {
+    uint64_t v;
+    ssize_t ignored = ::read(wake_fd_, &v, sizeof(v));
+    (void)ignored;
+  }
+  // Writes what the socket takes; true if something is left to write.
+  bool flush() {
+    absl::MutexLock lock(&write_mu_);
+    flush_locked();
+    return !out_.empty();
+  }
+  // The peer check of wait_readable, at most once per keepalive_interval,
+  // for threads that poll the socket themselves.
+  absl::Status check_peer_now_and_then() {
+    const absl::Time now = absl::Now();
+    if (now - last_check_ < keepalive_interval_ / 2) return absl::OkStatus();
+    last_check_ = now;
+    return check_peer();
+  }
+
+  // Reads exactly n bytes; Unavailable at end of stream (eof set when no
+  // byte of them came).
+  absl::Status read_exact(void* dst, size_t n, bool* eof = nullptr,
+                          absl::Time deadline = absl::InfiniteFuture()) {
+    auto* out = static_cast<char*>(dst);
+    size_t done = 0;
+    if (eof) *eof = false;
+    while (done < n) {
+      ssize_t got = recv(fd_, out + done, n - done, MSG_DONTWAIT);
+      if (got > 0) {
+        done += got;
+        continue;
+      }
+      if (got == 0) {
+        if (eof && done == 0) *eof = true;
+        return absl::UnavailableError("the peer closed the connection");
+      }
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        return absl::UnavailableError(absl::StrCat("reading the connection failed: ",
+                                                   std::strerror(errno)));
+      }
+      absl::Status ready = wait_readable(nullptr, deadline);
+      if (!ready.ok()) return ready;
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads n bytes into a string that grows with the bytes that came, so a
+  // claim of many bytes costs memory only as they arrive.
+  absl::Status read_growing(size_t n, std::string* out) {
+    out->clear();
+    constexpr size_t kStep = size_t{1} << 20;
+    while (out->size() < n) {
+      const size_t at = out->size();
+      const size_t take = std::min(kStep, n - at);
+      out->resize(at + take);
+      absl::Status ok = read_exact(out->data() + at, take);
+      if (!ok.ok()) return ok;
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads a kFrame's head, descriptors and tensors, checking every claim.
+  absl::Status read_frame(const Preamble& p, Frame* frame) {
+    uint64_t total = p.body;
+    if (__builtin_add_overflow(total, p.inline_bytes, &total) ||
+        __builtin_add_overflow(total, p.remote_bytes, &total) ||
+        total > static_cast<uint64_t>(max_message_bytes_)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a frame of ", total, " bytes exceeds max_message_bytes (", max_message_bytes_, ")"));
+    }
+    if (p.num_remote > static_cast<uint32_t>(internal::kMaxTensorsPerFrame) ||
+        (p.num_remote == 0) != (p.remote_bytes == 0)) {
+      return absl::DataLossError("a frame's remote tensors do not add up");
+    }
+    if (p.num_remote > 0 && peer_pid_ <= 0) {
+      return absl::DataLossError("remote tensors from a peer whose process is unknown");
+    }
+    std::string head;
+    absl::Status ok = read_growing(p.body, &head);
+    if (!ok.ok()) return ok;
+    std::vector<RemoteTensor> remote(p.num_remote);
+    if (p.num_remote > 0) {
+      ok = read_exact(remote.data(), remote.size() * sizeof(RemoteTensor));
+      if (!ok.ok()) return ok;
+      for (size_t i = 1; i < remote.size(); ++i) {
+        if (remote[i].index <= remote[i - 1].index) {
+          return absl::DataLossError("remote tensors out of order");
+        }
+      }
+    }
+    size_t next_remote = 0;
+    uint64_t inline_read = 0;
+    uint64_t remote_read = 0;
+    ok = internal::parse_frame(
+        head, p.inline_bytes + p.remote_bytes,
+        [&](int index, void* dst, uint64_t n) -> absl::Status {
+          if (next_remote < remote.size() && remote[next_remote].index == static_cast<uint32_t>(index)) {
+            remote_read += n;
+            if (remote_read > p.remote_bytes) {
+              return absl::DataLossError("remote tensors exceed their claimed bytes");
+            }
+            return read_remote(peer_pid_, dst, remote[next_remote++].address, n);
+          }
+          inline_read += n;
+          if (inline_read > p.inline_bytes) {
+            return absl::DataLossError("inline tensors exceed their claimed bytes");
+          }
+          return read_exact(dst, n);
+        },
+        frame);
+    if (!ok.ok()) return ok;
+    if (next_remote != remote.size() || remote_read != p.remote_bytes ||
+        inline_read != p.inline_bytes) {
+      return absl::DataLossError("a frame's tensors do not match its remote and inline bytes");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Piece {
+    std::string bytes;
+    at::Tensor tensor;  // or the tensor's bytes
+    size_t done = 0;
+    const char* base() const {
+      return tensor.defined() ? static_cast<const char*>(tensor.data_ptr()) : bytes.data();
+    }
+    size_t size() const {
+      return tensor.defined() ? tensor.numel() * tensor.element_size() : bytes.size();
+    }
+  };
+
+  void enqueue(std::string bytes, at::Tensor tensor) ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) {
+    Piece piece;
+    piece.bytes = std::move(bytes);
+    piece.tensor = std::move(tensor);
+    queued_bytes_ += piece.size();
+    out_.push_back(std::move(piece));
+  }
+
+  // Writes what the socket takes now; wakes the reader to wait for room
+  // when something is left.
+  void flush_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(write_mu_) {
+    while (!out_.empty() && !broken_) {
+      iovec iov[64];
+      int n = 0;
+      for (auto it = out_.begin(); it != out_.end() && n < 64; ++it, ++n) {
+        iov[n].iov_base = const_cast<char*>(it->base() + it->done);
+        iov[n].iov_len = it->size() - it->done;
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = n;
+      ssize_t sent = sendmsg(fd_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (sent < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          if (!waiting_for_room_) {
+            waiting_for_room_ = true;
+            wake();  // the reader now polls for room
+          }
+          return;
+        }
+        broken_ = true;
+        broken_why_ = absl::StrCat("writing the connection failed: ", std::strerror(errno));
+        out_.clear();
+        queued_bytes_ = 0;
+        wake();
+        return;
+      }
+      queued_bytes_ -= sent;
+      size_t left = sent;
+      while (left > 0) {
+        Piece& front = out_.front();
+        const size_t take = std::min(left, front.size() - front.done);
+        front.done += take;
+        left -= take;
+        if (front.done == front.size()) out_.pop_front();
+      }
+    }
+    waiting_for_room_ = false;
+  }
+
+  bool shut_now() const {
+    absl::MutexLock lock(&write_mu_);
+    return shut_;
+  }
+
+  // Whether the peer's process still runs: gone or a zombie, or stopped
+  // for keepalive_timeout, is unreachable.
+  absl::Status check_peer() {
+    if (peer_pid_ <= 0) return absl::OkStatus();
+    const char state = process_state(peer_pid_);
+    if (state == 0 || state == 'Z' || state == 'X') {
+      return absl::UnavailableError(absl::StrCat("the peer process ", peer_pid_, " is gone"));
+    }
+    if (state == 'T' || state == 't') {
+      const absl::Time now = absl::Now();
+      if (stopped_since_ == absl::InfiniteFuture()) stopped_since_ = now;
+      if (now - stopped_since_ >= keepalive_timeout_) {
+        return absl::UnavailableError(absl::StrCat("the peer process ", peer_pid_,
+                                                   " has been stopped for ",
+                                                   absl::FormatDuration(now - stopped_since_)));
+      }
+    } else {
+      stopped_since_ = absl::InfiniteFuture();
+    }
+    return absl::OkStatus();
+  }
+
+  const int fd_;
+  const int wake_fd_;
+  const pid_t peer_pid_;  // from the kernel (SO_PEERCRED), 0 if unknown
+  const int64_t max_message_bytes_;
+  const absl::Duration keepalive_interval_;
+  const absl::Duration keepalive_timeout_;
+  // The reading thread's:
+  absl::Time stopped_since_ = absl::InfiniteFuture();
+  absl::Time last_check_ = absl::InfinitePast();
+
+  mutable absl::Mutex write_mu_;
+  // State below is protected by write_mu_.
+  std::deque<Piece> out_ ABSL_GUARDED_BY(write_mu_);
+  int64_t queued_bytes_ ABSL_GUARDED_BY(write_mu_) = 0;
+  bool waiting_for_room_ ABSL_GUARDED_BY(write_mu_) = false;
+  bool may_send_remote_ ABSL_GUARDED_BY(write_mu_) = false;
+  uint64_t next_seq_ ABSL_GUARDED_BY(write_mu_) = 0;
+  std::map<uint64_t, std::pair<std::vector<at::Tensor>, uint64_t>> unacked_
+      ABSL_GUARDED_BY(write_mu_);
+  int64_t unacked_bytes_ ABSL_GUARDED_BY(write_mu_) = 0;
+  bool shut_ ABSL_GUARDED_BY(write_mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(write_mu_) = false;
+  std::string broken_why_ ABSL_GUARDED_BY(write_mu_);
+};
+
+absl::Status read_preamble(Conn* conn, Preamble* p, bool* eof,
+                           absl::Time deadline = absl::InfiniteFuture()) {
+  absl::Status ok = conn->read_exact(p, sizeof(*p), eof, deadline);
+  if (!ok.ok()) return ok;
+  if (p->magic != kMagic) return absl::DataLossError("a message without the protocol's magic");
+  return absl::OkStatus();
+}
+
+// ------------------------------------------------------------ server
+
+class SameHostServer;
+
+// A caller's connection as the server sees it.
+struct ServerConn {
+  ServerConn(std::unique_ptr<Conn> c, uid_t uid) : conn(std::move(c)), peer_uid(uid) {}
+  const std::unique_ptr<Conn> conn;
+  const uid_t peer_uid;
+  int caller = -1;  // set by the handshake, before any request
+  std::string address;
+
+  absl::Mutex mu;
+  // State below is protected by mu.
+  int unanswered ABSL_GUARDED_BY(mu) = 0;
+  bool paused ABSL_GUARDED_BY(mu) = false;  // the reader waits for room
+  int reader ABSL_GUARDED_BY(mu) = 0;       // generation of the thread that reads
+  absl::Time inline_since ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+};
+
+class SameHostResponder : public Responder {
+ public:
+  SameHostResponder(std::shared_ptr<ServerConn> conn) : conn_(std::move(conn)) {}
+  ~SameHostResponder() override {
+    if (!answered_.exchange(true)) done();
+  }
+  void send(Frame reply) override {
+    if (answered_.exchange(true)) return;
+    reply.more_in_flight = false;
+    conn_->conn->send_frame(reply);
+    done();
+  }
+  bool answered() const override { return answered_.load(); }
+  int caller() const override { return conn_->caller; }
+  const std::string& address() const override { return conn_->address; }
+
+ private:
+  void done() {
+    bool wake;
+    {
+      absl::MutexLock lock(&conn_->mu);
+      --conn_->unanswered;
+      wake = conn_->paused;
+    }
+    if (wake) conn_->conn->wake();
+  }
+  const std::shared_ptr<ServerConn> conn_;
+  std::atomic<bool> answered_{false};
+};
+
+class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
+ public:
+  using OnRequest = Transport::OnRequest;
+  using CheckRequest = Transport::CheckRequest;
+
+  static std::shared_ptr<SameHostServer> start(const ServerLimits& limits,
+                                               const Security& security, CheckRequest check,
+                                               OnRequest run_inline, OnRequest offload) {
+    auto s = std::shared_ptr<SameHostServer>(new SameHostServer(limits, security, std::move(check),
+                                                                std::move(run_inline),
+                                                                std::move(offload)));
+    static std::atomic<int> counter{0};
+    s->name_ = absl::StrCat("ddprpc.", getpid(), ".", counter.fetch_add(1), ".",
+                            Security::random_token().substr(0, 16));
+    s->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr;
+    socklen_t len;
+    set_abstract_address(s->name_, &addr, &len);
+    if (s->listen_fd_ < 0 || bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+        listen(s->listen_fd_, 1024) != 0) {
+      LOG(WARNING) << "rpc: no same-host endpoint (" << std::strerror(errno) << "); peers on this "
+                   << "host connect over the network";
+      return nullptr;
+    }
+    s->stop_fd_ = eventfd(0, EFD_CLOEXEC);
+    s->acceptor_ = std::thread([self = s.get()] { self->accept_loop(); });
+    s->watchdog_ = std::thread([self = s.get()] { self->watchdog_loop(); });
+    return s;
+  }
+
+  // shutdown() must have been called (its reading threads hold it).
+  ~SameHostServer() = default;
+
+  const std::string& name() const { return name_; }
+
+  void shutdown(absl::Duration grace) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopped_) return;
+      stopping_ = true;
+    }
+    uint64_t one = 1;
+    ssize_t ignored = ::write(stop_fd_, &one, sizeof(one));
+    (void)ignored;
+    if (acceptor_.joinable()) acceptor_.join();
+    if (watchdog_.joinable()) watchdog_.join();
+    // Connections still open get `grace` to answer what they have read.
+    const absl::Time deadline = absl::Now() + grace;
+    std::vector<std::shared_ptr<ServerConn>> conns;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [ptr, c] : conns_) conns.push_back(c);
+    }
+    for (auto& c : conns) {
+      absl::MutexLock lock(&c->mu);
+      auto answered = [&c]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(c->mu) { return c->unanswered == 0; };
+      c->mu.AwaitWithDeadline(absl::Condition(&answered), deadline);
+    }
+    for (auto& c : conns) {
+      c->conn->send_control(kGoodbye, 0, 0);
+      c->conn->shutdown_after_flush(absl::Milliseconds(100));
+    }
+    absl::MutexLock lock(&mu_);
+    auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return readers_ == 0; };
+    mu_.Await(absl::Condition(&gone));
+    conns_.clear();
+    stopped_ = true;
+    ::close(listen_fd_);
+    ::close(stop_fd_);
+  }
+
+ private:
+  SameHostServer(const ServerLimits& limits, const Security& security, CheckRequest check,
+                 OnRequest run_inline, OnRequest offload)
+      : limits_(limits),
+        security_(security),
+        auth_(security.authenticated() ? std::make_unique<internal::AuthChecker>(security.token)
+                                       : nullptr),
+        check_(std::move(check)),
+        run_inline_(std::move(run_inline)),
+        offload_(std::move(offload)),
+        streams_of_worker_(std::max(limits.world_size, 1), 0) {}
+
+  static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
+  static constexpr int kMaxHandedOff = 64;
+
+  void accept_loop() {
+    for (;;) {
+      pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+      if (poll(fds, 2, -1) < 0 && errno != EINTR) return;
+      if (fds[1].revents) return;
+      if (!(fds[0].revents & POLLIN)) continue;
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) continue;
+      uid_t uid = static_cast<uid_t>(-1);
+      const pid_t pid = peer_pid_of(fd, &uid);
+      auto c = std::make_shared<ServerConn>(
+          std::make_unique<Conn>(fd, pid, limits_.max_message_bytes, limits_.keepalive_interval,
+                                 limits_.keepalive_timeout),
+          uid);
+      c->address = absl::StrCat("same-host process ", pid);
+      absl::MutexLock lock(&mu_);
+      if (stopping_) continue;  // c closes its socket
+      conns_.emplace(c.get(), c);
+      start_reader(c, 0);
+    }
+  }
+
+  void start_reader(const std::shared_ptr<ServerConn>& c, int generation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++readers_;
+    // The thread holds the server: its mutex outlives the last unlock here.
+    std::thread([self = shared_from_this(), c, generation] {
+      self->serve(c, generation);
+      absl::MutexLock lock(&self->mu_);
+      --self->readers_;
+    }).detach();
+  }
+
+  // Hands the reading of connections whose inline request runs too long to
+  // a new thread.
+  void watchdog_loop() {
+    absl::MutexLock lock(&mu_);
+    while (!stopping_) {
+      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || inline_runs_ > 0;
+      };
+      mu_.Await(absl::Condition(&wake));
+      if (stopping_) return;
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), kWatchdogTick);
+      if (stopping_) return;
+      const absl::Time now = absl::Now();
+      for (auto& [ptr, c] : conns_) {
+        absl::MutexLock conn_lock(&c->mu);
+        if (c->inline_since == absl::InfiniteFuture() ||
+            now - c->inline_since < limits_.inline_handoff) {
+          continue;
+        }
+        c->inline_since = absl::InfiniteFuture();
+        ++c->reader;
+        ++handed_off_;
+        start_reader(c, c->reader);
+      }
+    }
+  }
+
+  // The reading thread of one connection (generation 0 from the start,
+  // later ones after a handoff).
+  void serve(const std::shared_ptr<ServerConn>& c, int generation) {
+    absl::Status why;
+    bool clean = false;
+    if (generation == 0) {
+      why = handshake(c.get());
+      if (!why.ok()) {
+        reject(c.get(), why);
+        end(c);
+        return;
+      }
+    }
+    for (;;) {
+      why = c->conn->wait_readable([this, &c] {
+        const bool full = c->conn->backlog_bytes() > limits_.max_pending_reply_bytes;
+        absl::MutexLock lock(&c->mu);
+        c->paused = full || c->unanswered >= limits_.max_pending_requests;
+        return c->paused;
+      });
+      if (!why.ok()) break;
+      Preamble p;
+      bool eof = false;
+      why = read_preamble(c->conn.get(), &p, &eof);
+      if (!why.ok()) {
+        if (eof) clean = true;  // the caller closed without saying goodbye
+        break;
+      }
+      if (p.kind == kFrame) {
+        bool mine = true;
+        try {
+          internal::fault_point("transport.server_read");
+          why = on_frame(c, p, generation, &mine);
+        } catch (const std::exception& e) {
+          why = absl::InternalError(absl::StrCat("rpc transport: ", e.what()));
+        }
+        if (!why.ok()) break;
+        if (!mine) return;  // another thread reads now
+      } else if (p.kind == kAck && p.body == 0) {
+        why = c->conn->on_ack(p.seq);
+        if (!why.ok()) break;
+      } else if (p.kind == kConfirm && p.body == 0) {
+        c->conn->set_may_send_remote(p.flags & kFlagCrossMemory);
+      } else if (p.kind == kGoodbye && p.body == 0) {
+        clean = true;
+        break;
+      } else {
+        why = absl::DataLossError(absl::StrCat("unexpected message kind ", int{p.kind}));
+        break;
+      }
+    }
+    if (!clean && !why.ok() && !absl::IsCancelled(why)) {
+      reject(c.get(), why);
+      c->conn->send_control(kGoodbye, 0, 0, std::string(why.message()).substr(0, kMaxHandshakeBody));
+    }
+    end(c);
+  }
+
+  absl::Status on_frame(const std::shared_ptr<ServerConn>& c, const Preamble& p, int generation,
+                        bool* mine) {
+    Frame frame;
+    absl::Status ok = c->conn->read_frame(p, &frame);
+    if (!ok.ok()) return ok;
+    if (p.num_remote > 0) c->conn->send_control(kAck, 0, p.seq);
+    ok = check_(c->caller, frame);
+    if (!ok.ok()) return ok;
+    auto responder = std::make_shared<SameHostResponder>(c);
+    bool run_here;
+    {
+      // Lock order: the server's, then the connection's (as the watchdog).
+      absl::MutexLock server_lock(&mu_);
+      absl::MutexLock lock(&c->mu);
+      ++c->unanswered;
+      run_here = !frame.more_in_flight && handed_off_running() < kMaxHandedOff;
+      if (run_here) {
+        c->inline_since = absl::Now();
+        ++inline_runs_;
+      }
+    }
+    try {
+      if (run_here) {
+        run_inline_(std::move(responder), std::move(frame));
+      } else {
+        offload_(std::move(responder), std::move(frame));
+      }
+    } catch (const std::exception& e) {
+      ok = absl::InternalError(absl::StrCat("serving a request failed: ", e.what()));
+    } catch (...) {
+      ok = absl::InternalError("serving a request failed");
+    }
+    if (run_here) {
+      absl::MutexLock server_lock(&mu_);
+      absl::MutexLock lock(&c->mu);
+      c->inline_since = absl::InfiniteFuture();
+      --inline_runs_;
+      if (c->reader != generation) {
+        --handed_off_;
+        *mine = false;
+      }
+    }
+    return ok;
+  }
+
+  int handed_off_running() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return handed_off_; }
+
+  absl::Status handshake(ServerConn* c) {
+    const absl::Time deadline = absl::Now() + kHandshakeTimeout;
+    Preamble p;
+    absl::Status ok = read_preamble(c->conn.get(), &p, nullptr, deadline);
+    if (!ok.ok()) return ok;
+    if (p.kind != kHello || p.body < sizeof(HelloBody) || p.body > kMaxHandshakeBody) {
+      return absl::PermissionDeniedError("a connection must start with its hello");
+    }
+    std::string body(p.body, '\0');
+    ok = c->conn->read_exact(body.data(), body.size(), nullptr, deadline);
+    if (!ok.ok()) return ok;
+    HelloBody hello;
+    std::memcpy(&hello, body.data(), sizeof(hello));
+    if (hello.proof_size != body.size() - sizeof(hello)) {
+      return absl::DataLossError("a malformed hello");
+    }
+    absl::Status verdict;
+    if (hello.worker < 0 || hello.worker >= limits_.world_size) {
+      verdict = absl::PermissionDeniedError(absl::StrCat(
+          "a connection must name a worker id in [0, ", limits_.world_size, ")"));
+    } else if (auth_) {
+      grpc::Status proven = auth_->check_proof(
+          absl::string_view(body.data() + sizeof(hello), hello.proof_size), "rpc", hello.worker);
+      if (!proven.ok()) verdict = absl::UnauthenticatedError(proven.error_message());
+    } else if (security_.encrypted() && c->peer_uid != getuid()) {
+      verdict = absl::UnauthenticatedError(
+          "a same-host connection of another user to a job without a token");
+    }
+    if (verdict.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (streams_of_worker_[hello.worker] >= limits_.max_streams_per_worker) {
+        verdict = absl::ResourceExhaustedError(absl::StrCat(
+            "worker ", hello.worker, " has ", streams_of_worker_[hello.worker],
+            " connections open already"));
+      } else {
+        ++streams_of_worker_[hello.worker];
+        c->caller = hello.worker;
+        c->address = absl::StrCat("same-host process ", c->conn->peer_pid(), " (worker ",
+                                  hello.worker, ")");
+      }
+    }
+    WelcomeBody welcome;
+    welcome.code = static_cast<int32_t>(verdict.code());
+    const std::string message(verdict.message());
+    welcome.message_size = static_cast<uint32_t>(message.size());
+    welcome.probe = reinterpret_cast<uint64_t>(kProbe);
+    welcome.cross_memory = verdict.ok() && can_read_remote(c->conn->peer_pid(), hello.probe);
+    std::string reply(sizeof(welcome), '\0');
+    std::memcpy(reply.data(), &welcome, sizeof(welcome));
+    reply += message;
+    c->conn->send_control(kWelcome, 0, 0, reply);
+    return verdict;
+  }
+
+  void reject(ServerConn* c, const absl::Status& why) {
+    LOG(WARNING) << "rpc same-host transport: ending the connection of " << c->address << ": "
+                 << why.message();
+  }
+
+  void end(const std::shared_ptr<ServerConn>& c) {
+    c->conn->shutdown_after_flush(absl::Milliseconds(100));
+    absl::MutexLock lock(&mu_);
+    if (conns_.erase(c.get()) > 0 && c->caller >= 0) --streams_of_worker_[c->caller];
+  }
+
+  const ServerLimits limits_;
+  const Security security_;
+  const std::unique_ptr<internal::AuthChecker> auth_;
+  const CheckRequest check_;
+  const OnRequest run_inline_;
+  const OnRequest offload_;
+  std::string name_;
+  int listen_fd_ = -1;
+  int stop_fd_ = -1;
+  std::thread acceptor_;
+  std::thread watchdog_;
+
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<ServerConn*, std::shared_ptr<ServerConn>> conns_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);
+  int readers_ ABSL_GUARDED_BY(mu_) = 0;       // threads in serve()
+  int inline_runs_ ABSL_GUARDED_BY(mu_) = 0;   // requests run by reading threads
+  int handed_off_ ABSL_GUARDED_BY(mu_) = 0;    // of them, those whose reading moved on
+};
+
+// ------------------------------------------------------------ channel
+
+class SameHostChannel;
+
+// Who reads the replies of a transport's channels. A channel's socket is
+// read by one thread at a time, the holder of its reading role: a caller
+// waiting for a reply (SameHostTransport::drive), so that the reply wakes
+// only that caller, or else the channel's background thread, which reads
+// while replies are expected, no caller holds reservations (SyncCallScope:
+// callers that will wait and read) and no caller holds the role.
+//
+// Reservations are made for both transports at once (a scope does not know
+// which its calls will use), so a thread that waits on one transport lends
+// its reservations of the other back for the wait (Lend): a reply of the
+// other kind that its wait depends on is then read by that transport's own
+// background reader.
+struct ReadGate {
+  Transport* fallback = nullptr;  // set once, before any channel exists
+  absl::Mutex mu;
+  // State below is protected by mu.
+  int reserved ABSL_GUARDED_BY(mu) = 0;
+  // Moves when a role is let go or a reply has been handled.
+  uint64_t version ABSL_GUARDED_BY(mu) = 0;
+  std::vector<std::weak_ptr<SameHostChannel>> channels ABSL_GUARDED_BY(mu);
+};
+
+// Reads the same-host channels whose role is free (or held by this thread
+// further up) until done() or `deadline`.
+void drive_same_host(const std::shared_ptr<ReadGate>& gate, const std::function<bool()>& done,
+                     absl::Time deadline);
+
+// Reservations this thread holds through each gate (SameHostTransport).
+thread_local std::vector<std::pair<const ReadGate*, int>> t_reserved;
+
+int& reserved_here(const ReadGate* gate) {
+  for (auto& [g, n] : t_reserved) {
+    if (g == gate) return n;
+  }
+  t_reserved.emplace_back(gate, 0);
+  return t_reserved.back().second;
+}
+
+// For the scope of a wait on one kind of channel: gives this thread's
+// reservations of the other kind back, and takes them again at the end.
+class Lend {
+ public:
+  Lend(ReadGate* gate, bool same_host_side) : gate_(gate), same_host_side_(same_host_side) {
+    n_ = reserved_here(gate);
+    for (int i = 0; i < n_; ++i) release();
+  }
+  ~Lend() {
+    for (int i = 0; i < n_; ++i) reserve();
+  }
+  Lend(const Lend&) = delete;
+  Lend& operator=(const Lend&) = delete;
+
+ private:
+  void release() {
+    if (same_host_side_) {
+      absl::MutexLock lock(&gate_->mu);
+      --gate_->reserved;
+    } else {
+      gate_->fallback->release_reading();
+    }
+  }
+  void reserve() {
+    if (same_host_side_) {
+      absl::MutexLock lock(&gate_->mu);
+      ++gate_->reserved;
+    } else {
+      gate_->fallback->reserve_reading();
+    }
+  }
+  ReadGate* const gate_;
+  const bool same_host_side_;  // lends the same-host reservations (a gRPC wait)
+  int n_ = 0;
+};
+
+class SameHostChannel : public Channel, public std::enable_shared_from_this<SameHostChannel> {
+ public:
+  // Null if the server's socket cannot be reached.
+  static std::shared_ptr<SameHostChannel> open(const std::shared_ptr<ReadGate>& gate,
+                                               const std::string& name,
+                                               const PeerOptions& options, OnFrame on_frame,
+                                               OnClose on_close) {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return nullptr;
+    sockaddr_un addr;
+    socklen_t len;
+    set_abstract_address(name, &addr, &len);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      ::close(fd);
+      return nullptr;
+    }
+    uid_t uid;
+    const pid_t pid = peer_pid_of(fd, &uid);
+    auto ch = std::shared_ptr<SameHostChannel>(new SameHostChannel(
+        gate,
+        std::make_unique<Conn>(fd, pid, options.max_message_bytes, options.keepalive_interval,
+                               options.keepalive_timeout),
+        std::move(on_frame), std::move(on_close)));
+    HelloBody hello;
+    hello.worker = options.self;
+    const std::string proof = options.security.authenticated()
+                                  ? internal::auth_proof(options.security.token, "rpc", options.self)
+                                  : std::string();
+    hello.proof_size = static_cast<uint32_t>(proof.size());
+    hello.probe = reinterpret_cast<uint64_t>(kProbe);
+    std::string body(sizeof(hello), '\0');
+    std::memcpy(body.data(), &hello, sizeof(hello));
+    body += proof;
+    ch->conn_->send_control(kHello, 0, 0, body);
+    {
+      absl::MutexLock lock(&gate->mu);
+      gate->channels.push_back(ch);
+    }
+    std::thread([ch] { ch->background_loop(); }).detach();
+    return ch;
+  }
+
+  ~SameHostChannel() override = default;
+
+  bool send(Frame frame, const SendOptions& options) override {
+    {
+      absl::MutexLock lock(&gate_->mu);
+      if (ended_ || closing_) return false;
+      if (options.expects_reply) ++expecting_;
+    }
+    frame.more_in_flight = options.more_in_flight;
+    return conn_->send_frame(frame);
+  }
+
+  bool broken() const override {
+    absl::MutexLock lock(&gate_->mu);
+    return ended_;
+  }
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    drive_same_host(gate_, done, deadline);
+  }
+
+  // Reads what has come (a goodbye, the end of the connection) and looks at
+  // the peer's process when no thread reads: an idle channel learns of its
+  // peer's end, or that it has stopped, here.
+  void check_connection() override {
+    if (!try_take_role()) return;
+    absl::Status ok = absl::OkStatus();
+    while (ok.ok()) {
+      pollfd q{conn_->fd(), POLLIN, 0};
+      if (poll(&q, 1, 0) <= 0) break;
+      ok = read_one();
+    }
+    if (ok.ok()) ok = conn_->check_peer_now_and_then();
+    release_role();
+    if (!ok.ok()) end(failed(ok));
+  }
+
+  void close(bool graceful) override {
+    const std::thread::id me = std::this_thread::get_id();
+    {
+      absl::MutexLock lock(&gate_->mu);
+      if (!closing_) {
+        closing_ = true;
+      } else {
+        // Closed already: wait for the first close's end.
+        auto over = [this, me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+          return close_done_ || background_id_ == me;
+        };
+        gate_->mu.Await(absl::Condition(&over));
+        return;
+      }
+    }
+    conn_->send_control(kGoodbye, 0, 0);
+    if (graceful) {
+      conn_->shutdown_after_flush(absl::Seconds(5));
+    } else {
+      conn_->shutdown();
+    }
+    {
+      // No thread but this one reads any more, and the background thread
+      // has gone (unless this is it).
+      absl::MutexLock lock(&gate_->mu);
+      auto quiet = [this, me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+        return (holder_ == std::thread::id() || holder_ == me) &&
+               (background_done_ || background_id_ == me);
+      };
+      gate_->mu.Await(absl::Condition(&quiet));
+    }
+    end(CloseReason{});
+    absl::MutexLock lock(&gate_->mu);
+    close_done_ = true;
+  }
+
+  // ---- for SameHostTransport::drive (gate_->mu held)
+
+  // Takes the role if free; returns whether this thread now holds it
+  // (already held by this thread counts, `nested` then set).
+  bool claim_for_driver(std::thread::id me, bool* nested) ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+    *nested = false;
+    if (ended_ || closing_ || !welcomed_) return false;
+    if (holder_ == me) {
+      *nested = true;
+      return true;
+    }
+    if (holder_ != std::thread::id()) return false;
+    holder_ = me;
+    return true;
+  }
+  void release_for_driver() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+    holder_ = std::thread::id();
+    ++gate_->version;
+  }
+  bool held_by_other(std::thread::id me) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+    return !ended_ && ((holder_ != std::thread::id() && holder_ != me) || !welcomed_);
+  }
+  Conn* conn() { return conn_.get(); }
+
+  // Reads and handles one message (the caller holds the role); an error
+  // ends the channel.
+  void read_one_or_end() {
+    absl::Status ok = read_one();
+    if (!ok.ok()) end(failed(ok));
+  }
+  void check_peer_or_end() {
+    absl::Status ok = conn_->check_peer_now_and_then();
+    if (!ok.ok()) end(failed(ok));
+  }
+
+ private:
+  SameHostChannel(std::shared_ptr<ReadGate> gate, std::unique_ptr<Conn> conn, OnFrame on_frame,
+                  OnClose on_close)
+      : gate_(std::move(gate)),
+        conn_(std::move(conn)),
+        on_frame_(std::move(on_frame)),
+        on_close_(std::move(on_close)) {}
+
+  static CloseReason failed(const absl::Status& why) {
+    CloseReason r;
+    r.ok = false;
+    r.unreachable = absl::IsUnavailable(why) || absl::IsDeadlineExceeded(why);
+    r.message = std::string(why.message());
+    return r;
+  }
+
+  bool try_take_role() {
+    absl::MutexLock lock(&gate_->mu);
+    if (ended_ || !welcomed_ || holder_ != std::thread::id()) return false;
+    holder_ = std::this_thread::get_id();
+    return true;
+  }
+  void release_role() {
+    absl::MutexLock lock(&gate_->mu);
+    holder_ = std::thread::id();
+    ++gate_->version;
+  }
+
+  // Ends the channel once: the socket closes and OnClose runs.
+  void end(const CloseReason& reason) {
+    {
+      absl::MutexLock lock(&gate_->mu);
+      if (ended_) return;
+      ended_ = true;
+      ++gate_->version;
+    }
+    conn_->shutdown();
+    try {
+      on_close_(closing_now() ? CloseReason{} : reason);
+    } catch (...) {
+      LOG(ERROR) << "rpc same-host transport: a close callback threw";
+    }
+  }
+  bool closing_now() {
+    absl::MutexLock lock(&gate_->mu);
+    return closing_;
+  }
+
+  // Reads while replies are expected and nobody else reads.
+  void background_loop() {
+    {
+      absl::MutexLock lock(&gate_->mu);
+      background_id_ = std::this_thread::get_id();
+    }
+    absl::Status ok = welcome();
+    {
+      absl::MutexLock lock(&gate_->mu);
+      welcomed_ = true;  // drivers may read from here on
+      ++gate_->version;
+    }
+    if (!ok.ok()) end(failed(ok));
+    const std::thread::id me = std::this_thread::get_id();
+    for (;;) {
+      {
+        absl::MutexLock lock(&gate_->mu);
+        auto my_turn = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+          return ended_ || closing_ ||
+                 (holder_ == std::thread::id() && expecting_ > 0 && gate_->reserved == 0);
+        };
+        gate_->mu.Await(absl::Condition(&my_turn));
+        if (ended_ || closing_) break;
+        holder_ = me;
+      }
+      ok = conn_->wait_readable(nullptr, absl::InfiniteFuture(), [this] {
+        absl::MutexLock lock(&gate_->mu);
+        return expecting_ == 0 || gate_->reserved > 0;
+      });
+      if (ok.ok()) ok = read_one();
+      release_role();
+      if (!ok.ok() && !absl::IsAborted(ok)) {
+        end(failed(ok));
+        break;
+      }
+    }
+    absl::MutexLock lock(&gate_->mu);
+    background_done_ = true;
+  }
+
+  // One message: a reply, an acknowledgement or a goodbye. Never throws.
+  absl::Status read_one() {
+    try {
+      return read_one_unguarded();
+    } catch (const std::exception& e) {
+      return absl::InternalError(absl::StrCat("rpc transport: ", e.what()));
+    }
+  }
+  absl::Status read_one_unguarded() {
+    Preamble p;
+    absl::Status ok = read_preamble(conn_.get(), &p, nullptr);
+    if (!ok.ok()) return ok;
+    if (p.kind == kFrame) {
+      internal::fault_point("transport.client_read");
+      Frame frame;
+      ok = conn_->read_frame(p, &frame);
+      if (!ok.ok()) return ok;
+      if (p.num_remote > 0) conn_->send_control(kAck, 0, p.seq);
+      try {
+        ok = on_frame_(std::move(frame));
+      } catch (const std::exception& e) {
+        ok = absl::InternalError(e.what());
+      }
+      absl::MutexLock lock(&gate_->mu);
+      if (expecting_ > 0) --expecting_;
+      ++gate_->version;
+      return ok;
+    }
+    if (p.kind == kAck && p.body == 0) return conn_->on_ack(p.seq);
+    if (p.kind == kGoodbye && p.body == 0) {
+      end(CloseReason{});
+      return absl::OkStatus();
+    }
+    if (p.kind == kGoodbye && p.body <= kMaxHandshakeBody) {
+      // The server ended the connection over an error, which it names.
+      std::string why(p.body, '\0');
+      ok = conn_->read_exact(why.data(), why.size());
+      if (!ok.ok()) return ok;
+      return absl::InternalError(why);
+    }
+    return absl::DataLossError(absl::StrCat("unexpected message kind ", int{p.kind}));
+  }
+
+  absl::Status welcome() {
+    const absl::Time deadline = absl::Now() + kHandshakeTimeout;
+    Preamble p;
+    absl::Status ok = read_preamble(conn_.get(), &p, nullptr, deadline);
+    if (!ok.ok()) return ok;
+    if (p.kind != kWelcome || p.body < sizeof(WelcomeBody) || p.body > kMaxHandshakeBody) {
+      return absl::DataLossError("the server did not answer the hello");
+    }
+    std::string body(p.body, '\0');
+    ok = conn_->read_exact(body.data(), body.size(), nullptr, deadline);
+    if (!ok.ok()) return ok;
+    WelcomeBody w;
+    std::memcpy(&w, body.data(), sizeof(w));
+    if (w.message_size != body.size() - sizeof(w)) return absl::DataLossError("a malformed welcome");
+    if (w.code != 0) {
+      return absl::Status(static_cast<absl::StatusCode>(w.code),
+                          absl::StrCat("the worker refused the connection: ",
+                                       body.substr(sizeof(w))));
+    }
+    conn_->set_may_send_remote(w.cross_memory != 0);
+    const bool can_read = can_read_remote(conn_->peer_pid(), w.probe);
+    conn_->send_control(kConfirm, can_read ? kFlagCrossMemory : 0, 0);
+    return absl::OkStatus();
+  }
+
+  const std::shared_ptr<ReadGate> gate_;
+  const std::unique_ptr<Conn> conn_;
+  const OnFrame on_frame_;
+  const OnClose on_close_;
+
+  // State below is protected by gate_->mu.
+  bool ended_ ABSL_GUARDED_BY(gate_->mu) = false;
+  bool closing_ ABSL_GUARDED_BY(gate_->mu) = false;
+  bool close_done_ ABSL_GUARDED_BY(gate_->mu) = false;
+  bool welcomed_ ABSL_GUARDED_BY(gate_->mu) = false;  // the handshake is over
+  bool background_done_ ABSL_GUARDED_BY(gate_->mu) = false;
+  int64_t expecting_ ABSL_GUARDED_BY(gate_->mu) = 0;  // replies not yet read
+  std::thread::id holder_ ABSL_GUARDED_BY(gate_->mu);  // of the reading role
+  std::thread::id background_id_ ABSL_GUARDED_BY(gate_->mu);
+};
+
+// Reads the same-host channels whose role is free (or held by this
+// thread further up) until done() or `deadline`; gRPC's queue is read by
+// its own drive, which a caller of a gRPC channel reaches through it.
+void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function<bool()>& done,
+                     absl::Time deadline) {
+  Lend lend(gate_.get(), /*same_host_side=*/false);
+  // Slices bound how long a completion from elsewhere (a timeout, a
+  // reply read by another thread) goes unnoticed.
+  constexpr absl::Duration kSlice = absl::Milliseconds(50);
+  const std::thread::id me = std::this_thread::get_id();
+  while (!done()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) return;
+    std::vector<std::shared_ptr<SameHostChannel>> reading;
+    std::vector<bool> nested;
+    bool others = false;
+    {
+      absl::MutexLock lock(&gate_->mu);
+      auto& list = gate_->channels;
+      for (size_t i = 0; i < list.size();) {
+        std::shared_ptr<SameHostChannel> ch = list[i].lock();
+        if (!ch) {
+          list[i] = list.back();
+          list.pop_back();
+          continue;
+        }
+        ++i;
+        bool is_nested;
+        if (ch->claim_for_driver(me, &is_nested)) {
+          reading.push_back(std::move(ch));
+          nested.push_back(is_nested);
+        } else if (ch->held_by_other(me)) {
+          others = true;
+        }
+      }
+      if (reading.empty() && others) {
+        // Another thread reads: wait until it lets a role go or a reply
+        // is handled (a slice at most), then look at done() again.
+        const uint64_t seen = gate_->version;
+        auto changed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+          return gate_->version != seen;
+        };
+        gate_->mu.AwaitWithTimeout(absl::Condition(&changed), std::min(kSlice, deadline - now));
+      }
+    }
+    if (reading.empty()) {
+      if (!others) return;  // no same-host channel to read
+      continue;
+    }
+    std::vector<pollfd> fds;
+    for (auto& ch : reading) {
+      const bool out = ch->conn()->flush();
+      fds.push_back({ch->conn()->fd(), static_cast<short>(POLLIN | (out ? POLLOUT : 0)), 0});
+      fds.push_back({ch->conn()->wake_fd(), POLLIN, 0});
+    }
+    const absl::Duration wait = std::min(kSlice, deadline - now);
+    const int r = poll(fds.data(), fds.size(),
+                       static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+    for (size_t i = 0; i < reading.size() && r > 0; ++i) {
+      if (fds[2 * i + 1].revents & POLLIN) reading[i]->conn()->drain_wake();
+      if (fds[2 * i].revents & (POLLIN | POLLHUP | POLLERR)) reading[i]->read_one_or_end();
+    }
+    if (r == 0) {
+      for (auto& ch : reading) ch->check_peer_or_end();
+    }
+    absl::MutexLock lock(&gate_->mu);
+    for (size_t i = 0; i < reading.size(); ++i) {
+      if (!nested[i]) reading[i]->release_for_driver();
+    }
+  }
+}
+
+
+// ------------------------------------------------------------ the pair
+
+class PairServer : public Server {
+ public:
+  PairServer(std::unique_ptr<Server> fallback, std::shared_ptr<SameHostServer> local)
+      : fallback_(std::move(fallback)), local_(std::move(local)) {}
+  ~PairServer() override {
+    if (local_) local_->shutdown(absl::ZeroDuration());
+  }
+  int port() const override { return fallback_->port(); }
+  std::string same_host_endpoint() const override {
+    return local_ ? absl::StrCat(host_identity(), "|", local_->name()) : std::string();
+  }
+  void shutdown(absl::Duration grace) override {
+    if (local_) local_->shutdown(grace);
+    fallback_->shutdown(grace);
+  }
+
+ private:
+  const std::unique_ptr<Server> fallback_;
+  const std::shared_ptr<SameHostServer> local_;
+};
+
+// A channel of the wrapped transport; waits on it lend this thread's
+// same-host reservations back (see ReadGate).
+class FallbackChannel : public Channel {
+ public:
+  FallbackChannel(std::shared_ptr<ReadGate> gate, std::shared_ptr<Channel> inner)
+      : gate_(std::move(gate)), inner_(std::move(inner)) {}
+  bool send(Frame frame, const SendOptions& options) override {
+    return inner_->send(std::move(frame), options);
+  }
+  bool broken() const override { return inner_->broken(); }
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    Lend lend(gate_.get(), /*same_host_side=*/true);
+    inner_->drive(done, deadline);
+  }
+  void check_connection() override { inner_->check_connection(); }
+  void close(bool graceful) override { inner_->close(graceful); }
+  Channel* inner() const { return inner_.get(); }
+
+ private:
+  const std::shared_ptr<ReadGate> gate_;
+  const std::shared_ptr<Channel> inner_;
+};
+
+class SameHostTransport : public Transport {
+ public:
+  explicit SameHostTransport(std::shared_ptr<Transport> fallback)
+      : fallback_(std::move(fallback)), gate_(std::make_shared<ReadGate>()) {
+    gate_->fallback = fallback_.get();
+  }
+
+  std::unique_ptr<Server> listen(const std::string& host, const ServerLimits& limits,
+                                 const Security& security, CheckRequest check,
+                                 OnRequest run_inline, OnRequest offload) override {
+    std::unique_ptr<Server> fallback =
+        fallback_->listen(host, limits, security, check, run_inline, offload);
+    return std::make_unique<PairServer>(
+        std::move(fallback), SameHostServer::start(limits, security, std::move(check),
+                                                   std::move(run_inline), std::move(offload)));
+  }
+
+  std::shared_ptr<Channel> connect(const std::string& address, const PeerOptions& options,
+                                   Channel::OnFrame on_frame, Channel::OnClose on_close) override {
+    const std::string& endpoint = options.same_host_endpoint;
+    const size_t bar = endpoint.rfind('|');
+    if (bar != std::string::npos && endpoint.substr(0, bar) == host_identity()) {
+      std::shared_ptr<Channel> ch = SameHostChannel::open(gate_, endpoint.substr(bar + 1),
+                                                          options, on_frame, on_close);
+      if (ch) return ch;
+      LOG(WARNING) << "rpc: cannot reach the same-host endpoint of " << address
+                   << "; connecting over the network";
+    }
+    return std::make_shared<FallbackChannel>(
+        gate_, fallback_->connect(address, options, std::move(on_frame), std::move(on_close)));
+  }
+
+  void reserve_reading() override {
+    fallback_->reserve_reading();
+    ++reserved_here(gate_.get());
+    absl::MutexLock lock(&gate_->mu);
+    ++gate_->reserved;
+  }
+  void release_reading() override {
+    fallback_->release_reading();
+    --reserved_here(gate_.get());
+    absl::MutexLock lock(&gate_->mu);
+    --gate_->reserved;
+  }
+
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    drive_same_host(gate_, done, deadline);
+  }
+
+  bool probe(const std::string& address, const PeerOptions& options,
+             absl::Time deadline) override {
+    return fallback_->probe(address, options, deadline);
+  }
+
+ private:
+  const std::shared_ptr<Transport> fallback_;
+  const std::shared_ptr<ReadGate> gate_;
+};
+
+}  // namespace
+
+const std::string& host_identity() {
+  static const std::string id = absl::StrCat(
+      read_small_file("/proc/sys/kernel/random/boot_id"), "/", link_target("/proc/self/ns/net"),
+      "/", link_target("/proc/self/ns/pid"));
+  return id;
+}
+
+bool all_on_this_host(const std::vector<std::string>& endpoints) {
+  for (const std::string& endpoint : endpoints) {
+    const size_t bar = endpoint.rfind('|');
+    if (bar == std::string::npos || endpoint.compare(0, bar, host_identity()) != 0 ||
+        bar != host_identity().size()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool same_host_transport_enabled() {
+  const char* v = std::getenv(kSameHostTransportEnv);
+  return v == nullptr || std::string(v) != "0";
+}
+
+std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback) {
+  return std::make_shared<SameHostTransport>(std::move(fallback));
+}
+
+}  // namespace ddprpc::rpc::transport

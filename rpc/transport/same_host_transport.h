@@ -1,0 +1,58 @@
+// The same-host transport: workers of one host (same boot, same network and
+// PID namespaces) exchange frames over a Unix-domain stream socket in the
+// abstract namespace, and large tensors cross once: the receiver copies
+// them from the sender's memory straight into the new tensor
+// (process_vm_readv, "cross-memory attach"), then acknowledges so that the
+// sender lets them go. Small tensors travel inline on the socket, so a
+// small message wakes the receiving thread once.
+//
+// make_same_host_transport() wraps another transport (gRPC): its servers
+// listen on both, and a channel to a peer whose endpoint names this host
+// goes over the socket, to any other peer (or when the socket cannot be
+// opened) over the wrapped transport.
+//
+// The same rules hold as on gRPC: a connection proves the job's token for
+// the worker it names before anything it sends is read (without a token
+// but with TLS, the peer must run as this process's user); every frame is
+// parsed and validated by the wire codec within ServerLimits; a server
+// stops reading a connection with too many requests unanswered or reply
+// bytes unacknowledged; a peer whose process has stopped (SIGSTOP) for
+// keepalive_timeout, or is gone, ends its connections as unreachable.
+// Cross-memory reads that the kernel refuses (ptrace restrictions) are
+// found when a connection opens; its tensors then travel inline.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "rpc/transport/transport.h"
+
+namespace ddprpc::rpc::transport {
+
+// Tensors at least this large are copied from the sender's memory rather
+// than written to the socket (when the kernel allows it).
+inline constexpr uint64_t kCrossMemoryMinBytes = 32 << 10;
+
+// Environment switch: "0" turns the same-host path off (gRPC only).
+inline constexpr char kSameHostTransportEnv[] = "DDPRPC_SAME_HOST_TRANSPORT";
+
+// This process's host: boot id and network and PID namespaces. Workers
+// with the same identity can reach each other through the same-host path.
+const std::string& host_identity();
+
+// False when kSameHostTransportEnv is "0".
+bool same_host_transport_enabled();
+
+// Whether every endpoint (Server::same_host_endpoint() of each worker of a
+// job, this one's included) names this host. A job whose workers are not
+// all on one host uses the wrapped transport between all of them: mixing
+// the two reading roles in one process is not supported yet.
+bool all_on_this_host(const std::vector<std::string>& endpoints);
+
+// Serves and connects through `fallback` and, for peers on this host, the
+// same-host path (see above).
+std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback);
+
+}  // namespace ddprpc::rpc::transport

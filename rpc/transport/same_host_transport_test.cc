@@ -1,0 +1,404 @@
+// The same-host transport on its own: frames with small and large tensors
+// both ways, the fallback when the endpoint is elsewhere, and a server that
+// ends hostile connections (bad handshakes, wrong tokens, lies about sizes
+// or memory) while it keeps serving the others.
+#include "rpc/transport/same_host_transport.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/notification.h"
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+using internal::Frame;
+
+Frame request(const at::Tensor& t, uint64_t id) {
+  Frame f;
+  f.header.set_kind(wire::REQUEST);
+  f.header.set_id(id);
+  f.header.set_src(0);
+  internal::encode_value(c10::IValue(t), f.header.mutable_payload(), &f);
+  return f;
+}
+
+class Echo {
+ public:
+  explicit Echo(Security security = {}, ServerLimits limits = {}) {
+    limits.world_size = 2;
+    transport_ = make_same_host_transport(make_default_transport());
+    server_ = transport_->listen(
+        "127.0.0.1", limits, security, [](int, const Frame&) { return absl::OkStatus(); },
+        [this](std::shared_ptr<Responder> r, Frame f) { served(r, std::move(f)); },
+        [this](std::shared_ptr<Responder> r, Frame f) { served(r, std::move(f)); });
+  }
+  void served(const std::shared_ptr<Responder>& r, Frame f) {
+    {
+      absl::MutexLock lock(&mu_);
+      last_address_ = r->address();
+    }
+    reply(r, std::move(f));
+  }
+  // The address of the connection that sent the last request.
+  std::string last_address() {
+    absl::MutexLock lock(&mu_);
+    return last_address_;
+  }
+  ~Echo() { server_->shutdown(absl::ZeroDuration()); }
+  static void reply(const std::shared_ptr<Responder>& r, Frame f) {
+    f.header.set_kind(wire::RESPONSE);
+    r->send(std::move(f));
+  }
+  std::string endpoint() const { return server_->same_host_endpoint(); }
+  // The abstract socket's name.
+  std::string socket_name() const { return endpoint().substr(endpoint().rfind('|') + 1); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(server_->port()); }
+  Transport* transport() { return transport_.get(); }
+
+ private:
+  absl::Mutex mu_;
+  std::string last_address_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Transport> transport_;
+  std::unique_ptr<Server> server_;
+};
+
+struct Replies {
+  absl::Mutex mu;
+  std::vector<Frame> frames ABSL_GUARDED_BY(mu);
+  CloseReason closed ABSL_GUARDED_BY(mu);
+  bool ended ABSL_GUARDED_BY(mu) = false;
+  Channel::OnFrame on_frame() {
+    return [this](Frame f) {
+      absl::MutexLock lock(&mu);
+      frames.push_back(std::move(f));
+      return absl::OkStatus();
+    };
+  }
+  Channel::OnClose on_close() {
+    return [this](const CloseReason& r) {
+      absl::MutexLock lock(&mu);
+      closed = r;
+      ended = true;
+    };
+  }
+  bool wait_for(size_t n) {
+    absl::MutexLock lock(&mu);
+    auto got = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return frames.size() >= n || ended; };
+    mu.AwaitWithTimeout(absl::Condition(&got), absl::Seconds(20));
+    return frames.size() >= n;
+  }
+  bool wait_end() {
+    absl::MutexLock lock(&mu);
+    mu.AwaitWithTimeout(absl::Condition(&ended), absl::Seconds(20));
+    return ended;
+  }
+};
+
+// A channel of worker 1 to `echo`'s same-host endpoint.
+std::shared_ptr<Channel> connect_as_worker1(Echo* echo, Replies* replies) {
+  PeerOptions options;
+  options.self = 1;
+  options.same_host_endpoint = echo->endpoint();
+  return echo->transport()->connect(echo->address(), options, replies->on_frame(),
+                                    replies->on_close());
+}
+
+TEST(SameHostTransportTest, SmallAndLargeTensorsBothWays) {
+  Echo echo;
+  ASSERT_FALSE(echo.endpoint().empty());
+  EXPECT_EQ(echo.endpoint().substr(0, echo.endpoint().rfind('|')), host_identity());
+  Replies replies;
+  auto ch = connect_as_worker1(&echo, &replies);
+  ASSERT_TRUE(ch);
+  // 16 B inline, 4 MiB copied from the sender's memory, and one in between.
+  std::vector<at::Tensor> sent = {at::arange(4, at::kFloat), at::arange(1 << 20, at::kFloat),
+                                  at::arange(static_cast<int64_t>(kCrossMemoryMinBytes / 8 - 1), at::kDouble)};
+  for (size_t i = 0; i < sent.size(); ++i) {
+    ASSERT_TRUE(ch->send(request(sent[i], i + 1), SendOptions{true, i > 0}));
+  }
+  ASSERT_TRUE(replies.wait_for(sent.size()));
+  {
+    absl::MutexLock lock(&replies.mu);
+    for (size_t i = 0; i < sent.size(); ++i) {
+      const Frame& f = replies.frames[i];
+      EXPECT_EQ(f.header.id(), i + 1);
+      c10::IValue v = internal::decode_value(f.header.payload(), f);
+      ASSERT_TRUE(v.isTensor());
+      EXPECT_TRUE(at::equal(v.toTensor(), sent[i])) << "tensor " << i;
+    }
+  }
+  EXPECT_NE(echo.last_address().find("same-host process"), std::string::npos)
+      << echo.last_address();
+  ch->close(/*graceful=*/true);
+  absl::MutexLock lock(&replies.mu);
+  EXPECT_TRUE(replies.ended);
+  EXPECT_TRUE(replies.closed.ok) << replies.closed.message;
+}
+
+TEST(SameHostTransportTest, OtherHostsGoOverTheFallback) {
+  Echo echo;
+  PeerOptions options;
+  options.self = 1;
+  options.same_host_endpoint = "another-host|" + echo.socket_name();
+  Replies replies;
+  auto ch = echo.transport()->connect(echo.address(), options, replies.on_frame(),
+                                      replies.on_close());
+  ASSERT_TRUE(ch);
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 7), SendOptions{}));
+  // gRPC replies are read by a waiter.
+  echo.transport()->drive([&] {
+    absl::MutexLock lock(&replies.mu);
+    return !replies.frames.empty();
+  }, absl::Now() + absl::Seconds(20));
+  EXPECT_TRUE(replies.wait_for(1));
+  EXPECT_EQ(echo.last_address().find("same-host"), std::string::npos)
+      << "expected gRPC, got " << echo.last_address();
+  ch->close(false);
+}
+
+// A job uses the same-host path only when all its workers share this host.
+TEST(SameHostTransportTest, OnlyJobsWhollyOnThisHostUseIt) {
+  Echo a, b;
+  EXPECT_TRUE(all_on_this_host({a.endpoint(), b.endpoint()}));
+  EXPECT_FALSE(all_on_this_host({a.endpoint(), "another-host|" + b.socket_name()}));
+  EXPECT_FALSE(all_on_this_host({a.endpoint(), ""})) << "a worker without an endpoint";
+  EXPECT_FALSE(all_on_this_host({a.endpoint(), host_identity() + "x|" + b.socket_name()}));
+}
+
+TEST(SameHostTransportTest, WrongTokenIsRefusedByName) {
+  Security job;
+  job.token = "the job's secret";
+  Echo echo(job);
+  PeerOptions options;
+  options.self = 1;
+  options.same_host_endpoint = echo.endpoint();
+  options.security.token = "not the secret";
+  Replies replies;
+  auto ch = echo.transport()->connect(echo.address(), options, replies.on_frame(),
+                                      replies.on_close());
+  ASSERT_TRUE(ch);
+  ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{});
+  ASSERT_TRUE(replies.wait_end());
+  {
+    absl::MutexLock lock(&replies.mu);
+    EXPECT_TRUE(replies.frames.empty()) << "a request without the token was served";
+    EXPECT_FALSE(replies.closed.ok);
+    EXPECT_NE(replies.closed.message.find("wrong job token"), std::string::npos)
+        << replies.closed.message;
+  }
+  ch->close(false);
+  // The right token gets in.
+  options.security.token = job.token;
+  Replies good;
+  auto ok = echo.transport()->connect(echo.address(), options, good.on_frame(), good.on_close());
+  ok->send(request(at::arange(4, at::kFloat), 2), SendOptions{});
+  EXPECT_TRUE(good.wait_for(1));
+  ok->close(false);
+}
+
+// ---- raw sockets speaking the protocol badly
+
+int raw_connect(const std::string& name) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  socklen_t len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  timeval tv{20, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  return fd;
+}
+
+// Reads until the server closes; true if it did (rather than timing out).
+bool closed_by_server(int fd) {
+  char buf[4096];
+  for (;;) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) return true;
+    if (n < 0) return errno == ECONNRESET;
+  }
+}
+
+// The protocol's layouts (same_host_transport.cc).
+struct Preamble {
+  uint32_t magic = 0x43505244;
+  uint8_t kind = 0;
+  uint8_t flags = 0;
+  uint16_t unused = 0;
+  uint32_t body = 0;
+  uint32_t num_remote = 0;
+  uint64_t inline_bytes = 0;
+  uint64_t remote_bytes = 0;
+  uint64_t seq = 0;
+};
+struct Hello {
+  int32_t worker;
+  uint32_t proof_size;
+  uint64_t probe;
+};
+
+void send_all(int fd, const void* data, size_t n) {
+  ASSERT_EQ(send(fd, data, n, MSG_NOSIGNAL), static_cast<ssize_t>(n));
+}
+
+void hello(int fd, int worker) {
+  Preamble p;
+  p.kind = 1;
+  p.body = sizeof(Hello);
+  Hello h{worker, 0, 0};
+  send_all(fd, &p, sizeof(p));
+  send_all(fd, &h, sizeof(h));
+}
+
+// Every hostile connection ends; the server still echoes for a good one.
+TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
+  ServerLimits limits;
+  limits.max_message_bytes = 1 << 20;
+  Echo echo(Security{}, limits);
+  const std::string name = echo.socket_name();
+  struct Case {
+    const char* what;
+    std::function<void(int fd)> speak;
+  };
+  const Frame good = request(at::arange(64 << 10, at::kFloat), 1);
+  const std::string head = internal::serialize_head(good);
+  std::vector<Case> cases = {
+      {"garbage instead of a hello", [](int fd) {
+         const std::string garbage(64, 'x');
+         send_all(fd, garbage.data(), garbage.size());
+       }},
+      // Ended by the handshake's timeout (10 s).
+      {"a partial hello, then silence", [](int fd) { send_all(fd, "DRPC", 4); }},
+      {"a hello naming an unknown worker", [](int fd) { hello(fd, 7); }},
+      {"a hello with a huge body claim", [](int fd) {
+         Preamble p;
+         p.kind = 1;
+         p.body = 1u << 31;
+         send_all(fd, &p, sizeof(p));
+       }},
+      {"a frame over max_message_bytes", [](int fd) {
+         hello(fd, 1);
+         Preamble p;
+         p.kind = 4;
+         p.body = 16;
+         p.inline_bytes = uint64_t{1} << 40;
+         send_all(fd, &p, sizeof(p));
+       }},
+      {"a frame whose tensor bytes are fewer than its header says", [&](int fd) {
+         hello(fd, 1);
+         Preamble p;
+         p.kind = 4;
+         p.body = head.size();
+         p.inline_bytes = 8;
+         send_all(fd, &p, sizeof(p));
+         send_all(fd, head.data(), head.size());
+         send_all(fd, "12345678", 8);
+       }},
+      {"a remote tensor at an address that is not mapped", [&](int fd) {
+         hello(fd, 1);
+         Preamble p;
+         p.kind = 4;
+         p.body = head.size();
+         p.num_remote = 1;
+         p.remote_bytes = good.tensors[0].numel() * 4;
+         uint64_t desc[2] = {0, 16};  // index 0, address 16
+         send_all(fd, &p, sizeof(p));
+         send_all(fd, head.data(), head.size());
+         send_all(fd, desc, sizeof(desc));
+       }},
+      {"an acknowledgement of nothing", [](int fd) {
+         hello(fd, 1);
+         Preamble p;
+         p.kind = 5;
+         p.seq = 42;
+         send_all(fd, &p, sizeof(p));
+       }},
+      {"a second hello", [](int fd) {
+         hello(fd, 1);
+         hello(fd, 1);
+       }},
+  };
+  for (const Case& c : cases) {
+    int fd = raw_connect(name);
+    ASSERT_GE(fd, 0);
+    c.speak(fd);
+    EXPECT_TRUE(closed_by_server(fd)) << c.what;
+    ::close(fd);
+  }
+  Replies replies;
+  auto ch = connect_as_worker1(&echo, &replies);
+  ch->send(request(at::arange(64 << 10, at::kFloat), 9), SendOptions{});
+  EXPECT_TRUE(replies.wait_for(1)) << "the server stopped serving after hostile connections";
+  ch->close(false);
+}
+
+// A caller that never reads its replies stops being read once its replies
+// lent and unread pass max_pending_reply_bytes: the server holds a bounded
+// amount for it, whatever it sends.
+TEST(SameHostTransportTest, ACallerThatDoesNotReadIsThrottled) {
+  ServerLimits limits;
+  limits.max_pending_reply_bytes = 1 << 20;
+  std::atomic<int> served{0};
+  auto transport = make_same_host_transport(make_default_transport());
+  limits.world_size = 2;
+  auto server = transport->listen(
+      "127.0.0.1", limits, Security{}, [](int, const Frame&) { return absl::OkStatus(); },
+      [&](std::shared_ptr<Responder> r, Frame f) {
+        ++served;
+        Echo::reply(r, std::move(f));
+      },
+      [&](std::shared_ptr<Responder> r, Frame f) {
+        ++served;
+        Echo::reply(r, std::move(f));
+      });
+  const std::string ep = server->same_host_endpoint();
+  int fd = raw_connect(ep.substr(ep.rfind('|') + 1));
+  hello(fd, 1);
+  // 64 requests of 256 KiB, inline; the caller never reads a reply.
+  const Frame f = request(at::arange(64 << 10, at::kFloat), 1);
+  const std::string head = internal::serialize_head(f);
+  std::string msg(sizeof(Preamble), '\0');
+  Preamble p;
+  p.kind = 4;
+  p.body = head.size();
+  p.inline_bytes = 256 << 10;
+  std::memcpy(msg.data(), &p, sizeof(p));
+  msg += head;
+  msg.append(static_cast<const char*>(f.tensors[0].data_ptr()), 256 << 10);
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (int i = 0; i < 64 && !stop; ++i) {
+      size_t off = 0;
+      while (off < msg.size() && !stop) {
+        ssize_t n = send(fd, msg.data() + off, msg.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) off += n;
+        else usleep(1000);
+      }
+    }
+  });
+  absl::SleepFor(absl::Seconds(2));
+  stop = true;
+  writer.join();
+  // Replies the socket holds plus 1 MiB queued, plus what was read but
+  // not answered: far below 64 requests.
+  EXPECT_GT(served.load(), 0);
+  EXPECT_LT(served.load(), 32) << "the server kept reading a caller that reads nothing";
+  ::close(fd);
+  server->shutdown(absl::ZeroDuration());
+}
+
+}  // namespace
+}  // namespace ddprpc::rpc::transport
