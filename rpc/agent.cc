@@ -281,10 +281,6 @@ void RpcAgent::rendezvous(const std::string& name, int world_size) {
     workers_.push_back(WorkerInfo{parts[0], r, parts[1]});
     same_host_endpoints_.push_back(parts[2]);
   }
-  // The same-host path serves jobs whose workers all share this host.
-  if (!transport::all_on_this_host(same_host_endpoints_)) {
-    same_host_endpoints_.assign(world_size, std::string());
-  }
 }
 
 const WorkerInfo& RpcAgent::worker(const std::string& name) const {

@@ -984,6 +984,14 @@ void ClientQueue::release_reading() {
   if (reserved_ > 0) --reserved_;
 }
 
+void ClientQueue::interrupt() {
+  absl::MutexLock lock(&mu_);
+  if (!driving_ || shutting_down_ || alarm_) return;
+  ++pending_;  // the alarm's completion uncounts it
+  alarm_ = std::make_unique<grpc::Alarm>();
+  alarm_->Set(&cq_, gpr_now(GPR_CLOCK_MONOTONIC), &alarm_tag_);
+}
+
 bool ClientQueue::reading_here() const { return t_reading == this; }
 
 bool ClientQueue::read_if_free(const std::function<bool()>& done, absl::Time deadline) {
@@ -1037,6 +1045,13 @@ void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadl
         if (absl::Now() >= deadline) return;
         break;
       case grpc::CompletionQueue::GOT_EVENT: {
+        if (got == &alarm_tag_) {  // interrupt(): look at done() again
+          std::unique_ptr<grpc::Alarm> fired;
+          absl::MutexLock lock(&mu_);
+          fired = std::move(alarm_);
+          --pending_;
+          break;
+        }
         const auto* tag = static_cast<const Tag*>(got);
         const int op = tag->op;
         // Dropped after the count: the stream may go with it.
@@ -1419,6 +1434,7 @@ class GrpcTransport : public transport::Transport {
 
   void reserve_reading() override { queue_->reserve_reading(); }
   void release_reading() override { queue_->release_reading(); }
+  void interrupt_drive() override { queue_->interrupt(); }
   void drive(const std::function<bool()>& done, absl::Time deadline) override {
     queue_->drive(done, deadline);
   }

@@ -18,6 +18,7 @@
 //   that all of a process's streams share.
 #pragma once
 
+#include <grpcpp/alarm.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/async_stream.h>
 
@@ -121,6 +122,9 @@ class ClientQueue {
   // done() or `deadline`. While another thread reads, waits for done() or
   // for the role (which that thread then hands over after its event).
   void drive(const std::function<bool()>& done, absl::Time deadline);
+  // Wakes the thread reading the queue (an alarm that fires at once), so
+  // that it looks at its done() now.
+  void interrupt();
 
  private:
   friend class PeerStream;
@@ -139,6 +143,7 @@ class ClientQueue {
   void background_loop();
 
   grpc::CompletionQueue cq_;
+  Tag alarm_tag_{nullptr, -1};
   absl::Mutex mu_;
   // State below is protected by mu_.
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted operations not yet completed
@@ -147,6 +152,7 @@ class ClientQueue {
   int want_role_ ABSL_GUARDED_BY(mu_) = 0;    // drive()rs waiting for it
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the queue returned SHUTDOWN
+  std::unique_ptr<grpc::Alarm> alarm_ ABSL_GUARDED_BY(mu_);  // set by interrupt(), until it fires
   std::thread background_;  // last: starts after the state above exists
 };
 

@@ -1002,6 +1002,16 @@ struct ReadGate {
   int reserved ABSL_GUARDED_BY(mu) = 0;
   // Moves when a role is let go or a reply has been handled.
   uint64_t version ABSL_GUARDED_BY(mu) = 0;
+  // Eventfds of the threads in drive_same_host: a reply handled anywhere
+  // (either transport) wakes them to look at their done().
+  std::vector<int> driver_fds ABSL_GUARDED_BY(mu);
+  void wake_drivers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const uint64_t one = 1;
+    for (int fd : driver_fds) {
+      ssize_t ignored = ::write(fd, &one, sizeof(one));
+      (void)ignored;
+    }
+  }
   std::vector<std::weak_ptr<SameHostChannel>> channels ABSL_GUARDED_BY(mu);
 };
 
@@ -1241,6 +1251,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       if (ended_) return;
       ended_ = true;
       ++gate_->version;
+      gate_->wake_drivers();
     }
     conn_->shutdown();
     try {
@@ -1317,9 +1328,14 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       } catch (const std::exception& e) {
         ok = absl::InternalError(e.what());
       }
-      absl::MutexLock lock(&gate_->mu);
-      if (expecting_ > 0) --expecting_;
-      ++gate_->version;
+      {
+        absl::MutexLock lock(&gate_->mu);
+        if (expecting_ > 0) --expecting_;
+        ++gate_->version;
+        gate_->wake_drivers();
+      }
+      // A gRPC reader may wait for what this reply completed.
+      gate_->fallback->interrupt_drive();
       return ok;
     }
     if (p.kind == kAck && p.body == 0) return conn_->on_ack(p.seq);
@@ -1381,9 +1397,37 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
 // Reads the same-host channels whose role is free (or held by this
 // thread further up) until done() or `deadline`; gRPC's queue is read by
 // its own drive, which a caller of a gRPC channel reaches through it.
+// This thread's eventfd for ReadGate::driver_fds, and how deep in
+// drive_same_host it is.
+thread_local int t_driver_fd = -1;
+thread_local int t_driving = 0;
+
+// Registers this thread's eventfd with the gate for the scope.
+class DriverRegistration {
+ public:
+  explicit DriverRegistration(ReadGate* gate) : gate_(gate) {
+    if (t_driver_fd < 0) t_driver_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (t_driving++ > 0) return;
+    absl::MutexLock lock(&gate_->mu);
+    gate_->driver_fds.push_back(t_driver_fd);
+  }
+  ~DriverRegistration() {
+    if (--t_driving > 0) return;
+    absl::MutexLock lock(&gate_->mu);
+    auto& fds = gate_->driver_fds;
+    fds.erase(std::find(fds.begin(), fds.end(), t_driver_fd));
+  }
+  DriverRegistration(const DriverRegistration&) = delete;
+  DriverRegistration& operator=(const DriverRegistration&) = delete;
+
+ private:
+  ReadGate* const gate_;
+};
+
 void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function<bool()>& done,
                      absl::Time deadline) {
   Lend lend(gate_.get(), /*same_host_side=*/false);
+  DriverRegistration registered(gate_.get());
   // Slices bound how long a completion from elsewhere (a timeout, a
   // reply read by another thread) goes unnoticed.
   constexpr absl::Duration kSlice = absl::Milliseconds(50);
@@ -1428,6 +1472,7 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       continue;
     }
     std::vector<pollfd> fds;
+    fds.push_back({t_driver_fd, POLLIN, 0});  // a reply handled elsewhere
     for (auto& ch : reading) {
       const bool out = ch->conn()->flush();
       fds.push_back({ch->conn()->fd(), static_cast<short>(POLLIN | (out ? POLLOUT : 0)), 0});
@@ -1436,9 +1481,14 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
     const absl::Duration wait = std::min(kSlice, deadline - now);
     const int r = poll(fds.data(), fds.size(),
                        static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+    if (r > 0 && (fds[0].revents & POLLIN)) {
+      uint64_t v;
+      ssize_t ignored = ::read(t_driver_fd, &v, sizeof(v));
+      (void)ignored;
+    }
     for (size_t i = 0; i < reading.size() && r > 0; ++i) {
-      if (fds[2 * i + 1].revents & POLLIN) reading[i]->conn()->drain_wake();
-      if (fds[2 * i].revents & (POLLIN | POLLHUP | POLLERR)) reading[i]->read_one_or_end();
+      if (fds[2 + 2 * i].revents & POLLIN) reading[i]->conn()->drain_wake();
+      if (fds[1 + 2 * i].revents & (POLLIN | POLLHUP | POLLERR)) reading[i]->read_one_or_end();
     }
     if (r == 0) {
       for (auto& ch : reading) ch->check_peer_or_end();
@@ -1525,8 +1575,17 @@ class SameHostTransport : public Transport {
       LOG(WARNING) << "rpc: cannot reach the same-host endpoint of " << address
                    << "; connecting over the network";
     }
+    // Its replies wake same-host readers too: one may wait for what a reply
+    // completed.
+    Channel::OnFrame wrapped = [gate = gate_, on_frame = std::move(on_frame)](Frame frame) {
+      absl::Status ok = on_frame(std::move(frame));
+      absl::MutexLock lock(&gate->mu);
+      ++gate->version;
+      gate->wake_drivers();
+      return ok;
+    };
     return std::make_shared<FallbackChannel>(
-        gate_, fallback_->connect(address, options, std::move(on_frame), std::move(on_close)));
+        gate_, fallback_->connect(address, options, std::move(wrapped), std::move(on_close)));
   }
 
   void reserve_reading() override {
@@ -1563,17 +1622,6 @@ const std::string& host_identity() {
       read_small_file("/proc/sys/kernel/random/boot_id"), "/", link_target("/proc/self/ns/net"),
       "/", link_target("/proc/self/ns/pid"));
   return id;
-}
-
-bool all_on_this_host(const std::vector<std::string>& endpoints) {
-  for (const std::string& endpoint : endpoints) {
-    const size_t bar = endpoint.rfind('|');
-    if (bar == std::string::npos || endpoint.compare(0, bar, host_identity()) != 0 ||
-        bar != host_identity().size()) {
-      return false;
-    }
-  }
-  return true;
 }
 
 bool same_host_transport_enabled() {

@@ -45,12 +45,6 @@ const std::string& host_identity();
 // False when kSameHostTransportEnv is "0".
 bool same_host_transport_enabled();
 
-// Whether every endpoint (Server::same_host_endpoint() of each worker of a
-// job, this one's included) names this host. A job whose workers are not
-// all on one host uses the wrapped transport between all of them: mixing
-// the two reading roles in one process is not supported yet.
-bool all_on_this_host(const std::vector<std::string>& endpoints);
-
 // Serves and connects through `fallback` and, for peers on this host, the
 // same-host path (see above).
 std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback);

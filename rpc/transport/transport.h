@@ -172,6 +172,10 @@ class Transport {
   virtual void release_reading() = 0;
   // Reads replies on this thread until done() or `deadline`.
   virtual void drive(const std::function<bool()>& done, absl::Time deadline) = 0;
+  // Makes threads reading in drive() look at their done() now: something
+  // else (e.g. another transport's reply) may have completed what they wait
+  // for. Cheap when nobody drives.
+  virtual void interrupt_drive() {}
 
   // Whether something accepts connections at `address` now (after a peer
   // stopped serving RPCs: is its process still there).
