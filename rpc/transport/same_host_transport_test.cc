@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/synchronization/notification.h"
+#include "rpc/transport/internal/same_host_protocol.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -223,23 +224,8 @@ bool closed_by_server(int fd) {
   }
 }
 
-// The protocol's layouts (same_host_transport.cc).
-struct Preamble {
-  uint32_t magic = 0x43505244;
-  uint8_t kind = 0;
-  uint8_t flags = 0;
-  uint16_t unused = 0;
-  uint32_t body = 0;
-  uint32_t num_remote = 0;
-  uint64_t inline_bytes = 0;
-  uint64_t remote_bytes = 0;
-  uint64_t seq = 0;
-};
-struct Hello {
-  int32_t worker;
-  uint32_t proof_size;
-  uint64_t probe;
-};
+using same_host::HelloBody;
+using same_host::Preamble;
 
 // Best effort: the server may end the connection before all of it is sent
 // (it ends one as soon as it sees the fault).
@@ -250,9 +236,10 @@ void send_all(int fd, const void* data, size_t n) {
 
 void hello(int fd, int worker) {
   Preamble p;
-  p.kind = 1;
-  p.body = sizeof(Hello);
-  Hello h{worker, 0, 0};
+  p.kind = same_host::kHello;
+  p.body = sizeof(HelloBody);
+  HelloBody h;
+  h.worker = worker;
   send_all(fd, &p, sizeof(p));
   send_all(fd, &h, sizeof(h));
 }
@@ -279,14 +266,14 @@ TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
       {"a hello naming an unknown worker", [](int fd) { hello(fd, 7); }},
       {"a hello with a huge body claim", [](int fd) {
          Preamble p;
-         p.kind = 1;
+         p.kind = same_host::kHello;
          p.body = 1u << 31;
          send_all(fd, &p, sizeof(p));
        }},
       {"a frame over max_message_bytes", [](int fd) {
          hello(fd, 1);
          Preamble p;
-         p.kind = 4;
+         p.kind = same_host::kFrame;
          p.body = 16;
          p.inline_bytes = uint64_t{1} << 40;
          send_all(fd, &p, sizeof(p));
@@ -294,7 +281,7 @@ TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
       {"a frame whose tensor bytes are fewer than its header says", [&](int fd) {
          hello(fd, 1);
          Preamble p;
-         p.kind = 4;
+         p.kind = same_host::kFrame;
          p.body = head.size();
          p.inline_bytes = 8;
          send_all(fd, &p, sizeof(p));
@@ -304,7 +291,7 @@ TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
       {"a remote tensor at an address that is not mapped", [&](int fd) {
          hello(fd, 1);
          Preamble p;
-         p.kind = 4;
+         p.kind = same_host::kFrame;
          p.body = head.size();
          p.num_remote = 1;
          p.remote_bytes = good.tensors[0].numel() * 4;
@@ -316,7 +303,7 @@ TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
       {"an acknowledgement of nothing", [](int fd) {
          hello(fd, 1);
          Preamble p;
-         p.kind = 5;
+         p.kind = same_host::kAck;
          p.seq = 42;
          send_all(fd, &p, sizeof(p));
        }},
@@ -366,7 +353,7 @@ TEST(SameHostTransportTest, ACallerThatDoesNotReadIsThrottled) {
   const std::string head = internal::serialize_head(f);
   std::string msg(sizeof(Preamble), '\0');
   Preamble p;
-  p.kind = 4;
+  p.kind = same_host::kFrame;
   p.body = head.size();
   p.inline_bytes = 256 << 10;
   std::memcpy(msg.data(), &p, sizeof(p));
