@@ -1382,7 +1382,8 @@ class DriverRegistration {
     if (--t_driving > 0) return;
     absl::MutexLock lock(&gate_->mu);
     auto& fds = gate_->driver_fds;
-    fds.erase(std::find(fds.begin(), fds.end(), t_driver_fd));
+    auto it = std::find(fds.begin(), fds.end(), t_driver_fd);
+    if (it != fds.end()) fds.erase(it);
   }
   DriverRegistration(const DriverRegistration&) = delete;
   DriverRegistration& operator=(const DriverRegistration&) = delete;
