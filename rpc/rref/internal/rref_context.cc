@@ -551,13 +551,19 @@ std::shared_ptr<RRefContext::OwnerEntry> RRefContext::maybe_erase(RRefId id) {
   return doomed;
 }
 
-std::shared_ptr<RRefContext::OwnerEntry> RRefContext::find_owned(const RRefState& rref) const {
+std::shared_ptr<RRefContext::OwnerEntry> RRefContext::find_owned(const RRefState& rref) {
   std::shared_ptr<OwnerEntry> entry = find(rref.id);
   if (entry || rref.owner != self_id_) return entry;
-  // rpc::remote to this worker: its create request may not have been
-  // served yet. Its reply (or its failure) says when it has.
-  rref.created.wait_for(absl::InfiniteDuration());  // bounded by the create call's timeout
-  return find(rref.id);
+  if (rref.id.worker == self_id_) {
+    // rpc::remote to this worker: its create request may not have been
+    // served yet. Its reply (or its failure) says when it has.
+    rref.created.wait_for(absl::InfiniteDuration());  // bounded by the create call's timeout
+    return find(rref.id);
+  }
+  // Created here by another worker, which may have sent it on (e.g. as an
+  // argument) before its create request was served: a placeholder that the
+  // creation fills, or that expires with an error.
+  return entry_or_placeholder(rref.id);
 }
 
 Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
@@ -573,7 +579,7 @@ Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
 std::shared_ptr<void> RRefContext::local_object(const RRefState& rref) {
   std::shared_ptr<OwnerEntry> entry = find_owned(rref);
   if (!entry) throw RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker");
-  entry->ready.wait();
+  entry->ready.value();  // throws if the creation failed or never came
   return entry->object;
 }
 

@@ -130,8 +130,10 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   std::shared_ptr<RRefState> make_state(RRefId id, RRefId fork, int owner, std::string type);
   std::shared_ptr<OwnerEntry> find(RRefId id) const;
   // This worker's entry of `rref`, waiting for the creation of one it asked
-  // this worker to create (rpc::remote to itself); nullptr if not owned here.
-  std::shared_ptr<OwnerEntry> find_owned(const RRefState& rref) const;
+  // this worker to create (rpc::remote to itself); for one another worker
+  // created here, the entry or a placeholder its creation fills (it may be
+  // served after a request that carries the RRef); nullptr if not owned here.
+  std::shared_ptr<OwnerEntry> find_owned(const RRefState& rref);
   // The entry of an RRef owned here, or a placeholder that its creation
   // will fill. Throws RpcError for an id no worker could have made, or when
   // kMaxPlaceholders are waiting already.
