@@ -346,7 +346,8 @@ class Conn {
         done += got;
         continue;
       }
-      if (got == 0) {
+      // A reset is a close with bytes left unread (the peer exited).
+      if (got == 0 || errno == ECONNRESET) {
         if (eof && done == 0) *eof = true;
         return absl::UnavailableError("the peer closed the connection");
       }
