@@ -21,6 +21,11 @@
 // different threads are independent; a scope on a thread that already has
 // one shadows it until it stops. With no Profile running anywhere in the
 // process the RPC path pays one relaxed atomic load.
+//
+// ProfileOptions add the input shapes of operators and the CPU memory they
+// allocate (minus what they free), also for the callee's operators.
+// A ServerProfile records on the callee instead: every request this process
+// serves while it runs, whoever the caller is.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +37,11 @@
 
 namespace ddprpc::rpc::profiler {
 
+struct ProfileOptions {
+  bool record_shapes = false;  // Event::input_shapes
+  bool profile_memory = false;  // Event::cpu_memory_usage
+};
+
 struct Event {
   std::string name;
   int node = -1;            // worker id where it ran
@@ -40,40 +50,73 @@ struct Event {
   int64_t duration_ns = 0;  // CPU total
   int64_t self_ns = 0;      // duration minus child operators (0 for RPCs)
   bool rpc = false;         // an RPC's end-to-end span (asynchronous)
+  // With ProfileOptions::record_shapes, operators only: the sizes of each
+  // input ({} for an input that is not a tensor).
+  std::vector<std::vector<int64_t>> input_shapes;
+  // With ProfileOptions::profile_memory, operators only: bytes allocated
+  // minus bytes freed while it ran, with and without its child operators.
+  int64_t cpu_memory_usage = 0;
+  int64_t self_cpu_memory_usage = 0;
 };
 
-// One row of key_averages(): the events with the same name and node.
+// One row of key_averages(): the events with the same name and node (and
+// input shapes, when grouped by them).
 struct EventStats {
   std::string name;
   int node = -1;
   int64_t count = 0;
   int64_t self_ns = 0;
   int64_t total_ns = 0;
+  int64_t cpu_memory_usage = 0;
+  int64_t self_cpu_memory_usage = 0;
+  std::string input_shapes;  // as "[[2, 3], []]"; set when grouped by them
   bool rpc = false;
 };
 
 class KeyAverages {
  public:
-  explicit KeyAverages(std::vector<EventStats> rows) : rows_(std::move(rows)) {}
+  KeyAverages(std::vector<EventStats> rows, bool memory_columns, bool shape_column)
+      : rows_(std::move(rows)), memory_columns_(memory_columns), shape_column_(shape_column) {}
   const std::vector<EventStats>& rows() const { return rows_; }
   // PyTorch's table: Name, Self CPU %, Self CPU, CPU total %, CPU total,
-  // CPU time avg, # of Calls, Node ID; then "Self CPU time total". sort_by:
-  // "" (first occurrence), "cpu_time_total", "self_cpu_time_total",
-  // "cpu_time" (average) or "count", descending; at most row_limit rows.
-  // Throws std::invalid_argument for another sort_by.
+  // CPU time avg, [CPU Mem, Self CPU Mem,] # of Calls, Node ID, [Input
+  // Shapes]; then "Self CPU time total". sort_by: "" (first occurrence),
+  // "cpu_time_total", "self_cpu_time_total", "cpu_time" (average), "count",
+  // "cpu_memory_usage" or "self_cpu_memory_usage", descending; at most
+  // row_limit rows. Throws std::invalid_argument for another sort_by.
   std::string table(const std::string& sort_by = "", int row_limit = 100,
                     int max_name_column_width = 55) const;
 
  private:
   std::vector<EventStats> rows_;
+  bool memory_columns_;
+  bool shape_column_;
 };
 
 class Recorder;
 
-class Profile {
+// What a Profile or a ServerProfile recorded (complete once stopped).
+class ProfileResult {
+ public:
+  // Ordered by start time.
+  std::vector<Event> events() const;
+  KeyAverages key_averages(bool group_by_input_shape = false) const;
+  // Chrome trace-event JSON (chrome://tracing, Perfetto): one process per
+  // node, one track per thread; RPCs are async slices on the caller. Throws
+  // std::runtime_error when the file cannot be written.
+  void export_chrome_trace(const std::string& path) const;
+  // Worker names of the nodes seen (node id -> name).
+  std::map<int, std::string> node_names() const;
+
+ protected:
+  explicit ProfileResult(std::shared_ptr<Recorder> recorder) : recorder_(std::move(recorder)) {}
+  const std::shared_ptr<Recorder> recorder_;
+};
+
+class Profile : public ProfileResult {
  public:
   // Starts recording on the calling thread.
-  Profile();
+  explicit Profile(ProfileOptions options = {});
   // Stops if stop() was not called.
   ~Profile();
   Profile(const Profile&) = delete;
@@ -82,20 +125,30 @@ class Profile {
   // Stops recording; call it on the thread that created the Profile. Events
   // of RPCs still in flight are dropped (wait for them inside the scope).
   void stop();
-  // What was recorded, ordered by start time (complete once stopped).
-  std::vector<Event> events() const;
-  KeyAverages key_averages() const;
-  // Chrome trace-event JSON (chrome://tracing, Perfetto): one process per
-  // node, one track per thread; RPCs are async slices on the caller. Throws
-  // std::runtime_error when the file cannot be written.
-  void export_chrome_trace(const std::string& path) const;
-  // Worker names of the nodes seen (node id -> name).
-  std::map<int, std::string> node_names() const;
 
  private:
-  const std::shared_ptr<Recorder> recorder_;
   const std::thread::id thread_;
   std::shared_ptr<Recorder> shadowed_;  // the scope this one shadows on thread_
+  bool stopped_ = false;
+};
+
+// PyTorch's server-process global profiler: while it runs, every request
+// this process serves is recorded, as an event "rpc_request#<function>(
+// <caller> -> <callee>)" from its arrival to its response, together with the
+// operators (and nested RPCs) its function runs until it returns. One at a
+// time per process: a second throws std::logic_error. Callers need not
+// profile; requests served for a caller's Profile are recorded for both.
+class ServerProfile : public ProfileResult {
+ public:
+  explicit ServerProfile(ProfileOptions options = {});
+  ~ServerProfile();
+  ServerProfile(const ServerProfile&) = delete;
+  ServerProfile& operator=(const ServerProfile&) = delete;
+
+  // Stops recording (from any thread); requests still running are dropped.
+  void stop();
+
+ private:
   bool stopped_ = false;
 };
 

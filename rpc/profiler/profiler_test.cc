@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/barrier.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -56,6 +57,35 @@ rpc::Future<at::Tensor> async_add(at::Tensor a) {
   return rpc::make_ready_future(at::add(a, a));
 }
 DDPRPC_REGISTER_FUNCTION(async_add);
+
+// Runs slow_ops on `to` (a caller that does not profile).
+at::Tensor call_slow_ops(std::string to) { return rpc::rpc_sync<at::Tensor>(to, "slow_ops", int64_t{0}); }
+DDPRPC_REGISTER_FUNCTION(call_slow_ops);
+
+// A process-wide profile on this worker, started and reported over RPC.
+std::unique_ptr<prof::ServerProfile> g_server_profile;
+bool start_server_profile() {
+  g_server_profile = std::make_unique<prof::ServerProfile>(prof::ProfileOptions{true, false});
+  try {
+    prof::ServerProfile second;
+    return false;
+  } catch (const std::logic_error&) {
+    return true;  // one at a time
+  }
+}
+DDPRPC_REGISTER_FUNCTION(start_server_profile);
+// "name@node count shapes" per row of the stopped profile, grouped by shapes.
+std::vector<std::string> stop_server_profile() {
+  g_server_profile->stop();
+  std::vector<std::string> rows;
+  const prof::KeyAverages averages = g_server_profile->key_averages(true);
+  for (const auto& row : averages.rows()) {
+    rows.push_back(absl::StrCat(row.name, "@", row.node, " ", row.count, " ", row.input_shapes));
+  }
+  g_server_profile.reset();
+  return rows;
+}
+DDPRPC_REGISTER_FUNCTION(stop_server_profile);
 
 void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size); }
 
@@ -228,6 +258,92 @@ MULTIPROCESS_TEST(ProfilerTest, TableCountsAndSorts, 2) {
     ASSERT_EQ(rows.size(), 2u);
     EXPECT_NE(rows[0].find("rpc_sync#slow_ops(worker0 -> worker1)"), std::string::npos);
     EXPECT_THROW(averages.table("bogus"), std::invalid_argument);
+  }
+  rpc::shutdown();
+}
+
+MULTIPROCESS_TEST(ProfilerTest, InputShapesAndMemoryOnBothSides, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    at::Tensor a = at::ones({4, 8}), big = at::ones({16, 32});
+    rpc::rpc_sync<at::Tensor>("worker1", "add", a, a);  // connected before profiling
+    prof::Profile p(prof::ProfileOptions{/*record_shapes=*/true, /*profile_memory=*/true});
+    at::Tensor local = at::add(a, a);
+    at::Tensor made = at::ones({2, 16});  // aten::ones allocates through aten::empty
+    at::Tensor remote = rpc::rpc_sync<at::Tensor>("worker1", "add", big, big);
+    p.stop();
+    const std::vector<prof::Event> events = p.events();
+    SCOPED_TRACE(names_of(events));
+    const prof::Event* add = find(events, "aten::add");
+    ASSERT_NE(add, nullptr);
+    EXPECT_EQ(add->input_shapes, (std::vector<std::vector<int64_t>>{{4, 8}, {4, 8}, {}}));
+    EXPECT_EQ(add->cpu_memory_usage, 4 * 8 * 4);
+    const prof::Event* ones = find(events, "aten::ones");
+    const prof::Event* empty = find(events, "aten::empty");
+    ASSERT_NE(ones, nullptr);
+    ASSERT_NE(empty, nullptr);
+    EXPECT_EQ(ones->cpu_memory_usage, 2 * 16 * 4);
+    EXPECT_EQ(ones->self_cpu_memory_usage, 0);
+    EXPECT_EQ(empty->self_cpu_memory_usage, 2 * 16 * 4);
+    const prof::Event* remote_add = find(events, "rpc_sync#add(worker0 -> worker1)#remote_op: aten::add");
+    ASSERT_NE(remote_add, nullptr);
+    EXPECT_EQ(remote_add->node, 1);
+    EXPECT_EQ(remote_add->input_shapes, (std::vector<std::vector<int64_t>>{{16, 32}, {16, 32}, {}}));
+    EXPECT_EQ(remote_add->cpu_memory_usage, 16 * 32 * 4);
+
+    // Grouped by shapes: the table has the memory and shape columns.
+    const std::string table = p.key_averages(/*group_by_input_shape=*/true).table("cpu_memory_usage");
+    SCOPED_TRACE(table);
+    for (const char* text : {"CPU Mem", "Self CPU Mem", "Input Shapes", "[[4, 8], [4, 8], []]",
+                             "[[16, 32], [16, 32], []]", "2.00 Kb"}) {
+      EXPECT_NE(table.find(text), std::string::npos) << text;
+    }
+
+    // Without the options: neither shapes nor memory, nor their columns.
+    prof::Profile plain;
+    at::add(a, a);
+    plain.stop();
+    const std::vector<prof::Event> plain_events = plain.events();
+    const prof::Event* bare = find(plain_events, "aten::add");
+    ASSERT_NE(bare, nullptr);
+    EXPECT_TRUE(bare->input_shapes.empty());
+    EXPECT_EQ(bare->cpu_memory_usage, 0);
+    EXPECT_EQ(plain.key_averages().table().find("CPU Mem"), std::string::npos);
+  }
+  rpc::shutdown();
+}
+
+// The callee's process-wide profile sees every request it serves while it
+// runs, from callers that profile and from callers that do not.
+MULTIPROCESS_TEST(ProfilerTest, ServerProfileRecordsEveryServedRequest, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    at::Tensor x = at::ones({3, 3});
+    rpc::rpc_sync<at::Tensor>("worker1", "add", x, x);  // before: not recorded
+    ASSERT_TRUE(rpc::rpc_sync<bool>("worker1", "start_server_profile"));
+    rpc::rpc_sync<at::Tensor>("worker2", "call_slow_ops", std::string("worker1"));
+    prof::Profile mine;
+    rpc::rpc_sync<at::Tensor>("worker1", "slow_ops", int64_t{0});
+    mine.stop();
+    const std::vector<std::string> rows =
+        rpc::rpc_sync<std::vector<std::string>>("worker1", "stop_server_profile");
+    rpc::rpc_sync<at::Tensor>("worker1", "add", x, x);  // after: not recorded
+    std::string all;
+    for (const auto& r : rows) all += "  " + r + "\n";
+    SCOPED_TRACE(all);
+    auto has = [&](const std::string& prefix) {
+      return std::count_if(rows.begin(), rows.end(),
+                           [&](const std::string& r) { return absl::StartsWith(r, prefix); });
+    };
+    EXPECT_EQ(has("rpc_request#slow_ops(worker2 -> worker1)@1 1"), 1);
+    EXPECT_EQ(has("rpc_request#slow_ops(worker0 -> worker1)@1 1"), 1);
+    EXPECT_EQ(has("aten::mul@1 2 [[3, 3], [3, 3]]"), 1);
+    EXPECT_EQ(has("rpc_request#add"), 0);
+    EXPECT_EQ(has("rpc_request#stop_server_profile"), 0);
+    // The caller that profiled still got the callee's operators.
+    const std::vector<prof::Event> my_events = mine.events();
+    EXPECT_NE(find(my_events, "rpc_sync#slow_ops(worker0 -> worker1)#remote_op: aten::mul"),
+              nullptr);
   }
   rpc::shutdown();
 }

@@ -9,6 +9,17 @@
 // Registration must be linked into every binary that creates or calls the
 // class (as for functions). Arguments are checked on the owner like those of
 // registered functions.
+//
+// Values (RRef<at::Tensor>, RRef<int64_t>, ...) have methods too: functions
+// whose first parameter is the value, run by the owner on the value it
+// holds, so that the value itself never travels.
+//
+//   rpc::register_value_method("row", [](const at::Tensor& t, int64_t i) { return t[i]; });
+//   at::Tensor r = rref.rpc_sync<at::Tensor>("row", 3);
+//
+// A name may be registered once per number of parameters. Tensors come with
+// size, dim, numel, item, sum, mean, view, reshape, t, clone, contiguous,
+// add, mul, matmul, narrow and index_select, as at::Tensor's methods.
 #pragma once
 
 #include <cstring>
@@ -54,7 +65,38 @@ class ClassRegistry {
   std::map<std::type_index, const ClassInfo*> by_type_ ABSL_GUARDED_BY(mu_);
 };
 
+// Methods of values (see above), by name and number of parameters (the
+// value included); handlers take the value as their first argument.
+class ValueMethodRegistry {
+ public:
+  static ValueMethodRegistry& global();
+  // Throws std::invalid_argument on a duplicate (name, arity).
+  void add(const std::string& name, size_t arity, Handler handler);
+  // nullptr when absent; entries are never removed.
+  const Handler* find(const std::string& name, size_t arity) const;
+  // The arities registered under `name` (empty when none).
+  std::vector<size_t> arities(const std::string& name) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::map<size_t, std::unique_ptr<Handler>>> methods_ ABSL_GUARDED_BY(mu_);
+};
+
+// Registers `fn`, whose first parameter is the value, as a method of values.
+template <typename F>
+void register_value_method(const std::string& name, F fn) {
+  using Args = typename internal::FunctionTraits<std::decay_t<F>>::args;
+  static_assert(std::tuple_size_v<Args> >= 1, "a value method takes the value first");
+  ValueMethodRegistry::global().add(name, std::tuple_size_v<Args>,
+                                    make_handler(name, std::move(fn)));
+}
+
 namespace internal {
+
+// The name an RRef of an object carries: the registered class name, or for
+// an unregistered class (a local owner RRef) "~" and the C++ type's name;
+// such an RRef travels, but its methods cannot be called remotely.
+std::string object_type_name(std::type_index type);
 
 template <typename M>
 std::string member_key(M method) {

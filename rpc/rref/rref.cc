@@ -36,6 +36,11 @@ std::shared_ptr<RRefState> rref_create_local(RpcAgent& agent, c10::IValue value)
   return context_of(agent).create_local(std::move(value));
 }
 
+std::shared_ptr<RRefState> rref_create_local_object(RpcAgent& agent, std::shared_ptr<void> object,
+                                                   std::type_index type) {
+  return context_of(agent).create_local_object(std::move(object), object_type_name(type));
+}
+
 std::shared_ptr<RRefState> rref_create_object(RpcAgent& agent, int to, const std::string& cls,
                                               std::vector<c10::IValue> args,
                                               absl::Duration timeout) {

@@ -5,18 +5,25 @@
 //   auto sum = rpc::remote<at::Tensor>("ps0", "add", a, b);        // function result
 //   at::Tensor s = sum.to_here();
 //   rpc::RRef<at::Tensor> p(param);                                 // local owner RRef
+//   auto n = sum.rpc_sync<int64_t>("numel");                        // a value's method
+//   rpc::RRef<Model> m(std::make_shared<Model>());                  // local object
 //
 // Creation is asynchronous: remote() returns at once, and a creation error
 // surfaces at the next use (to_here, a method call) with the owner's
 // message. RRefs can be passed to and returned from any RPC; the owner
 // destroys the value when the last reference anywhere is gone. Method calls
 // are type-checked at compile time against the member function; the class
-// and its methods must be registered (class_registry.h).
+// and its methods must be registered (class_registry.h). Methods can also be
+// called by name, with the result type given: a registered class's, or for
+// an RRef of a value, a value method (register_value_method; tensors come
+// with at::Tensor's common ones). A local owner RRef of an object needs no
+// registration, but then only its owner can use the object (local_value()).
 #pragma once
 
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <typeindex>
 #include <typeinfo>
 #include <utility>
 
@@ -46,6 +53,8 @@ struct UnwrapFuture<Future<T>> {
 
 // The RRef extension of `agent` (defined in rref.cc); each throws RpcError.
 std::shared_ptr<RRefState> rref_create_local(RpcAgent& agent, c10::IValue value);
+std::shared_ptr<RRefState> rref_create_local_object(RpcAgent& agent, std::shared_ptr<void> object,
+                                                   std::type_index type);
 std::shared_ptr<RRefState> rref_create_object(RpcAgent& agent, int to, const std::string& cls,
                                               std::vector<c10::IValue> args,
                                               absl::Duration timeout);
@@ -78,6 +87,13 @@ class RRef {
   explicit RRef(U value) {
     auto agent = current_agent();
     state_ = internal::rref_create_local(*agent, to_ivalue(std::move(value)));
+  }
+  // An RRef owned by this worker of `object` (objects; T need not be
+  // registered unless other workers call its methods).
+  template <typename U = T, typename = std::enable_if_t<!internal::IsValueType<U>::value>>
+  explicit RRef(std::shared_ptr<U> object) {
+    auto agent = current_agent();
+    state_ = internal::rref_create_local_object(*agent, std::move(object), typeid(T));
   }
 
   bool defined() const { return state_ != nullptr; }
@@ -149,6 +165,46 @@ class RRef {
     return rpc_async(options, method, std::forward<A>(args)...).value();
   }
 
+  // Calls the method named `method` at the owner (see above) and converts
+  // its result to R.
+  template <typename R, typename... A>
+  Future<R> rpc_async(const std::string& method, A&&... args) const {
+    return rpc_async<R>(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <typename R, typename... A>
+  Future<R> rpc_async(const CallOptions& options, const std::string& method, A&&... args) const {
+    auto agent = current_agent();
+    Future<c10::IValue> raw;
+    try {
+      raw = internal::rref_call_method(*agent, state(), method,
+                                       internal::pack_args(std::forward<A>(args)...),
+                                       options.timeout);
+    } catch (const RpcError& e) {
+      raw.set_error(e);
+    }
+    return internal::typed_future<R>(std::move(raw));
+  }
+  template <typename R, typename... A>
+  R rpc_sync(const std::string& method, A&&... args) const {
+    return rpc_sync<R>(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <typename R, typename... A>
+  R rpc_sync(const CallOptions& options, const std::string& method, A&&... args) const {
+    SyncCallScope waits_at_once;
+    return rpc_async<R>(options, method, std::forward<A>(args)...).value();
+  }
+  template <typename R, typename... A>
+  RRef<R> remote(const std::string& method, A&&... args) const {
+    return remote<R>(CallOptions{}, method, std::forward<A>(args)...);
+  }
+  template <typename R, typename... A>
+  RRef<R> remote(const CallOptions& options, const std::string& method, A&&... args) const {
+    static_assert(internal::IsValueType<R>::value, "RRef::remote<R>(name, ...): R is a value type");
+    auto agent = current_agent();
+    return RRef<R>(internal::rref_create_method_value(
+        *agent, state(), method, internal::pack_args(std::forward<A>(args)...), options.timeout));
+  }
+
   // Runs `method` on the owner and keeps its result there; with CallOptions
   // first, its creation fails (kTimeout) unless confirmed within the timeout.
   template <typename M, typename... A,
@@ -196,8 +252,9 @@ struct ValueTraits<RRef<T>> {
     auto* holder = v.isCapsule() ? dynamic_cast<internal::RRefCapsule*>(v.toCapsule().get()) : nullptr;
     if (!holder) throw_type_mismatch("RRef", v);
     if constexpr (!RRef<T>::kIsValue) {
-      if (holder->state->type != internal::class_name_of(typeid(T))) {
-        throw TypeMismatch("expected RRef of '" + internal::class_name_of(typeid(T)) + "', got RRef of " +
+      const std::string expected = internal::object_type_name(typeid(T));
+      if (holder->state->type != expected) {
+        throw TypeMismatch("expected RRef of '" + expected + "', got RRef of " +
                            (holder->state->type.empty() ? "a value" : "'" + holder->state->type + "'"));
       }
     } else if (!holder->state->type.empty()) {

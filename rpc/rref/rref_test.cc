@@ -91,6 +91,33 @@ std::vector<int64_t> table_counts() {
 }
 DDPRPC_REGISTER_FUNCTION(table_counts);
 
+// Value methods: a tensor's row, and an integer's sum with another.
+static const bool value_methods_registered = [] {
+  rpc::register_value_method("row", [](const at::Tensor& t, int64_t i) { return t[i]; });
+  rpc::register_value_method("plus", [](int64_t v, int64_t k) { return v + k; });
+  return true;
+}();
+
+// A class no one registered: a local owner RRef of it still works.
+struct Unregistered {
+  explicit Unregistered(int64_t v) : value(v) {}
+  int64_t value;
+};
+
+// Receives an RRef of an unregistered object owned by the caller: it can
+// hold and return it, not call its methods.
+rpc::RRef<Unregistered> hold_unregistered(rpc::RRef<Unregistered> object) {
+  if (object.is_owner()) throw std::runtime_error("expected a user RRef");
+  try {
+    object.rpc_sync<int64_t>("value");
+    throw std::runtime_error("a method of an unregistered class ran");
+  } catch (const rpc::RpcError& e) {
+    if (std::string(e.what()).find("unregistered class") == std::string::npos) throw;
+  }
+  return object;
+}
+DDPRPC_REGISTER_FUNCTION(hold_unregistered);
+
 void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size); }
 
 MULTIPROCESS_TEST(RRefTest, CreateCallFetch, 3) {
@@ -162,6 +189,78 @@ MULTIPROCESS_TEST(RRefTest, CreationErrorSurfacesAtUse, 2) {
     EXPECT_THROW(missing.to_here(), rpc::RpcError);
     rpc::RRef<at::Tensor> wrong_args = rpc::remote<at::Tensor>("worker1", "add", 1, 2);
     EXPECT_THROW(wrong_args.to_here(), rpc::RpcError);
+  }
+  rpc::shutdown();
+}
+
+// PyTorch's rref.rpc_sync().size(): methods of a value run where it lives.
+MULTIPROCESS_TEST(RRefTest, MethodsOfAValueRunOnItsOwner, 3) {
+  init(3);
+  if (mp::rank() == 0) {
+    rpc::RRef<at::Tensor> sum =
+        rpc::remote<at::Tensor>("worker1", "add", at::ones({2, 3}), at::ones({2, 3}));
+    EXPECT_EQ(sum.rpc_sync<std::vector<int64_t>>("size"), (std::vector<int64_t>{2, 3}));
+    EXPECT_EQ(sum.rpc_sync<int64_t>("size", 1), 3);
+    EXPECT_EQ(sum.rpc_sync<int64_t>(rpc::CallOptions{absl::Seconds(5)}, "numel"), 6);
+    at::Tensor flat = sum.rpc_async<at::Tensor>("view", std::vector<int64_t>{-1}).value();
+    EXPECT_TRUE(at::equal(flat, at::full({6}, 2.0)));
+    EXPECT_TRUE(at::equal(sum.rpc_sync<at::Tensor>("row", 1), at::full({3}, 2.0)));
+    // A result kept on the owner.
+    rpc::RRef<at::Tensor> total = sum.remote<at::Tensor>("sum");
+    EXPECT_EQ(total.owner_name(), "worker1");
+    EXPECT_DOUBLE_EQ(total.rpc_sync<double>("item"), 12.0);
+    // An RRef of an integer, owned here.
+    rpc::RRef<int64_t> five(int64_t{5});
+    EXPECT_EQ(five.rpc_sync<int64_t>("plus", 2), 7);
+    // Errors name what is wrong.
+    auto message = [](auto&& call) -> std::string {
+      try {
+        call();
+      } catch (const rpc::RpcError& e) {
+        return e.what();
+      }
+      return "no error";
+    };
+    EXPECT_NE(message([&] { sum.rpc_sync<int64_t>("no_such_method"); }).find("no value method"),
+              std::string::npos);
+    EXPECT_NE(message([&] { sum.rpc_sync<int64_t>("size", 1, 2); }).find("takes 0 or 1 arguments"),
+              std::string::npos);
+    EXPECT_NE(message([&] { five.rpc_sync<int64_t>("numel"); }).find("argument 1"),
+              std::string::npos);
+    EXPECT_NE(message([&] { sum.rpc_sync<int64_t>("size", 7); }).find("worker1"),
+              std::string::npos);
+    // By name works on objects too.
+    rpc::RRef<Table> table = rpc::remote<Table>("worker2", 4, 3);
+    EXPECT_EQ(table.rpc_sync<int64_t>("rows"), 4);
+  }
+  rpc::shutdown();
+}
+
+// PyTorch's RRef(obj): a local owner RRef of an object, registered or not.
+MULTIPROCESS_TEST(RRefTest, LocalOwnerRRefOfAnObject, 2) {
+  init(2);
+  if (mp::rank() == 0) {
+    auto object = std::make_shared<Unregistered>(41);
+    std::weak_ptr<Unregistered> watch = object;
+    {
+      rpc::RRef<Unregistered> rref(object);
+      object.reset();
+      EXPECT_TRUE(rref.is_owner());
+      EXPECT_EQ(rref.local_value()->value, 41);
+      rpc::RRef<Unregistered> back =
+          rpc::rpc_sync<rpc::RRef<Unregistered>>("worker1", "hold_unregistered", rref);
+      EXPECT_TRUE(back.is_owner());
+      EXPECT_EQ(back.local_value().get(), rref.local_value().get());
+
+      // A registered class: other workers call its methods.
+      rpc::RRef<Table> table(std::make_shared<Table>(3, 2));
+      EXPECT_EQ(rpc::rpc_sync<rpc::RRef<Table>>("worker1", "bounce", table, 3).local_value().get(),
+                table.local_value().get());
+    }
+    // Every reference is gone once worker1's forks are deleted.
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!watch.expired() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+    EXPECT_TRUE(watch.expired()) << "the object outlived its RRefs";
   }
   rpc::shutdown();
 }

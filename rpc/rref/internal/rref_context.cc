@@ -3,6 +3,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "glog/logging.h"
 #include "rpc/agent.h"
@@ -38,18 +39,45 @@ c10::IValue as_tuple(std::vector<c10::IValue> args) {
   return c10::IValue(c10::ivalue::Tuple::create(std::move(args)));
 }
 
-const MethodHandler* find_method(const std::string& type, const std::string& method) {
-  const ClassInfo* info = type.empty() ? nullptr : ClassRegistry::global().find(type);
+// Runs `method` on what an owner entry holds: a registered class's method
+// on its object, or a value method on its value (`ready` has completed).
+Future<c10::IValue> invoke_method(const std::string& type, void* object,
+                                  const Future<c10::IValue>& ready, const std::string& method,
+                                  std::vector<c10::IValue>& args) {
+  if (type.empty()) {
+    c10::IValue value = ready.value();  // rethrows a failed creation
+    const Handler* handler = ValueMethodRegistry::global().find(method, args.size() + 1);
+    if (!handler) {
+      std::vector<size_t> arities = ValueMethodRegistry::global().arities(method);
+      if (arities.empty()) {
+        throw RpcError(ErrorCode::kUnknownFunction,
+                       "no value method '" + method + "' is registered (rpc::register_value_method)");
+      }
+      std::vector<std::string> counts;
+      for (size_t a : arities) counts.push_back(std::to_string(a - 1));
+      throw RpcError(ErrorCode::kInvalidArgument,
+                     absl::StrCat("value method '", method, "' takes ", absl::StrJoin(counts, " or "),
+                                  " arguments, got ", args.size()));
+    }
+    std::vector<c10::IValue> all;
+    all.reserve(args.size() + 1);
+    all.push_back(std::move(value));
+    for (auto& a : args) all.push_back(std::move(a));
+    return (*handler)(all);
+  }
+  ready.wait();
+  const ClassInfo* info = ClassRegistry::global().find(type);
   if (!info) {
     throw RpcError(ErrorCode::kInvalidArgument,
-                   "method '" + method + "' called on an RRef that holds a value, not an object");
+                   "method '" + method + "' called on an RRef of an object of unregistered class " +
+                       type.substr(1) + " (rpc::register_class to call its methods remotely)");
   }
   auto it = info->methods.find(method);
   if (it == info->methods.end()) {
     throw RpcError(ErrorCode::kUnknownFunction,
                    "class '" + type + "' has no method '" + method + "'");
   }
-  return &it->second;
+  return it->second(object, args);
 }
 
 }  // namespace
@@ -102,8 +130,7 @@ RRefContext::RRefContext(RpcAgent* agent, int self_id, int world_size,
     auto arg_values = std::make_shared<std::vector<c10::IValue>>(tuple_elements(args));
     // Runs once the object exists (creation is asynchronous).
     return entry->ready.then([entry, method, arg_values](const Future<c10::IValue>& ready) {
-      ready.wait();
-      return (*find_method(entry->type, method))(entry->object.get(), *arg_values);
+      return invoke_method(entry->type, entry->object.get(), ready, method, *arg_values);
     });
   }));
   functions_.add(kAddFork, make_handler(kAddFork, [self](int64_t id_w, int64_t id_l, int64_t fork_w,
@@ -244,16 +271,30 @@ std::shared_ptr<RRefState> RRefContext::create_method_value(const RRefState& tar
 }
 
 std::shared_ptr<RRefState> RRefContext::create_local(c10::IValue value) {
+  return create_local_entry(std::move(value), nullptr, "");
+}
+
+std::shared_ptr<RRefState> RRefContext::create_local_object(std::shared_ptr<void> object,
+                                                            std::string type) {
+  if (!object) throw RpcError(ErrorCode::kInvalidArgument, "RRef of a null object");
+  return create_local_entry(c10::IValue(), std::move(object), std::move(type));
+}
+
+std::shared_ptr<RRefState> RRefContext::create_local_entry(c10::IValue value,
+                                                           std::shared_ptr<void> object,
+                                                           std::string type) {
   const RRefId id = next_id();
   {
     absl::MutexLock lock(&mu_);
     auto entry = std::make_shared<OwnerEntry>();
     entry->initialized = true;
+    entry->type = type;
+    entry->object = std::move(object);
     entry->ready.set_result(std::move(value));
     entry->local_handles = 1;
     owned_[id] = std::move(entry);
   }
-  auto state = make_state(id, RRefId{}, self_id_, "");
+  auto state = make_state(id, RRefId{}, self_id_, std::move(type));
   state->created.set_result();
   return state;
 }
@@ -451,8 +492,7 @@ Future<c10::IValue> RRefContext::serve_create(int from, RRefId id, RRefId fork,
       std::shared_ptr<OwnerEntry> owner = entry_or_placeholder(target);
       auto arg_values = std::make_shared<std::vector<c10::IValue>>(std::move(args));
       result = owner->ready.then([owner, name, arg_values](const Future<c10::IValue>& f) {
-        f.wait();
-        return (*find_method(owner->type, name))(owner->object.get(), *arg_values);
+        return invoke_method(owner->type, owner->object.get(), f, name, *arg_values);
       });
     }
   } catch (...) {
@@ -648,7 +688,8 @@ c10::IValue RRefContext::decode(const wire::Extension& ext, int src) {
                                              " names workers that cannot have made it"));
   }
   const std::string type(fields[5]);
-  if (!type.empty() && ClassRegistry::global().find(type) == nullptr) {
+  // "~<C++ type>": an object of an unregistered class (a local owner RRef).
+  if (!type.empty() && type[0] != '~' && ClassRegistry::global().find(type) == nullptr) {
     throw std::invalid_argument("RRef of unregistered class '" + type.substr(0, 64) + "'");
   }
   auto state = make_state(make_id(id_w, id_l), make_id(fork_w, fork_l), static_cast<int>(owner), type);

@@ -92,8 +92,10 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   std::shared_ptr<RRefState> create_method_value(const RRefState& target, const std::string& method,
                                                  std::vector<c10::IValue> args,
                                                  absl::Duration timeout);
-  // An owner RRef of a local value.
+  // An owner RRef of a local value, or of a local object whose type name
+  // is `type` (internal::object_type_name).
   std::shared_ptr<RRefState> create_local(c10::IValue value);
+  std::shared_ptr<RRefState> create_local_object(std::shared_ptr<void> object, std::string type);
 
   Future<c10::IValue> fetch(const RRefState& rref, absl::Duration timeout);
   Future<c10::IValue> call_method(const RRefState& rref, const std::string& method,
@@ -126,6 +128,8 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   };
 
   RRefId next_id();
+  std::shared_ptr<RRefState> create_local_entry(c10::IValue value, std::shared_ptr<void> object,
+                                                std::string type);
   static Future<c10::IValue> confirming(const RRefState& rref, Future<c10::IValue> call);
   std::shared_ptr<RRefState> make_state(RRefId id, RRefId fork, int owner, std::string type);
   std::shared_ptr<OwnerEntry> find(RRefId id) const;
