@@ -154,9 +154,14 @@ int coordinator(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  gflags::SetUsageMessage("Gloo allreduce bus bandwidth: ddprpc vs torch.distributed");
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
   bench::parse_flags(&argc, &argv, "benchmarks/allreduce");
   if (bench::env_rank() >= 0) return worker();
   return coordinator(argc, argv);
+}
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("Gloo allreduce bus bandwidth: ddprpc vs torch.distributed");
+  return bench::run_main(argc, argv, &rank_main);
 }

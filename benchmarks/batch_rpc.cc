@@ -984,13 +984,18 @@ int coordinator(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
   bench::keep_freed_memory();
+  bench::parse_flags(&argc, &argv, "benchmarks/batch_rpc");
+  if (bench::env_rank() >= 0) return worker();
+  return coordinator(argc, argv);
+}
+
+int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "batch RPC with async execution: a batch-updating parameter server and batch CartPole "
       "REINFORCE\n  usage: batch_rpc [--mode=ps|cartpole|all] [--trainers=2,4,8] "
       "[--world_sizes=2..11] [--json=batch_rpc.json]");
-  bench::parse_flags(&argc, &argv, "benchmarks/batch_rpc");
-  if (bench::env_rank() >= 0) return worker();
-  return coordinator(argc, argv);
+  return bench::run_main(argc, argv, &rank_main);
 }

@@ -934,10 +934,18 @@ void check_flags() {
   }
 }
 
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
+  bench::keep_freed_memory();
+  bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
+  check_flags();
+  const Placement where = placement();
+  return where.rank < 0 ? coordinator(argc, argv) : worker(where);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::keep_freed_memory();
   gflags::SetUsageMessage(
       "DDP + RPC hybrid benchmark (master + trainers + parameter servers), with PyTorch's own "
       "stack measured in the same run\n"
@@ -946,8 +954,5 @@ int main(int argc, char** argv) {
       "--master_port=PORT [same flags on every rank]\n"
       "                           or RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the "
       "environment (torchrun style)");
-  bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
-  check_flags();
-  const Placement where = placement();
-  return where.rank < 0 ? coordinator(argc, argv) : worker(where);
+  return bench::run_main(argc, argv, &rank_main);
 }

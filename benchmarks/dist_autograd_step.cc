@@ -116,9 +116,14 @@ int launcher(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  gflags::SetUsageMessage("per-iteration cost of dist autograd + DistributedOptimizer (3 workers)");
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
   bench::parse_flags(&argc, &argv, "benchmarks/dist_autograd_step");
   if (bench::env_rank() >= 0) return worker();
   return launcher(argc, argv);
+}
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("per-iteration cost of dist autograd + DistributedOptimizer (3 workers)");
+  return bench::run_main(argc, argv, &rank_main);
 }

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "gflags/gflags.h"
 #include "rpc/rendezvous/launch.h"
 
 namespace ddprpc::benchmarks {
@@ -44,7 +45,15 @@ bool write_text(const std::string& text, std::string* error) {
   return true;
 }
 
+// Where forked ranks start (run_main).
+int (*g_rank_main)(int, char**) = nullptr;
+
 }  // namespace
+
+int run_main(int argc, char** argv, int (*rank_main)(int argc, char** argv)) {
+  g_rank_main = rank_main;
+  return rank_main(argc, argv);
+}
 
 RolesResult run_roles(int argc, char** argv, const RolesOptions& options) {
   static std::atomic<int> runs{0};
@@ -65,6 +74,21 @@ RolesResult run_roles(int argc, char** argv, const RolesOptions& options) {
   launch.master_port = options.master_port;
   launch.timeout = options.timeout;
   launch.grace_period = options.grace_period;
+  if (int (*entry)(int, char**) = options.entry ? options.entry : g_rank_main) {
+    launch.entry = [entry](const std::vector<std::string>& args) {
+      // As in a new process: every flag at its default before parsing.
+      std::vector<gflags::CommandLineFlagInfo> flags;
+      gflags::GetAllFlags(&flags);
+      for (const auto& f : flags) {
+        if (!f.is_default) gflags::SetCommandLineOption(f.name.c_str(), f.default_value.c_str());
+      }
+      std::vector<std::string> owned = args;
+      std::vector<char*> argv;
+      for (auto& a : owned) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      return entry(static_cast<int>(owned.size()), argv.data());
+    };
+  }
   const rpc::LaunchResult launched = rpc::launch(launch);
 
   RolesResult out;

@@ -29,7 +29,18 @@ struct RolesOptions {
   // After the first failure, how long the other ranks may take to notice
   // and report it before they are stopped.
   absl::Duration grace_period = absl::ZeroDuration();
+  // Where a rank starts: the binary's main past its one-time set-up
+  // (gflags' usage message); by default the one given to run_main(). With
+  // one, the ranks are forked from this process and run it with their
+  // arguments, every flag first reset to its default, instead of starting
+  // the binary again (rpc::LaunchOptions::entry; a launcher with threads
+  // still starts it again).
+  int (*entry)(int argc, char** argv) = nullptr;
 };
+
+// A benchmark's main after setting its usage message: runs rank_main and
+// makes it where the ranks of run_roles start (RolesOptions::entry).
+int run_main(int argc, char** argv, int (*rank_main)(int argc, char** argv));
 
 struct RolesResult {
   // How the processes ended (rpc::launch's result).

@@ -226,11 +226,16 @@ int coordinator(int argc, char** argv) {
 
 }  // namespace
 
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
+  bench::parse_flags(&argc, &argv, "benchmarks/rpc_pingpong");
+  if (bench::env_rank() >= 0) return worker();
+  return coordinator(argc, argv);
+}
+
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "round-trip latency and pipelined throughput of ddprpc RPC vs PyTorch RPC on loopback\n"
       "  usage: rpc_pingpong [flags]");
-  bench::parse_flags(&argc, &argv, "benchmarks/rpc_pingpong");
-  if (bench::env_rank() >= 0) return worker();
-  return coordinator(argc, argv);
+  return bench::run_main(argc, argv, &rank_main);
 }

@@ -234,14 +234,19 @@ int coordinator(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
   bench::keep_freed_memory();
+  bench::parse_flags(&argc, &argv, "benchmarks/rpc_profile");
+  if (bench::env_rank() >= 0) return worker();
+  return coordinator(argc, argv);
+}
+
+int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "the PyTorch 'Profiling RPC-based workloads' recipe in C++: profiler tables, Chrome\n"
       "  traces and PNG timelines of add/mul RPCs, a user function, and num_worker_threads\n"
       "  1 vs 8 for 4 concurrent CPU-heavy RPCs\n"
       "  usage: rpc_profile [flags]");
-  bench::parse_flags(&argc, &argv, "benchmarks/rpc_profile");
-  if (bench::env_rank() >= 0) return worker();
-  return coordinator(argc, argv);
+  return bench::run_main(argc, argv, &rank_main);
 }

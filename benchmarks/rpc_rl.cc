@@ -733,13 +733,9 @@ int launcher(int argc, char** argv) {
 }  // namespace
 }  // namespace ddprpc
 
-int main(int argc, char** argv) {
+// After main's one-time set-up; also where ranks forked by run_roles start.
+int rank_main(int argc, char** argv) {
   ddprpc::benchmarks::keep_freed_memory();
-  gflags::SetUsageMessage(
-      "RPC throughput/latency benchmark for reinforcement learning (coordinator, agent, "
-      "observers), with PyTorch's benchmark run on the same configuration.\n"
-      "  usage: rpc_rl [--world_size=3,5,10] [--batch=true] ...  (one flag may hold a comma "
-      "list: the x axis)");
   ddprpc::benchmarks::parse_flags(&argc, &argv, "benchmarks/rpc_rl");
   if (ddprpc::benchmarks::env_rank() >= 0) {
     ddprpc::Config c;
@@ -751,4 +747,13 @@ int main(int argc, char** argv) {
     return ddprpc::worker(c);
   }
   return ddprpc::launcher(argc, argv);
+}
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "RPC throughput/latency benchmark for reinforcement learning (coordinator, agent, "
+      "observers), with PyTorch's benchmark run on the same configuration.\n"
+      "  usage: rpc_rl [--world_size=3,5,10] [--batch=true] ...  (one flag may hold a comma "
+      "list: the x axis)");
+  return ddprpc::benchmarks::run_main(argc, argv, &rank_main);
 }

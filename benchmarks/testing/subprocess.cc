@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -113,10 +114,28 @@ std::vector<pid_t> run_processes(const std::string& tag) {
 }
 
 pid_t find_rank(const std::string& tag, int rank) {
-  for (pid_t pid : run_processes(tag)) {
+  const std::vector<pid_t> procs = run_processes(tag);
+  auto has_rank = [](pid_t pid, const std::string& value) {
     for (const auto& var : environment(pid)) {
-      if (var == absl::StrCat("RANK=", rank)) return pid;
+      if (absl::StartsWith(var, "RANK=") && (value.empty() || var == "RANK=" + value)) return true;
     }
+    return false;
+  };
+  // A rank that was executed shows its RANK in /proc/<pid>/environ.
+  for (pid_t pid : procs) {
+    if (has_rank(pid, std::to_string(rank))) return pid;
+  }
+  // Ranks forked without exec (rpc::LaunchOptions::entry) keep the
+  // launcher's initial environment: they are its children, listed in the
+  // order it forked them.
+  for (pid_t pid : procs) {
+    if (has_rank(pid, "")) continue;
+    std::istringstream children(read_file(absl::StrCat("/proc/", pid, "/task/", pid, "/children")));
+    std::vector<pid_t> ranks;
+    for (pid_t child; children >> child;) {
+      if (std::find(procs.begin(), procs.end(), child) != procs.end()) ranks.push_back(child);
+    }
+    if (rank < static_cast<int>(ranks.size())) return ranks[rank];
   }
   return -1;
 }

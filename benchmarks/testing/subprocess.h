@@ -56,7 +56,8 @@ double numpy_percentile(std::vector<double> samples, double pct);
 
 // Live processes started (directly or not) by the Child tagged `tag`.
 std::vector<pid_t> run_processes(const std::string& tag);
-// The one of them with RANK=<rank>, or -1.
+// The one of them that runs rank <rank> (RANK=<rank> in its environment,
+// or the launcher's <rank>-th child for ranks forked without exec), or -1.
 pid_t find_rank(const std::string& tag, int rank);
 
 }  // namespace ddprpc::benchmarks::testing

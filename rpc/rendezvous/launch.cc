@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <dirent.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -134,6 +136,17 @@ static std::string random_token() {
   return out;
 }
 
+int thread_count() {
+  DIR* dir = ::opendir("/proc/self/task");
+  if (!dir) return 0;
+  int n = 0;
+  while (dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  ::closedir(dir);
+  return n;
+}
+
 LaunchResult launch(const LaunchOptions& options) {
   LaunchResult result;
   if (options.argv.empty() || options.nprocs < 1) {
@@ -151,6 +164,12 @@ LaunchResult launch(const LaunchOptions& options) {
                            });
   if (!token_given) token = random_token();
   std::vector<Child> children(options.nprocs);
+  const int threads = options.entry ? thread_count() : 0;
+  const bool fork_only = options.entry && threads == 1;
+  if (options.entry && !fork_only) {
+    std::fprintf(stderr, "launch: %d threads run here, so the ranks start %s anew\n", threads,
+                 options.argv[0].c_str());
+  }
   ::fflush(stdout);
   ::fflush(stderr);
   for (int rank = 0; rank < options.nprocs; ++rank) {
@@ -181,6 +200,28 @@ LaunchResult launch(const LaunchOptions& options) {
         } else {
           ::setenv(k.c_str(), v.c_str(), 1);
         }
+      }
+      if (fork_only) {
+        // What exec would have closed: the pipes of this and earlier ranks.
+        for (const Child& c : children) {
+          if (c.out >= 0) ::close(c.out);
+          if (c.err >= 0) ::close(c.err);
+        }
+        ::close(out_pipe[0]);
+        ::close(err_pipe[0]);
+        ::close(out_pipe[1]);
+        ::close(err_pipe[1]);
+        int code = 1;
+        try {
+          code = options.entry(options.argv);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "launch: rank %d failed: %s\n", rank, e.what());
+        } catch (...) {
+          std::fprintf(stderr, "launch: rank %d failed with an unknown exception\n", rank);
+        }
+        ::fflush(stdout);
+        ::fflush(stderr);
+        ::_exit(code);
       }
       std::vector<char*> argv;
       for (const auto& a : options.argv) argv.push_back(const_cast<char*>(a.c_str()));

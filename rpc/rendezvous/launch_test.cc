@@ -1,5 +1,10 @@
 #include "rpc/rendezvous/launch.h"
 
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace ddprpc::rpc {
@@ -40,6 +45,47 @@ TEST(LaunchTest, MissingProgramFails) {
   LaunchOptions o;
   o.argv = {"/nonexistent/program"};
   EXPECT_EQ(launch(o).exit_code, 127);
+}
+
+// Forked without exec: each rank runs the entry in this image, with its
+// environment, and its exit code and output come back as for exec.
+TEST(LaunchTest, EntryRunsInForkedChildrenWithTheirEnvironment) {
+  ASSERT_EQ(thread_count(), 1) << "the test process must have one thread here";
+  static int parent_value = 0;
+  parent_value = 42;  // set after start-up: only a forked child sees it
+  LaunchOptions o;
+  o.nprocs = 3;
+  o.argv = {"/nonexistent/program", "--flag"};
+  o.timeout = absl::Seconds(20);
+  o.env = {{"LAUNCH_TEST_VALUE", "x"}};
+  o.entry = [](const std::vector<std::string>& argv) {
+    const int rank = std::atoi(std::getenv("RANK"));
+    if (parent_value != 42 || argv.size() != 2 || argv[1] != "--flag") return 3;
+    if (std::string(std::getenv("WORLD_SIZE")) != "3" || !std::getenv("LAUNCH_TEST_VALUE")) return 4;
+    std::printf("rank %d ran the entry\n", rank);
+    return rank == 2 ? 9 : 0;
+  };
+  testing::internal::CaptureStdout();
+  auto r = launch(o);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(r.exit_code, 9) << r.message;
+  EXPECT_EQ(r.failed_rank, 2);
+  EXPECT_NE(out.find("[rank 0] rank 0 ran the entry"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 1] rank 1 ran the entry"), std::string::npos) << out;
+}
+
+// With a second thread running, the launcher executes argv[0] instead.
+TEST(LaunchTest, EntryIsNotUsedWhenTheLauncherHasThreads) {
+  bool stop = false;
+  std::thread other([&stop] {
+    while (!__atomic_load_n(&stop, __ATOMIC_ACQUIRE)) std::this_thread::yield();
+  });
+  LaunchOptions o = sh(2, "exit 5");
+  o.entry = [](const std::vector<std::string>&) { return 0; };
+  auto r = launch(o);
+  __atomic_store_n(&stop, true, __ATOMIC_RELEASE);
+  other.join();
+  EXPECT_EQ(r.exit_code, 5) << "the entry ran instead of the program";
 }
 
 }  // namespace
