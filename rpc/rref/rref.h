@@ -141,17 +141,9 @@ class RRef {
     using R = typename internal::UnwrapFuture<typename internal::FunctionTraits<M>::result>::type;
     static_assert(std::is_invocable_v<M, T&, A...>,
                   "RRef<T>::rpc_*: the arguments do not match the method's parameters");
-    auto agent = current_agent();
-    Future<c10::IValue> raw;
-    try {
-      const std::string& name = internal::method_name_of(typeid(T), internal::member_key(method));
-      raw = internal::rref_call_method(*agent, state(), name,
-                                       internal::pack_args(std::forward<A>(args)...),
-                                       options.timeout);
-    } catch (const RpcError& e) {
-      raw.set_error(e);
-    }
-    return internal::typed_future<R>(std::move(raw));
+    return internal::typed_future<R>(call_method(
+        options, [method] { return internal::method_name_of(typeid(T), internal::member_key(method)); },
+        std::forward<A>(args)...));
   }
 
   template <typename M, typename... A,
@@ -173,16 +165,8 @@ class RRef {
   }
   template <typename R, typename... A>
   Future<R> rpc_async(const CallOptions& options, const std::string& method, A&&... args) const {
-    auto agent = current_agent();
-    Future<c10::IValue> raw;
-    try {
-      raw = internal::rref_call_method(*agent, state(), method,
-                                       internal::pack_args(std::forward<A>(args)...),
-                                       options.timeout);
-    } catch (const RpcError& e) {
-      raw.set_error(e);
-    }
-    return internal::typed_future<R>(std::move(raw));
+    return internal::typed_future<R>(
+        call_method(options, [&method] { return method; }, std::forward<A>(args)...));
   }
   template <typename R, typename... A>
   R rpc_sync(const std::string& method, A&&... args) const {
@@ -230,6 +214,22 @@ class RRef {
   const std::shared_ptr<internal::RRefState>& shared_state() const { return state_; }
 
  private:
+  // Calls the method named by name() at the owner; an RpcError (an
+  // unregistered method, a dead owner) fails the future instead of throwing.
+  template <typename NameFn, typename... A>
+  Future<c10::IValue> call_method(const CallOptions& options, NameFn name, A&&... args) const {
+    auto agent = current_agent();
+    Future<c10::IValue> raw;
+    try {
+      raw = internal::rref_call_method(*agent, state(), name(),
+                                       internal::pack_args(std::forward<A>(args)...),
+                                       options.timeout);
+    } catch (const RpcError& e) {
+      raw.set_error(e);
+    }
+    return raw;
+  }
+
   static auto from_value(const c10::IValue& v) {
     if constexpr (kIsValue) {
       try {
