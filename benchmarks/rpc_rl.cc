@@ -33,17 +33,20 @@
 #include <torch/nn/modules/linear.h>
 
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -54,6 +57,7 @@
 #include "benchmarks/harness.h"
 #include "models/categorical.h"
 #include "models/linear.h"
+#include "models/policy_compile.h"
 #include "rpc/rendezvous/launch.h"
 #include "rpc/rref/rref.h"
 
@@ -78,6 +82,11 @@ DEFINE_string(dense_kernel, "xnnpack,aten",
               "xnnpack (ours) or aten (libtorch's Linear, the kernel PyTorch's side runs). "
               "Against PyTorch, aten gives the ratio of the runtimes alone and xnnpack the "
               "ratio of the product");
+DEFINE_string(compile, "",
+              "BACKEND[/MODE]: the agent's policy compiled by //models:policy_compile "
+              "(torchscript/script|freeze|optimize, xnnpack/default, nnc/interp) instead of "
+              "eager layers; one run of ddprpc, labelled compiled:BACKEND/MODE, in place of "
+              "--dense_kernel's");
 DEFINE_int32(pairs, 1,
              "rounds of interleaved runs: ddprpc (once per --dense_kernel), then PyTorch's "
              "benchmark; each ratio printed is the median of the rounds' ratios");
@@ -113,10 +122,14 @@ int64_t sample_row(const at::Tensor& probs, int64_t row) {
   return ddprpc::models::sample_categorical(probs.data_ptr<float>() + row * n, n, rng);
 }
 
-// The dummy policy of PyTorch's benchmark.
+constexpr char kCompiledPrefix[] = "compiled:";
+
+// The dummy policy of PyTorch's benchmark; `compile` ("" or BACKEND[/MODE])
+// runs it through //models:policy_compile.
 class Policy {
  public:
-  Policy(int64_t in_features, int64_t nlayers, int64_t out_features, models::DenseKernel kernel) {
+  Policy(int64_t in_features, int64_t nlayers, int64_t out_features, models::DenseKernel kernel,
+         const std::string& compile) {
     layers_.emplace_back(in_features, out_features);
     for (int64_t i = 0; i < nlayers; ++i) layers_.emplace_back(out_features, out_features);
     for (auto& layer : layers_) {
@@ -125,16 +138,27 @@ class Policy {
       // each weight once, as an inference layer does, not each batch.
       layer->cache_packed_weight(kernel == models::DenseKernel::kXnnpack);
     }
+    if (!compile.empty()) {
+      std::vector<std::pair<at::Tensor, at::Tensor>> weights;
+      for (auto& layer : layers_) weights.emplace_back(layer->weight, layer->bias);
+      models::CompileOptions options;
+      const size_t slash = compile.find('/');
+      options.backend = compile.substr(0, slash);
+      if (slash != std::string::npos) options.mode = compile.substr(slash + 1);
+      compiled_.emplace(models::compile_linear_softmax(weights, options));
+    }
   }
   // x: [batch, state...] -> action probabilities [batch, out_features].
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x.flatten(1);
+    if (compiled_) return compiled_->forward(h);
     for (auto& layer : layers_) h = layer->forward(h);
     return at::softmax(h, -1);
   }
 
  private:
   std::vector<models::Linear> layers_;  // torch::nn::Linear on XNNPACK (packed once) or ATen
+  std::optional<models::CompiledLinearSoftmax> compiled_;
 };
 
 // The agent, owned by rank 1 and called by the observers through an RRef.
@@ -144,14 +168,17 @@ class RlAgent {
 
   void set_world(int64_t batch_size, std::vector<int64_t> state_size, int64_t nlayers,
                  int64_t out_features, std::string kernel_name) {
-    models::DenseKernel kernel;
-    if (!models::parse_dense_kernel(kernel_name, &kernel)) {
+    models::DenseKernel kernel = models::DenseKernel::kXnnpack;
+    std::string compile;
+    if (absl::StartsWith(kernel_name, kCompiledPrefix)) {
+      compile = kernel_name.substr(std::strlen(kCompiledPrefix));
+    } else if (!models::parse_dense_kernel(kernel_name, &kernel)) {
       throw rpc::RpcError(rpc::ErrorCode::kInvalidArgument, "set_world: unknown kernel " + kernel_name);
     }
     absl::MutexLock lock(&mu_);
     const int64_t in = std::accumulate(state_size.begin(), state_size.end(), int64_t{1},
                                        std::multiplies<int64_t>());
-    policy_ = std::make_unique<Policy>(in, nlayers, out_features, kernel);
+    policy_ = std::make_unique<Policy>(in, nlayers, out_features, kernel, compile);
     batch_size_ = batch_size;
     pending_ = batch_size;
     std::vector<int64_t> shape{batch_size};
@@ -314,8 +341,19 @@ struct Config {
   std::string kernel;  // the first of --dense_kernel
 };
 
-// --dense_kernel as names; "" and an error message in *error if one is unknown.
+// --dense_kernel as names (or the one compiled run of --compile); "" and an
+// error message in *error if one is unknown.
 std::vector<std::string> dense_kernels(std::string* error) {
+  if (!FLAGS_compile.empty()) {
+    const size_t slash = FLAGS_compile.find('/');
+    const std::string backend = FLAGS_compile.substr(0, slash);
+    const std::string mode = slash == std::string::npos ? "" : FLAGS_compile.substr(slash + 1);
+    for (const auto& [b, m] : models::compile_backends()) {
+      if (b == backend && (mode.empty() || m == mode)) return {kCompiledPrefix + FLAGS_compile};
+    }
+    *error = "--compile: unknown backend/mode '" + FLAGS_compile + "'";
+    return {};
+  }
   std::vector<models::DenseKernel> kernels;
   std::string why;
   if (!models::parse_dense_kernels(FLAGS_dense_kernel, &kernels, &why)) {

@@ -68,13 +68,15 @@ int check_table(const std::string& out, const std::vector<std::string>& xs, cons
   return rows;
 }
 
-void run(bool batch) {
-  const std::string tag = batch ? "batch" : "nobatch";
+// `policy`: the flag choosing the agent's policy, and `label` what the
+// output calls it.
+void run(bool batch, const std::string& policy, const std::string& label) {
+  const std::string tag = absl::StrCat(batch ? "batch" : "nobatch", label.size());
   const std::string json = test_tmp(tag + ".json");
   Child c(binary("benchmarks/rpc_rl"),
           {"--world_size=3,4", absl::StrCat("--batch=", batch ? "true" : "false"),
            "--episodes=2", "--episode_steps=5", "--pytorch=false", "--output_file_path=" + json,
-           batch ? "--dense_kernel=xnnpack" : "--dense_kernel=aten"},
+           policy},
           tag);
   ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.err());
   JsonValue report;
@@ -86,8 +88,7 @@ void run(bool batch) {
   ASSERT_NE(results, nullptr) << j;
   ASSERT_EQ(results->list_value().values_size(), 2) << j;
   EXPECT_EQ(check_table(c.out(), {"3", "4"}, *results), 2) << c.out();
-  EXPECT_NE(c.out().find(batch ? "policy on xnnpack" : "policy on aten"), std::string::npos)
-      << c.out();
+  EXPECT_NE(c.out().find("policy on " + label), std::string::npos) << c.out();
   for (int i = 0; i < 2; ++i) {
     const JsonValue& r = results->list_value().values(i);
     const double expected = (i + 1) * 2 * 5;
@@ -113,14 +114,25 @@ void run(bool batch) {
   }
 }
 
-TEST(RpcRlBenchmarkTest, BatchAnswersEveryRequest) { run(true); }
-TEST(RpcRlBenchmarkTest, NonBatchAnswersEveryRequest) { run(false); }
+TEST(RpcRlBenchmarkTest, BatchAnswersEveryRequest) { run(true, "--dense_kernel=xnnpack", "xnnpack"); }
+TEST(RpcRlBenchmarkTest, NonBatchAnswersEveryRequest) { run(false, "--dense_kernel=aten", "aten"); }
+// The agent's policy compiled (//models:policy_compile), both modes.
+TEST(RpcRlBenchmarkTest, CompiledPolicyAnswersEveryRequest) {
+  run(true, "--compile=torchscript/freeze", "compiled:torchscript/freeze");
+  run(false, "--compile=xnnpack", "compiled:xnnpack");
+}
 
 TEST(RpcRlBenchmarkTest, RejectsTwoListFlags) {
   Child c(binary("benchmarks/rpc_rl"), {"--world_size=3,4", "--nlayers=1,2", "--pytorch=false"},
           "twolists");
   EXPECT_EQ(c.wait_for(absl::Seconds(30)), 2);
   EXPECT_NE(c.err().find("only one flag may hold a comma list"), std::string::npos) << c.err();
+}
+
+TEST(RpcRlBenchmarkTest, RejectsAnUnknownCompileBackend) {
+  Child c(binary("benchmarks/rpc_rl"), {"--compile=bogus", "--pytorch=false"}, "badcompile");
+  EXPECT_EQ(c.wait_for(absl::Seconds(30)), 2);
+  EXPECT_NE(c.err().find("--compile: unknown backend/mode 'bogus'"), std::string::npos) << c.err();
 }
 
 }  // namespace

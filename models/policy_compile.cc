@@ -1,6 +1,7 @@
 #include "models/policy_compile.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <omp.h>
@@ -128,6 +129,71 @@ class FuserGuard {
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+// Runs `method` of a compiled module on x under its thread and fuser settings.
+c10::IValue run_compiled(torch::jit::Module& module, const std::string& backend,
+                         const std::string& mode, Threads threads, const char* method,
+                         const at::Tensor& x) {
+  c10::InferenceMode inference;
+  std::optional<CallerThreadGuard> caller_thread;
+  if (threads == Threads::kCallerThread) caller_thread.emplace();
+  std::optional<FuserGuard> fuser;
+  if (backend == "nnc") fuser.emplace(/*interpreter=*/mode == "interp");
+  return module.get_method(method)({x});
+}
+
+// options' backend and mode, the defaults filled in; throws for an unknown pair.
+std::pair<std::string, std::string> resolve(const CompileOptions& options,
+                                            const std::pair<std::string, std::string>& fallback,
+                                            const std::string& what_model) {
+  const auto known = compile_backends();
+  std::string backend = options.backend, mode = options.mode;
+  if (backend.empty()) {
+    backend = fallback.first;
+    if (mode.empty()) mode = fallback.second;
+  }
+  if (mode.empty()) {
+    mode = "default";
+    for (const auto& [b, m] : known) {
+      if (b == backend) {
+        mode = m;
+        break;
+      }
+    }
+  }
+  if (std::find(known.begin(), known.end(), std::make_pair(backend, mode)) == known.end()) {
+    throw std::runtime_error(absl::StrCat(
+        "backend '", backend, "' (mode '", mode, "') on the ", what_model,
+        ": unknown backend/mode; known: ",
+        absl::StrJoin(known, ", ", [](std::string* out, const auto& p) { absl::StrAppend(out, p.first, "/", p.second); })));
+  }
+  return {backend, mode};
+}
+
+// The backend's passes over a scripted module.
+torch::jit::Module optimize(torch::jit::Module m, const std::string& backend,
+                            const std::string& mode, const std::vector<std::string>& other_methods) {
+  if (backend == "torchscript" && mode == "freeze") {
+    m = torch::jit::freeze(m, other_methods);
+  } else if (backend == "torchscript" && mode == "optimize") {
+    m = torch::jit::freeze(m, other_methods);
+    m = torch::jit::optimize_for_inference(m, other_methods);
+  } else if (backend == "xnnpack") {
+    m = torch::jit::optimizeForMobile(m, /*optimization_blocklist=*/{}, other_methods);
+  } else if (backend == "nnc") {
+    m = torch::jit::freeze(m, other_methods);
+  }
+  return m;
+}
+
+// What a failed compilation says: the first line of the error, and why
+// LLVM is missing when it is.
+std::string compile_error(const std::string& what, std::string error) {
+  if (error.find("LLVM") != std::string::npos) {
+    absl::StrAppend(&error, " (this libtorch was built without LLVM; mode 'interp' uses NNC's IR interpreter)");
+  }
+  return absl::StrCat(what, " failed: ", error);
+}
+
 }  // namespace
 
 CompiledPolicy::CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode,
@@ -135,12 +201,15 @@ CompiledPolicy::CompiledPolicy(torch::jit::Module module, std::string backend, s
     : module_(std::move(module)), backend_(std::move(backend)), mode_(std::move(mode)), threads_(threads) {}
 
 c10::IValue CompiledPolicy::call(const char* method, const at::Tensor& obs) {
-  c10::InferenceMode inference;
-  std::optional<CallerThreadGuard> caller_thread;
-  if (threads_ == Threads::kCallerThread) caller_thread.emplace();
-  std::optional<FuserGuard> fuser;
-  if (backend_ == "nnc") fuser.emplace(/*interpreter=*/mode_ == "interp");
-  return module_.get_method(method)({obs});
+  return run_compiled(module_, backend_, mode_, threads_, method, obs);
+}
+
+CompiledLinearSoftmax::CompiledLinearSoftmax(torch::jit::Module module, std::string backend,
+                                             std::string mode, Threads threads)
+    : module_(std::move(module)), backend_(std::move(backend)), mode_(std::move(mode)), threads_(threads) {}
+
+at::Tensor CompiledLinearSoftmax::forward(const at::Tensor& x) {
+  return run_compiled(module_, backend_, mode_, threads_, "forward", x).toTensor();
 }
 
 std::tuple<at::Tensor, at::Tensor> CompiledPolicy::forward(const at::Tensor& obs) {
@@ -172,43 +241,13 @@ CompiledPolicy compile_policy(const PpoPolicy& policy, const std::string& backen
 }
 
 CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options) {
-  const auto known = compile_backends();
-  std::string backend = options.backend, mode = options.mode;
-  if (backend.empty()) {
-    backend = default_backend(policy->kind).first;
-    if (mode.empty()) mode = default_backend(policy->kind).second;
-  }
-  if (mode.empty()) {
-    mode = "default";
-    for (const auto& [b, m] : known) {
-      if (b == backend) {
-        mode = m;
-        break;
-      }
-    }
-  }
-  const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ",
-                                        kind_name(policy->kind), " policy");
-  if (std::find(known.begin(), known.end(), std::make_pair(backend, mode)) == known.end()) {
-    throw std::runtime_error(absl::StrCat(
-        what, ": unknown backend/mode; known: ",
-        absl::StrJoin(known, ", ", [](std::string* out, const auto& p) { absl::StrAppend(out, p.first, "/", p.second); })));
-  }
+  const std::string model = absl::StrCat(kind_name(policy->kind), " policy");
+  const auto [backend, mode] = resolve(options, default_backend(policy->kind), model);
+  const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ", model);
   std::string error;
   try {
-    torch::jit::Module m = script(policy);
-    const std::vector<std::string> other_methods = {"forward_exploration"};
-    if (backend == "torchscript" && mode == "freeze") {
-      m = torch::jit::freeze(m, other_methods);
-    } else if (backend == "torchscript" && mode == "optimize") {
-      m = torch::jit::freeze(m, other_methods);
-      m = torch::jit::optimize_for_inference(m, other_methods);
-    } else if (backend == "xnnpack") {
-      m = torch::jit::optimizeForMobile(m, /*optimization_blocklist=*/{}, other_methods);
-    } else if (backend == "nnc") {
-      m = torch::jit::freeze(m, other_methods);
-    }
-    CompiledPolicy compiled(std::move(m), backend, mode, options.threads);
+    CompiledPolicy compiled(optimize(script(policy), backend, mode, {"forward_exploration"}),
+                            backend, mode, options.threads);
     // The profiling executor optimizes (and fuses) a graph after
     // getNumProfiledRuns() runs per input shape: run past that for two
     // shapes so that a backend that fails, fails here.
@@ -226,10 +265,40 @@ CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& opt
   } catch (const std::exception& e) {
     error = first_line(e.what());
   }
-  if (error.find("LLVM") != std::string::npos) {
-    absl::StrAppend(&error, " (this libtorch was built without LLVM; mode 'interp' uses NNC's IR interpreter)");
+  throw std::runtime_error(compile_error(what, error));
+}
+
+CompiledLinearSoftmax compile_linear_softmax(
+    const std::vector<std::pair<at::Tensor, at::Tensor>>& layers, const CompileOptions& options) {
+  const std::string model = absl::StrCat(layers.size(), "-layer linear + softmax policy");
+  const auto [backend, mode] = resolve(options, {"xnnpack", "default"}, model);
+  const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ", model);
+  if (layers.empty()) throw std::runtime_error(what + " failed: no layers");
+  std::string error;
+  try {
+    torch::jit::Module m("ddprpc.LinearSoftmax");
+    std::string source = "def forward(self, x: Tensor) -> Tensor:\n    h = x\n";
+    for (size_t i = 0; i < layers.size(); ++i) {
+      m.register_parameter(absl::StrCat("w", i), layers[i].first.detach().clone(), false);
+      m.register_parameter(absl::StrCat("b", i), layers[i].second.detach().clone(), false);
+      absl::StrAppend(&source, "    h = torch.linear(h, self.w", i, ", self.b", i, ")\n");
+    }
+    absl::StrAppend(&source, "    return torch.softmax(h, -1)\n");
+    m.define(source);
+    m.eval();
+    CompiledLinearSoftmax compiled(optimize(m, backend, mode, {}), backend, mode, options.threads);
+    const size_t runs = torch::jit::getNumProfiledRuns() + 2;
+    for (int64_t batch : {1, 2}) {
+      at::Tensor x = at::zeros({batch, layers[0].first.size(1)});
+      for (size_t i = 0; i < runs; ++i) compiled.forward(x);
+    }
+    return compiled;
+  } catch (const c10::Error& e) {
+    error = first_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    error = first_line(e.what());
   }
-  throw std::runtime_error(absl::StrCat(what, " failed: ", error));
+  throw std::runtime_error(compile_error(what, error));
 }
 
 }  // namespace ddprpc::models

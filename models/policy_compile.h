@@ -80,12 +80,37 @@ class CompiledPolicy {
   Threads threads_;
 };
 
+// rpc_rl's agent policy, compiled the same way: linear layers (weight
+// [out, in] and bias [out] each, applied in order with nothing between
+// them) and a softmax over the last dimension. Holds copies of the weights.
+class CompiledLinearSoftmax {
+ public:
+  // x [B, in] -> probabilities [B, out].
+  at::Tensor forward(const at::Tensor& x);
+  std::string name() const { return backend_ + "/" + mode_; }
+
+ private:
+  friend CompiledLinearSoftmax compile_linear_softmax(
+      const std::vector<std::pair<at::Tensor, at::Tensor>>& layers, const CompileOptions& options);
+  CompiledLinearSoftmax(torch::jit::Module module, std::string backend, std::string mode,
+                        Threads threads);
+
+  torch::jit::Module module_;
+  std::string backend_, mode_;
+  Threads threads_;
+};
+
 // Every (backend, mode) pair compile_policy knows, in the order above.
 std::vector<std::pair<std::string, std::string>> compile_backends();
 
 CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options = {});
 CompiledPolicy compile_policy(const PpoPolicy& policy, const std::string& backend,
                               const std::string& mode);
+
+// With no backend given: xnnpack/default. Throws std::runtime_error as
+// compile_policy does.
+CompiledLinearSoftmax compile_linear_softmax(
+    const std::vector<std::pair<at::Tensor, at::Tensor>>& layers, const CompileOptions& options);
 
 // The default backend/mode for a policy kind: xnnpack/default for the MLP,
 // torchscript/optimize for the CNN (XNNPACK's convolutions lose to oneDNN's

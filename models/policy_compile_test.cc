@@ -4,6 +4,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/randn.h>
+#include <ATen/ops/softmax.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/jit/passes/tensorexpr_fuser.h>
 
@@ -130,6 +133,41 @@ TEST(PolicyCompileTest, NncLeavesTheProcessFuserSettingAlone) {
   CompiledPolicy compiled = compile_policy(policy, "nnc", "interp");
   compiled.forward_exploration(policy->example_input(3));
   EXPECT_EQ(torch::jit::tensorExprFuserEnabled(), before);
+}
+
+// rpc_rl's policy (linears, then softmax) on every backend that works here
+// gives eager's probabilities; nnc/default needs LLVM and may fail, naming it.
+TEST(PolicyCompileTest, LinearSoftmaxMatchesEagerOnEveryBackend) {
+  at::manual_seed(3);
+  std::vector<std::pair<at::Tensor, at::Tensor>> layers = {{at::randn({10, 200}), at::randn({10})}};
+  for (int i = 0; i < 5; ++i) layers.emplace_back(at::randn({10, 10}) * 0.3, at::randn({10}));
+  for (const Backend& backend : compile_backends()) {
+    SCOPED_TRACE(backend.first + "/" + backend.second);
+    CompileOptions options;
+    options.backend = backend.first;
+    options.mode = backend.second;
+    if (backend == Backend{"nnc", "default"}) {
+      try {
+        compile_linear_softmax(layers, options);
+      } catch (const std::runtime_error& e) {
+        EXPECT_TRUE(contains(e.what(), "nnc") && contains(e.what(), "linear + softmax")) << e.what();
+      }
+      continue;
+    }
+    CompiledLinearSoftmax compiled = compile_linear_softmax(layers, options);
+    EXPECT_EQ(compiled.name(), backend.first + "/" + backend.second);
+    for (int64_t batch : {1, 8}) {
+      at::Tensor x = at::randn({batch, 200});
+      at::Tensor h = x;
+      for (const auto& [w, b] : layers) h = at::linear(h, w, b);
+      at::Tensor eager = at::softmax(h, -1);
+      at::Tensor out = compiled.forward(x);
+      EXPECT_TRUE(at::allclose(eager, out, 1e-5, 1e-5)) << "max diff " << max_diff(eager, out);
+    }
+  }
+  CompileOptions bogus;
+  bogus.backend = "bogus";
+  EXPECT_THROW(compile_linear_softmax(layers, bogus), std::runtime_error);
 }
 
 }  // namespace
