@@ -19,6 +19,10 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include <ATen/ops/arange.h>
+#include <ATen/ops/remainder.h>
+
+#include "ddp/internal/same_host_allreduce.h"
 #include "gtest/gtest.h"
 #include "rpc/rendezvous/store.h"
 #include "tests/multiprocess.h"
@@ -115,6 +119,63 @@ MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {
   // Nobody uses the store once both groups are past this point.
   a->barrier()->wait(absl::Seconds(30));
   b->barrier()->wait(absl::Seconds(30));
+}
+
+// Large allreduces among processes of one host read the peers' buffers
+// (internal/same_host_allreduce.h): exact sums, max, min and averages for
+// sizes that do not split evenly, several dtypes and a bucket of several
+// tensors; with one rank unwilling every rank keeps Gloo's path, same
+// results.
+MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesOnOneHostMatchGloo, 3) {
+  using ddprpc::ddp::internal::SameHostAllreduce;
+  const std::string host = std::getenv("MASTER_ADDR");
+  const int port = std::atoi(std::getenv("MASTER_PORT"));
+  std::unique_ptr<ddprpc::rpc::StoreServer> server;
+  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port);
+  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(60));
+  const int64_t r = mp::rank();
+  const int64_t n = 300001;  // 1.2 MB of floats, not a multiple of 3
+  auto check = [&](ddp::ProcessGroup& pg) {
+    // rank r holds (i * (r + 1)) % 1000 at index i.
+    auto values = [&](at::ScalarType type, int64_t rank) {
+      return at::remainder(at::arange(n, at::kLong) * (rank + 1), 1000).to(type);
+    };
+    at::Tensor expect_sum = values(at::kLong, 0) + values(at::kLong, 1) + values(at::kLong, 2);
+    at::Tensor expect_max = at::maximum(at::maximum(values(at::kLong, 0), values(at::kLong, 1)),
+                                        values(at::kLong, 2));
+    at::Tensor expect_min = at::minimum(at::minimum(values(at::kLong, 0), values(at::kLong, 1)),
+                                        values(at::kLong, 2));
+    at::Tensor sum = values(at::kLong, r), mx = values(at::kFloat, r), mn = values(at::kDouble, r);
+    at::Tensor avg = values(at::kDouble, r);
+    pg.allreduce({sum}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    pg.allreduce({mx}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+    pg.allreduce({mn}, ddp::ReduceOp::kMin)->wait(absl::Seconds(60));
+    pg.allreduce({avg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+    EXPECT_TRUE(at::equal(sum, expect_sum));
+    EXPECT_TRUE(at::equal(mx, expect_max.to(at::kFloat)));
+    EXPECT_TRUE(at::equal(mn, expect_min.to(at::kDouble)));
+    EXPECT_TRUE(at::allclose(avg, expect_sum.to(at::kDouble) / 3));
+    // A bucket of tensors of several shapes, flattened together.
+    at::Tensor a = values(at::kFloat, r).narrow(0, 0, 200000).reshape({400, 500}).clone();
+    at::Tensor b = values(at::kFloat, r).narrow(0, 200000, 100001).clone();
+    pg.allreduce({a, b}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    EXPECT_TRUE(at::equal(a.reshape(-1), expect_sum.narrow(0, 0, 200000).to(at::kFloat)));
+    EXPECT_TRUE(at::equal(b, expect_sum.narrow(0, 200000, 100001).to(at::kFloat)));
+  };
+  const int64_t before = SameHostAllreduce::runs();
+  {
+    auto pg = ddp::make_gloo_group(store, "fast/", mp::rank(), 3);
+    check(*pg);
+    EXPECT_EQ(SameHostAllreduce::runs() - before, 5) << "large allreduces took Gloo's path";
+    pg->barrier()->wait(absl::Seconds(60));
+  }
+  if (r == 1) ::setenv("DDPRPC_GLOO_SAME_HOST", "0", 1);
+  {
+    auto pg = ddp::make_gloo_group(store, "slow/", mp::rank(), 3);
+    check(*pg);
+    EXPECT_EQ(SameHostAllreduce::runs() - before, 5) << "one rank opted out, yet peers were read";
+    pg->barrier()->wait(absl::Seconds(60));
+  }
 }
 
 torch::nn::Sequential make_model() {

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "ddp/internal/op_queue.h"
+#include "ddp/internal/same_host_allreduce.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/init_method.h"
 #include "rpc/rendezvous/store.h"
@@ -109,6 +110,7 @@ class ProcessGroupGloo : public ProcessGroup {
     reduce_fn<int64_t>(ReduceOp::kMin, opts);
     gloo::allreduce(opts);
     sync_max_bytes_ = limit;
+    if (size_ > 1) same_host_ = internal::SameHostAllreduce::connect(context_);
   }
 
   int rank() const override { return rank_; }
@@ -122,7 +124,12 @@ class ProcessGroupGloo : public ProcessGroup {
       std::vector<at::Tensor> flat;
       for (auto& t : tensors) flat.push_back(t.reshape(-1));
       at::Tensor buffer;
-      if (SyncAllreduce* sync = sync_allreduce(tensors, op)) {
+      if (use_same_host(tensors)) {
+        buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
+        same_host_->run(buffer, op == ReduceOp::kMin   ? internal::SameHostAllreduce::Op::kMin
+                                : op == ReduceOp::kMax ? internal::SameHostAllreduce::Op::kMax
+                                                       : internal::SameHostAllreduce::Op::kSum);
+      } else if (SyncAllreduce* sync = sync_allreduce(tensors, op)) {
         buffer = sync->staging;
         at::cat_out(buffer, flat);
         sync->algorithm->run();
@@ -227,6 +234,20 @@ class ProcessGroupGloo : public ProcessGroup {
     });
   }
 
+  // Large allreduces of one dtype Gloo takes, when every rank is on this
+  // host (the same answer on every rank: sizes and dtypes agree).
+  bool use_same_host(const std::vector<at::Tensor>& tensors) const {
+    if (!same_host_) return false;
+    int64_t bytes = 0;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != tensors[0].scalar_type()) return false;
+      bytes += t.numel() * t.element_size();
+    }
+    if (bytes < internal::SameHostAllreduce::kMinBytes) return false;
+    dispatch_dtype(tensors[0], [](auto) {});  // throws for a dtype Gloo's path refuses
+    return true;
+  }
+
   // Small allreduces run Gloo's halving-doubling algorithm on a second mesh
   // whose pairs are in synchronous mode: the thread running the collective
   // reads and writes the sockets itself, with no event-loop thread and no
@@ -284,6 +305,8 @@ class ProcessGroupGloo : public ProcessGroup {
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::shared_ptr<gloo::rendezvous::Context> sync_context_;  // pairs in synchronous mode
+  // Large allreduces when every rank is on this host (null otherwise).
+  std::unique_ptr<internal::SameHostAllreduce> same_host_;
   int64_t sync_max_bytes_ = 0;  // set at construction, the same on every rank
   // Used only on ops_' thread.
   std::map<std::tuple<int, int64_t, int>, SyncAllreduce> sync_allreduces_;
