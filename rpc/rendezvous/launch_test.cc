@@ -57,6 +57,7 @@ TEST(LaunchTest, EntryRunsInForkedChildrenWithTheirEnvironment) {
   o.nprocs = 3;
   o.argv = {"/nonexistent/program", "--flag"};
   o.timeout = absl::Seconds(20);
+  o.grace_period = absl::Seconds(10);  // ranks 0 and 1 finish after rank 2 failed
   o.env = {{"LAUNCH_TEST_VALUE", "x"}};
   o.entry = [](const std::vector<std::string>& argv) {
     const int rank = std::atoi(std::getenv("RANK"));
