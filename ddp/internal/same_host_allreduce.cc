@@ -1,11 +1,11 @@
 #include "ddp/internal/same_host_allreduce.h"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/maximum.h>
-#include <ATen/ops/minimum.h>
 #include <gloo/allgather.h>
 #include <gloo/barrier.h>
 #include <gloo/context.h>
+#include <gloo/math.h>
+#include <gloo/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -36,6 +36,31 @@ std::vector<int64_t> allgather(const std::shared_ptr<gloo::Context>& context,
   opts.setOutput(all.data(), all.size());
   gloo::allgather(opts);
   return all;
+}
+
+using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+// Gloo's own element loops, on this thread (ATen's kernels would start an
+// intra-op team per piece: with several ranks on few cores, their spinning
+// threads cost more than the reduction).
+template <typename T>
+ReduceFn reduce_fn(SameHostAllreduce::Op op) {
+  if (op == SameHostAllreduce::Op::kMin) return &gloo::min<T>;
+  if (op == SameHostAllreduce::Op::kMax) return &gloo::max<T>;
+  return &gloo::sum<T>;
+}
+
+ReduceFn reduce_fn(at::ScalarType type, SameHostAllreduce::Op op) {
+  switch (type) {
+    case at::kFloat: return reduce_fn<float>(op);
+    case at::kDouble: return reduce_fn<double>(op);
+    case at::kLong: return reduce_fn<int64_t>(op);
+    case at::kInt: return reduce_fn<int32_t>(op);
+    case at::kHalf: return reduce_fn<gloo::float16>(op);
+    default:
+      throw std::invalid_argument(std::string("same-host allreduce: unsupported dtype ") +
+                                  c10::toString(type));
+  }
 }
 
 bool willing() {
@@ -106,6 +131,7 @@ void SameHostAllreduce::run(at::Tensor& flat, Op op) {
   const int64_t numel = flat.numel(), item = flat.element_size();
   const std::vector<int64_t> addresses =
       allgather(context_, {static_cast<int64_t>(reinterpret_cast<uintptr_t>(flat.data_ptr()))});
+  const ReduceFn reduce = reduce_fn(flat.scalar_type(), op);
   auto begin = [&](int r) { return numel * r / n; };
   // 1. This rank's part: every peer's copy reduced into its own. Peers
   //    write only their own parts, so this part of theirs holds still.
@@ -118,16 +144,9 @@ void SameHostAllreduce::run(at::Tensor& flat, Op op) {
     if (peer == me) continue;
     for (int64_t pos = lo; pos < hi; pos += step) {
       const int64_t len = std::min(step, hi - pos);
-      at::Tensor mine = flat.narrow(0, pos, len);
-      at::Tensor theirs = scratch_.narrow(0, 0, len);
-      read(peer, addresses[peer] + pos * item, theirs.data_ptr(), len * item);
-      if (op == Op::kMax) {
-        at::maximum_out(mine, mine, theirs);
-      } else if (op == Op::kMin) {
-        at::minimum_out(mine, mine, theirs);
-      } else {
-        mine.add_(theirs);
-      }
+      char* mine = static_cast<char*>(flat.data_ptr()) + pos * item;
+      read(peer, addresses[peer] + pos * item, scratch_.data_ptr(), len * item);
+      reduce(mine, mine, scratch_.data_ptr(), len);
     }
   }
   barrier();

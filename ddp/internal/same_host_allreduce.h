@@ -36,9 +36,9 @@ class SameHostAllreduce {
   // the group's other operations). nullptr when some rank cannot take part.
   static std::unique_ptr<SameHostAllreduce> connect(const std::shared_ptr<gloo::Context>& context);
 
-  // Collective: `flat` (contiguous, the same numel and dtype on every rank)
-  // becomes the reduction of every rank's. Throws std::runtime_error when
-  // a peer cannot be read (it died).
+  // Collective: `flat` (contiguous, the same numel and dtype on every rank:
+  // float, double, int64, int32 or half) becomes the reduction of every
+  // rank's. Throws std::runtime_error when a peer cannot be read (it died).
   void run(at::Tensor& flat, Op op);
 
   // Allreduces this process ran this way (for tests and reports).
