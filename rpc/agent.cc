@@ -261,6 +261,20 @@ RpcAgent::~RpcAgent() {
 }
 
 void RpcAgent::rendezvous(const std::string& name, int world_size) {
+  // A store that holds this rank's departure is the previous job's on this
+  // port, which its host closes once every worker has left: an init_rpc
+  // right after a shutdown waits for the next one instead of reading the
+  // old job's worker records.
+  const std::string departed = absl::StrCat("rpc/shutdown/departed/", rank_);
+  const absl::Time stale_deadline = absl::Now() + store_->timeout();
+  while (store_->check({departed})) {
+    if (absl::Now() >= stale_deadline) {
+      throw RpcError(ErrorCode::kTimeout,
+                     absl::StrCat("rendezvous store at ", store_->address(),
+                                  " still serves the previous job on this port"));
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   std::string address = absl::StrCat(options_.listen_address, ":", server_->port());
   store_->set(absl::StrCat("rpc/worker/", rank_),
               absl::StrCat(name, "\n", address, "\n", server_->same_host_endpoint()));
