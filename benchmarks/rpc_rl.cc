@@ -42,6 +42,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -142,9 +143,8 @@ class Policy {
       std::vector<std::pair<at::Tensor, at::Tensor>> weights;
       for (auto& layer : layers_) weights.emplace_back(layer->weight, layer->bias);
       models::CompileOptions options;
-      const size_t slash = compile.find('/');
-      options.backend = compile.substr(0, slash);
-      if (slash != std::string::npos) options.mode = compile.substr(slash + 1);
+      std::string error;
+      if (!models::parse_compile_spec(compile, &options, &error)) throw std::invalid_argument(error);
       compiled_.emplace(models::compile_linear_softmax(weights, options));
     }
   }
@@ -345,13 +345,10 @@ struct Config {
 // error message in *error if one is unknown.
 std::vector<std::string> dense_kernels(std::string* error) {
   if (!FLAGS_compile.empty()) {
-    const size_t slash = FLAGS_compile.find('/');
-    const std::string backend = FLAGS_compile.substr(0, slash);
-    const std::string mode = slash == std::string::npos ? "" : FLAGS_compile.substr(slash + 1);
-    for (const auto& [b, m] : models::compile_backends()) {
-      if (b == backend && (mode.empty() || m == mode)) return {kCompiledPrefix + FLAGS_compile};
-    }
-    *error = "--compile: unknown backend/mode '" + FLAGS_compile + "'";
+    models::CompileOptions options;
+    std::string why;
+    if (models::parse_compile_spec(FLAGS_compile, &options, &why)) return {kCompiledPrefix + FLAGS_compile};
+    *error = "--compile: " + why;
     return {};
   }
   std::vector<models::DenseKernel> kernels;

@@ -194,6 +194,32 @@ std::string compile_error(const std::string& what, std::string error) {
   return absl::StrCat(what, " failed: ", error);
 }
 
+// Runs `build` (script, optimize, warm up); a failure becomes
+// std::runtime_error "<what> failed: <its first line>".
+template <typename Build>
+auto compile_or_throw(const std::string& what, Build build) -> decltype(build()) {
+  std::string error;
+  try {
+    return build();
+  } catch (const c10::Error& e) {
+    error = first_line(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    error = first_line(e.what());
+  }
+  throw std::runtime_error(compile_error(what, error));
+}
+
+// The profiling executor optimizes (and fuses) a graph after
+// getNumProfiledRuns() runs per input shape: run(batch) past that for two
+// shapes so that a backend that fails, fails at compile time.
+template <typename Run>
+void warm_up(Run run) {
+  const size_t runs = torch::jit::getNumProfiledRuns() + 2;
+  for (int64_t batch : {1, 2}) {
+    for (size_t i = 0; i < runs; ++i) run(batch);
+  }
+}
+
 }  // namespace
 
 CompiledPolicy::CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode,
@@ -227,6 +253,21 @@ std::vector<std::pair<std::string, std::string>> compile_backends() {
           {"xnnpack", "default"},    {"nnc", "default"},        {"nnc", "interp"}};
 }
 
+bool parse_compile_spec(const std::string& spec, CompileOptions* options, std::string* error) {
+  const size_t slash = spec.find('/');
+  const std::string backend = spec.substr(0, slash);
+  const std::string mode = slash == std::string::npos ? "" : spec.substr(slash + 1);
+  for (const auto& [b, m] : compile_backends()) {
+    if (b == backend && (mode.empty() || m == mode)) {
+      options->backend = backend;
+      options->mode = mode;
+      return true;
+    }
+  }
+  *error = "unknown backend/mode '" + spec + "'";
+  return false;
+}
+
 std::pair<std::string, std::string> default_backend(PolicyKind kind) {
   if (kind == PolicyKind::kMlp) return {"xnnpack", "default"};
   return {"torchscript", "optimize"};
@@ -244,28 +285,16 @@ CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& opt
   const std::string model = absl::StrCat(kind_name(policy->kind), " policy");
   const auto [backend, mode] = resolve(options, default_backend(policy->kind), model);
   const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ", model);
-  std::string error;
-  try {
+  return compile_or_throw(what, [&] {
     CompiledPolicy compiled(optimize(script(policy), backend, mode, {"forward_exploration"}),
                             backend, mode, options.threads);
-    // The profiling executor optimizes (and fuses) a graph after
-    // getNumProfiledRuns() runs per input shape: run past that for two
-    // shapes so that a backend that fails, fails here.
-    const size_t runs = torch::jit::getNumProfiledRuns() + 2;
-    for (int64_t batch : {1, 2}) {
+    warm_up([&](int64_t batch) {
       at::Tensor obs = policy->example_input(batch);
-      for (size_t i = 0; i < runs; ++i) {
-        compiled.forward(obs);
-        compiled.forward_exploration(obs);
-      }
-    }
+      compiled.forward(obs);
+      compiled.forward_exploration(obs);
+    });
     return compiled;
-  } catch (const c10::Error& e) {
-    error = first_line(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    error = first_line(e.what());
-  }
-  throw std::runtime_error(compile_error(what, error));
+  });
 }
 
 CompiledLinearSoftmax compile_linear_softmax(
@@ -274,8 +303,7 @@ CompiledLinearSoftmax compile_linear_softmax(
   const auto [backend, mode] = resolve(options, {"xnnpack", "default"}, model);
   const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ", model);
   if (layers.empty()) throw std::runtime_error(what + " failed: no layers");
-  std::string error;
-  try {
+  return compile_or_throw(what, [&] {
     torch::jit::Module m("ddprpc.LinearSoftmax");
     std::string source = "def forward(self, x: Tensor) -> Tensor:\n    h = x\n";
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -287,18 +315,9 @@ CompiledLinearSoftmax compile_linear_softmax(
     m.define(source);
     m.eval();
     CompiledLinearSoftmax compiled(optimize(m, backend, mode, {}), backend, mode, options.threads);
-    const size_t runs = torch::jit::getNumProfiledRuns() + 2;
-    for (int64_t batch : {1, 2}) {
-      at::Tensor x = at::zeros({batch, layers[0].first.size(1)});
-      for (size_t i = 0; i < runs; ++i) compiled.forward(x);
-    }
+    warm_up([&](int64_t batch) { compiled.forward(at::zeros({batch, layers[0].first.size(1)})); });
     return compiled;
-  } catch (const c10::Error& e) {
-    error = first_line(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    error = first_line(e.what());
-  }
-  throw std::runtime_error(compile_error(what, error));
+  });
 }
 
 }  // namespace ddprpc::models

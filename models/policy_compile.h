@@ -103,6 +103,10 @@ class CompiledLinearSoftmax {
 // Every (backend, mode) pair compile_policy knows, in the order above.
 std::vector<std::pair<std::string, std::string>> compile_backends();
 
+// "BACKEND" or "BACKEND/MODE" into options' backend and mode (an empty mode:
+// the backend's first); false with *error for a pair not in compile_backends().
+bool parse_compile_spec(const std::string& spec, CompileOptions* options, std::string* error);
+
 CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options = {});
 CompiledPolicy compile_policy(const PpoPolicy& policy, const std::string& backend,
                               const std::string& mode);

@@ -365,7 +365,7 @@ class ProfilerHook : public RpcHook {
 
   std::shared_ptr<void> incoming_request(int src, const c10::IValue& args,
                                          const MessageExt& ext) override {
-    auto flags = ext.empty() ? ext.end() : ext.find(kProfileKey);
+    auto flags = ext.find(kProfileKey);
     std::shared_ptr<Recorder> server = server_recorder();
     if (flags == ext.end() && !server) return nullptr;
     auto state = std::make_shared<RequestState>();
