@@ -295,6 +295,7 @@ void RpcAgent::rendezvous(const std::string& name, int world_size) {
     workers_.push_back(WorkerInfo{parts[0], r, parts[1]});
     same_host_endpoints_.push_back(parts[2]);
   }
+  transport_->world_known(same_host_endpoints_);
 }
 
 const WorkerInfo& RpcAgent::worker(const std::string& name) const {

@@ -29,6 +29,7 @@
 #include "rpc/internal/fault.h"
 #include "rpc/security.h"
 #include "rpc/transport/internal/same_host_protocol.h"
+#include "rpc/transport/internal/spin_poll.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -278,9 +279,13 @@ class Conn {
   // send queue and watching the peer meanwhile), or `deadline`. Cancelled
   // once shut down; Unavailable when the peer's process stopped or died.
   // With `yield`, returns Aborted whenever yield() is true when it looks.
+  // With `spin`, looks for a while before it sleeps (SpinPoll): for a
+  // server's reader, whose next request may follow its reply closely; not
+  // for a channel's background reader, which runs beside a caller that
+  // has work of its own.
   absl::Status wait_readable(const std::function<bool()>& paused,
                              absl::Time deadline = absl::InfiniteFuture(),
-                             const std::function<bool()>& yield = nullptr) {
+                             const std::function<bool()>& yield = nullptr, bool spin = false) {
     for (;;) {
       if (shut_now()) return absl::CancelledError("the connection was closed");
       if (yield && yield()) return absl::AbortedError("another thread reads");
@@ -297,7 +302,9 @@ class Conn {
       const absl::Time now = absl::Now();
       absl::Duration wait = std::min(keepalive_interval_, deadline - now);
       if (wait <= absl::ZeroDuration()) return absl::DeadlineExceededError("timed out");
-      int r = poll(fds, 2, static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+      const int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(wait) + 1);
+      int r = spin && !hold ? SpinPoll::this_thread().poll(fds, 2, timeout_ms)
+                            : poll(fds, 2, timeout_ms);
       if (r < 0 && errno != EINTR) return absl::InternalError(std::strerror(errno));
       if (fds[1].revents & POLLIN) drain_wake();
       if (!hold && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) {
@@ -768,12 +775,13 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       }
     }
     for (;;) {
-      why = c->conn->wait_readable([this, &c] {
+      auto paused = [this, &c] {
         const bool full = c->conn->backlog_bytes() > limits_.max_pending_reply_bytes;
         absl::MutexLock lock(&c->mu);
         c->paused = full || c->unanswered >= limits_.max_pending_requests;
         return c->paused;
-      });
+      };
+      why = c->conn->wait_readable(paused, absl::InfiniteFuture(), nullptr, /*spin=*/true);
       if (!why.ok()) break;
       Preamble p;
       bool eof = false;
@@ -1448,8 +1456,8 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       fds.push_back({ch->conn()->wake_fd(), POLLIN, 0});
     }
     const absl::Duration wait = std::min(kSlice, deadline - now);
-    const int r = poll(fds.data(), fds.size(),
-                       static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+    const int r = SpinPoll::this_thread().poll(
+        fds.data(), fds.size(), static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
     if (r > 0 && (fds[0].revents & POLLIN)) {
       uint64_t v;
       ssize_t ignored = ::read(t_driver_fd, &v, sizeof(v));
@@ -1577,6 +1585,19 @@ class SameHostTransport : public Transport {
   bool probe(const std::string& address, const PeerOptions& options,
              absl::Time deadline) override {
     return fallback_->probe(address, options, deadline);
+  }
+
+  // Waits spin before they sleep only while the job's processes on this
+  // host fit its CPUs: with more, a spinning thread takes the CPU a peer
+  // needs to answer.
+  void world_known(const std::vector<std::string>& same_host_endpoints) override {
+    fallback_->world_known(same_host_endpoints);
+    int here = 0;
+    for (const std::string& endpoint : same_host_endpoints) {
+      const size_t bar = endpoint.rfind('|');
+      if (bar != std::string::npos && endpoint.substr(0, bar) == host_identity()) ++here;
+    }
+    SpinPoll::set_enabled(here >= 2 && here <= SpinPoll::usable_cpus());
   }
 
  private:

@@ -176,6 +176,9 @@ class Transport {
   // else (e.g. another transport's reply) may have completed what they wait
   // for. Cheap when nobody drives.
   virtual void interrupt_drive() {}
+  // Once the world is known: every worker's Server::same_host_endpoint()
+  // (this one's included), by rank. A transport may tune itself to it.
+  virtual void world_known(const std::vector<std::string>& same_host_endpoints) {}
 
   // Whether something accepts connections at `address` now (after a peer
   // stopped serving RPCs: is its process still there).

@@ -1,0 +1,77 @@
+#include "rpc/transport/internal/spin_poll.h"
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// Below this a budget is not worth a look.
+constexpr int64_t kMinSpinNs = 2000;
+
+std::atomic<bool> g_enabled{false};
+
+}  // namespace
+
+int64_t SpinPoll::max_spin_ns() {
+  static const int64_t max_ns = [] {
+    const char* v = std::getenv(kEnv);
+    if (v == nullptr || *v == '\0') return kDefaultMaxSpinUs * 1000;
+    char* end = nullptr;
+    const long long us = std::strtoll(v, &end, 10);
+    if (end == v || *end != '\0' || us < 0) return kDefaultMaxSpinUs * 1000;
+    return static_cast<int64_t>(std::min<long long>(us, 10000)) * 1000;
+  }();
+  return max_ns;
+}
+
+void SpinPoll::set_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
+
+bool SpinPoll::enabled() { return g_enabled.load(std::memory_order_relaxed); }
+
+int SpinPoll::usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+SpinPoll& SpinPoll::this_thread() {
+  thread_local SpinPoll spin(max_spin_ns());
+  return spin;
+}
+
+int SpinPoll::poll(pollfd* fds, nfds_t n, int timeout_ms) {
+  if (timeout_ms != 0 && max_ns_ > 0 && enabled()) {
+    int64_t budget = budget_ns_;
+    const bool probe = budget < kMinSpinNs && ++waits_without_budget_ >= kProbeEvery;
+    if (probe) budget = max_ns_;
+    if (budget >= kMinSpinNs) {
+      waits_without_budget_ = 0;
+      const int64_t end = now_ns() + budget;
+      for (;;) {
+        const int r = ::poll(fds, n, 0);
+        if (r != 0) {
+          budget_ns_ = max_ns_;
+          return r;
+        }
+        if (now_ns() >= end) break;
+        sched_yield();
+      }
+      budget_ns_ = probe ? 0 : budget / 2;
+    }
+  }
+  return ::poll(fds, n, timeout_ms);
+}
+
+}  // namespace ddprpc::rpc::transport
