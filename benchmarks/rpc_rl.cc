@@ -9,7 +9,9 @@
 // runs --episodes episodes; in each, every observer sends --episode_steps
 // random states to the agent by rpc_sync and waits for an action. The agent's
 // policy is Flatten -> Linear(prod(state_size), out_features) -> nlayers x
-// Linear(out_features, out_features) -> softmax, sampled. --batch=false: each
+// Linear(out_features, out_features) -> softmax, sampled (ours: layers this
+// small run as one fused autograd node, models/linear_chain.h; with
+// --dense_kernel=aten layer by layer as PyTorch's). --batch=false: each
 // request runs through the policy alone. --batch=true: select_action_batch
 // runs with async execution: it parks its request on a shared future until
 // every observer has sent a state, the last one runs the whole batch in one
@@ -58,6 +60,7 @@
 #include "benchmarks/harness.h"
 #include "models/categorical.h"
 #include "models/linear.h"
+#include "models/linear_chain.h"
 #include "models/policy_compile.h"
 #include "rpc/rendezvous/launch.h"
 #include "rpc/rref/rref.h"
@@ -130,10 +133,13 @@ constexpr char kCompiledPrefix[] = "compiled:";
 class Policy {
  public:
   Policy(int64_t in_features, int64_t nlayers, int64_t out_features, models::DenseKernel kernel,
-         const std::string& compile) {
+         const std::string& compile)
+      : kernel_(kernel) {
     layers_.emplace_back(in_features, out_features);
     for (int64_t i = 0; i < nlayers; ++i) layers_.emplace_back(out_features, out_features);
     for (auto& layer : layers_) {
+      weights_.push_back(layer->weight);
+      biases_.push_back(layer->bias);
       layer->set_kernel(kernel);
       // XNNPACK: many forwards per weight update (an episode's steps): pack
       // each weight once, as an inference layer does, not each batch.
@@ -152,12 +158,18 @@ class Policy {
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x.flatten(1);
     if (compiled_) return compiled_->forward(h);
+    // Ours: small layers as one autograd node (linear_chain.h).
+    if (kernel_ == models::DenseKernel::kXnnpack && models::linear_chain_fits(h, weights_, biases_)) {
+      return models::linear_chain_softmax(h, weights_, biases_);
+    }
     for (auto& layer : layers_) h = layer->forward(h);
     return at::softmax(h, -1);
   }
 
  private:
+  const models::DenseKernel kernel_;
   std::vector<models::Linear> layers_;  // torch::nn::Linear on XNNPACK (packed once) or ATen
+  std::vector<at::Tensor> weights_, biases_;  // the layers' parameters
   std::optional<models::CompiledLinearSoftmax> compiled_;
 };
 
