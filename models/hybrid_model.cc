@@ -1,5 +1,6 @@
 #include "models/hybrid_model.h"
 
+#include "models/embedding_bag.h"
 #include "models/linear.h"
 
 #include <ATen/ops/cat.h>
@@ -11,6 +12,12 @@ EmbeddingTable::EmbeddingTable(int64_t num_embeddings, int64_t embedding_dim)
     : table_(torch::nn::EmbeddingBagOptions(num_embeddings, embedding_dim).mode(torch::kSum)) {}
 
 at::Tensor EmbeddingTable::forward(at::Tensor indices, at::Tensor offsets) {
+  const torch::nn::EmbeddingBagOptions& o = table_->options;
+  // Dense gradients of a plain sum: one fused node (embedding_bag.h).
+  if (!o.sparse() && !o.max_norm() && !o.padding_idx() && !o.include_last_offset() &&
+      c10::get_if<torch::enumtype::kSum>(&o.mode()) != nullptr) {
+    return embedding_bag_sum_dense(table_->weight, indices, offsets);
+  }
   return table_->forward(indices, offsets);
 }
 
