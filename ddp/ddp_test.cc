@@ -18,11 +18,16 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/minimum.h>
 #include <ATen/ops/remainder.h>
+#include <ATen/ops/sin.h>
 
 #include "ddp/internal/same_host_allreduce.h"
+#include "ddp/internal/shm_allreduce.h"
 #include "gtest/gtest.h"
 #include "rpc/rendezvous/store.h"
 #include "tests/multiprocess.h"
@@ -162,20 +167,206 @@ MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesOnOneHostMatchGloo, 3) {
     EXPECT_TRUE(at::equal(a.reshape(-1), expect_sum.narrow(0, 0, 200000).to(at::kFloat)));
     EXPECT_TRUE(at::equal(b, expect_sum.narrow(0, 200000, 100001).to(at::kFloat)));
   };
+  // DDPRPC_GLOO_SAME_HOST=0 in the environment (CI's pass without the
+  // same-host paths) keeps every rank on Gloo's.
+  const bool fast = ddprpc::ddp::internal::same_host_willing();
   const int64_t before = SameHostAllreduce::runs();
   {
     auto pg = ddp::make_gloo_group(store, "fast/", mp::rank(), 3);
     check(*pg);
-    EXPECT_EQ(SameHostAllreduce::runs() - before, 5) << "large allreduces took Gloo's path";
+    EXPECT_EQ(SameHostAllreduce::runs() - before, fast ? 5 : 0)
+        << "large allreduces took the wrong path";
     pg->barrier()->wait(absl::Seconds(60));
   }
   if (r == 1) ::setenv("DDPRPC_GLOO_SAME_HOST", "0", 1);
   {
     auto pg = ddp::make_gloo_group(store, "slow/", mp::rank(), 3);
     check(*pg);
-    EXPECT_EQ(SameHostAllreduce::runs() - before, 5) << "one rank opted out, yet peers were read";
+    EXPECT_EQ(SameHostAllreduce::runs() - before, fast ? 5 : 0)
+        << "one rank opted out, yet peers were read";
     pg->barrier()->wait(absl::Seconds(60));
   }
+}
+
+// Gloo's half loops (built without AVX) skip a store when the new bits
+// equal the half encoding of the old bits read as an integer: 2 + 3 into a
+// destination holding the bits 0x0005 leaves them there, since 5.0 is
+// 0x4500 = half(5). The group's reductions store every result.
+TEST(ReductionTest, HalfResultsAreAlwaysStored) {
+  using namespace ddprpc::ddp::internal;
+  const c10::Half two(2.0f), three(3.0f);
+  for (Reduction op : {Reduction::kSum, Reduction::kMax, Reduction::kMin}) {
+    const float want = op == Reduction::kSum ? 5.0f : op == Reduction::kMax ? 3.0f : 2.0f;
+    c10::Half out;
+    // The trap: old bits whose integer value encodes to the result.
+    out.x = static_cast<uint16_t>(static_cast<int>(want));
+    reduce_fn(at::kHalf, op)(&out, &two, &three, 1);
+    EXPECT_EQ(static_cast<float>(out), want) << "op " << static_cast<int>(op);
+    c10::Half x = two;
+    reduction_function<gloo::float16>(op)->call(reinterpret_cast<gloo::float16*>(&x),
+                                                reinterpret_cast<const gloo::float16*>(&three), 1);
+    EXPECT_EQ(static_cast<float>(x), want) << "op " << static_cast<int>(op);
+  }
+}
+
+// Allreduces of at most 1 MiB among processes of one host go through a
+// shared-memory segment (internal/shm_allreduce.h): exact sums, max, min
+// and averages for several dtypes and sizes (one element, sizes that do
+// not split evenly, exactly 1 MiB), a bucket mixing a non-contiguous
+// tensor, the same bits on every rank, and Gloo's path beyond 1 MiB or
+// when one rank opts out.
+MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemory, 3) {
+  using ddprpc::ddp::internal::ShmAllreduce;
+  const std::string host = std::getenv("MASTER_ADDR");
+  const int port = std::atoi(std::getenv("MASTER_PORT"));
+  std::unique_ptr<ddprpc::rpc::StoreServer> server;
+  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port);
+  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(60));
+  const int64_t r = mp::rank();
+  auto values = [](int64_t n, at::ScalarType type, int64_t rank) {
+    return at::remainder(at::arange(n, at::kLong) * (rank + 1) + rank, 97).to(type);
+  };
+  // Returns {allreduces that went through shared memory, those of at most
+  // 1 MiB}.
+  auto check = [&](ddp::ProcessGroup& pg) -> std::pair<int64_t, int64_t> {
+    const int64_t before = ShmAllreduce::runs();
+    int64_t small = 4;  // the last four below
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, ShmAllreduce::kMaxBytes / 4,
+                      ShmAllreduce::kMaxBytes / 4 + 1, int64_t{5}}) {
+      for (at::ScalarType type : {at::kFloat, at::kDouble, at::kLong, at::kInt, at::kHalf}) {
+        const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(type));
+        small += bytes <= ShmAllreduce::kMaxBytes ? 3 : 0;
+        at::Tensor sum = values(n, type, r), mx = values(n, type, r), mn = values(n, type, r),
+                   avg = values(n, at::kDouble, r);
+        small += n * 8 <= ShmAllreduce::kMaxBytes ? 1 : 0;  // avg is double
+        pg.allreduce({sum}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+        pg.allreduce({mx}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+        pg.allreduce({mn}, ddp::ReduceOp::kMin)->wait(absl::Seconds(60));
+        pg.allreduce({avg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+        at::Tensor v0 = values(n, at::kLong, 0), v1 = values(n, at::kLong, 1),
+                   v2 = values(n, at::kLong, 2);
+        EXPECT_TRUE(at::equal(sum, (v0 + v1 + v2).to(type))) << n << " elements of " << type;
+        EXPECT_TRUE(at::equal(mx, at::maximum(at::maximum(v0, v1), v2).to(type))) << n;
+        EXPECT_TRUE(at::equal(mn, at::minimum(at::minimum(v0, v1), v2).to(type))) << n;
+        EXPECT_TRUE(at::allclose(avg, (v0 + v1 + v2).to(at::kDouble) / 3)) << n;
+      }
+    }
+    // Fractions: every rank ends with the same bits.
+    auto fractions = [](int64_t rank) {
+      return at::sin(at::arange(4099, at::kFloat) * (rank + 1)) * 1e3 + 1.0 / (rank + 3);
+    };
+    at::Tensor f = fractions(r);
+    pg.allreduce({f}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    at::Tensor hi = f.clone(), lo = f.clone();
+    pg.allreduce({hi}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+    pg.allreduce({lo}, ddp::ReduceOp::kMin)->wait(absl::Seconds(60));
+    EXPECT_TRUE(at::equal(hi, f) && at::equal(lo, f)) << "ranks hold different sums";
+    EXPECT_TRUE(at::allclose(f, fractions(0) + fractions(1) + fractions(2), 1e-6, 1e-3));
+    // A bucket of several tensors, one of them a transposed view.
+    at::Tensor a = values(600, at::kFloat, r).reshape({20, 30}).t();
+    at::Tensor b = values(11, at::kFloat, r);
+    pg.allreduce({a, b}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    at::Tensor expect = values(611, at::kLong, 0) + values(611, at::kLong, 1) + values(611, at::kLong, 2);
+    EXPECT_TRUE(at::equal(a, expect.narrow(0, 0, 600).to(at::kFloat).reshape({20, 30}).t()));
+    EXPECT_TRUE(at::equal(b, (values(11, at::kLong, 0) + values(11, at::kLong, 1) +
+                              values(11, at::kLong, 2)).to(at::kFloat)));
+    return {ShmAllreduce::runs() - before, small};
+  };
+  const bool fast = ddprpc::ddp::internal::same_host_willing();
+  {
+    auto pg = ddp::make_gloo_group(store, "shm/", mp::rank(), 3);
+    const auto [runs, small] = check(*pg);
+    EXPECT_EQ(small, 96);  // 1 MiB fits, 1 MiB + 2 bytes does not
+    EXPECT_EQ(runs, fast ? small : 0);
+    pg->barrier()->wait(absl::Seconds(60));
+  }
+  if (r == 1) ::setenv("DDPRPC_GLOO_SAME_HOST", "0", 1);
+  {
+    auto pg = ddp::make_gloo_group(store, "gloo/", mp::rank(), 3);
+    EXPECT_EQ(check(*pg).first, 0) << "one rank opted out, yet the others used shared memory";
+    pg->barrier()->wait(absl::Seconds(60));
+  }
+}
+
+// A rank that exits while the others wait in a shared-memory allreduce
+// fails theirs at once, naming it; one that stays alive but never comes
+// fails them when the group's timeout passes.
+MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor, 3) {
+  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  ddp::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(3);
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
+  const int64_t before = ddprpc::ddp::internal::ShmAllreduce::runs();
+  at::Tensor t = at::ones({1000});
+  pg->allreduce({t})->wait(absl::Seconds(30));
+  ASSERT_EQ(ddprpc::ddp::internal::ShmAllreduce::runs() - before, 1);
+  if (mp::rank() == 2) {
+    // Alive but absent for longer than the timeout, then gone.
+    absl::SleepFor(absl::Seconds(6));
+    mp::die_abruptly();
+  }
+  absl::Time start = absl::Now();
+  try {
+    pg->allreduce({t})->wait(absl::Seconds(30));
+    ADD_FAILURE() << "allreduce without rank 2 succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 2 (pid"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("did not arrive within 3s"), std::string::npos) << e.what();
+  }
+  EXPECT_GE(absl::Now() - start, absl::Seconds(3));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(6));
+  // The group is unusable now; it says so instead of waiting again.
+  try {
+    pg->allreduce({t})->wait(absl::Seconds(30));
+    ADD_FAILURE() << "allreduce on a failed group succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
+  }
+}
+
+MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExits, 3) {
+  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  ddp::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(60);
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
+  at::Tensor t = at::ones({1000});
+  pg->allreduce({t})->wait(absl::Seconds(30));
+  if (mp::rank() == 2) mp::die_abruptly();
+  absl::Time start = absl::Now();
+  try {
+    pg->allreduce({t})->wait(absl::Seconds(30));
+    ADD_FAILURE() << "allreduce with a dead rank succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 2 (pid"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("exited"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "waited for the timeout, not the exit";
+}
+
+// A rank whose group goes away (its training failed, say) while the
+// others wait for it fails them at once, as a closed Gloo connection does.
+MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankLeavesTheGroup, 3) {
+  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  ddp::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(60);
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
+  at::Tensor t = at::ones({1000});
+  pg->allreduce({t})->wait(absl::Seconds(30));
+  EXPECT_TRUE(at::equal(t, at::full({1000}, 3.0)));
+  if (mp::rank() == 2) {
+    pg.reset();
+    absl::SleepFor(absl::Seconds(3));  // alive while the others notice
+    return;
+  }
+  absl::Time start = absl::Now();
+  try {
+    pg->allreduce({t})->wait(absl::Seconds(30));
+    ADD_FAILURE() << "allreduce without rank 2 succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 2 (pid"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("left the group"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "waited, though rank 2 had left";
 }
 
 torch::nn::Sequential make_model() {

@@ -26,6 +26,8 @@
 #include "absl/synchronization/mutex.h"
 #include "ddp/internal/op_queue.h"
 #include "ddp/internal/same_host_allreduce.h"
+#include "ddp/internal/same_host_common.h"
+#include "ddp/internal/shm_allreduce.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/init_method.h"
 #include "rpc/rendezvous/store.h"
@@ -63,12 +65,15 @@ class GlooStore : public gloo::rendezvous::Store {
 // group sizes only); larger ones use the ring.
 constexpr int64_t kBcubeMaxBytes = 1 << 20;
 
+internal::Reduction reduction_of(ReduceOp op) {
+  return op == ReduceOp::kMin   ? internal::Reduction::kMin
+         : op == ReduceOp::kMax ? internal::Reduction::kMax
+                                : internal::Reduction::kSum;  // kAvg divides afterwards
+}
+
 template <typename T>
 void reduce_fn(ReduceOp op, gloo::AllreduceOptions& opts) {
-  void (*fn)(void*, const void*, const void*, size_t) = &gloo::sum<T>;
-  if (op == ReduceOp::kMin) fn = &gloo::min<T>;
-  if (op == ReduceOp::kMax) fn = &gloo::max<T>;
-  opts.setReduceFunction(fn);
+  opts.setReduceFunction(internal::reduce_fn<T>(reduction_of(op)));
 }
 
 template <typename F>
@@ -110,7 +115,10 @@ class ProcessGroupGloo : public ProcessGroup {
     reduce_fn<int64_t>(ReduceOp::kMin, opts);
     gloo::allreduce(opts);
     sync_max_bytes_ = limit;
-    if (size_ > 1) same_host_ = internal::SameHostAllreduce::connect(context_);
+    if (size_ > 1) {
+      shm_ = internal::ShmAllreduce::connect(context_, options.timeout);
+      same_host_ = internal::SameHostAllreduce::connect(context_);
+    }
   }
 
   int rank() const override { return rank_; }
@@ -121,14 +129,23 @@ class ProcessGroupGloo : public ProcessGroup {
     for (const auto& t : tensors) check_tensor(t);
     return enqueue("allreduce", [this, tensors, op]() mutable {
       if (tensors.empty()) return;
+      const internal::Reduction reduction = reduction_of(op);
+      if (use_shm(tensors)) {
+        std::vector<at::Tensor> dense;
+        for (auto& t : tensors) dense.push_back(t.contiguous());
+        shm_->run(dense, reduction);
+        for (size_t i = 0; i < tensors.size(); ++i) {
+          if (op == ReduceOp::kAvg) dense[i].div_(size_);
+          if (!dense[i].is_same(tensors[i])) tensors[i].copy_(dense[i]);
+        }
+        return;
+      }
       std::vector<at::Tensor> flat;
       for (auto& t : tensors) flat.push_back(t.reshape(-1));
       at::Tensor buffer;
       if (use_same_host(tensors)) {
         buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
-        same_host_->run(buffer, op == ReduceOp::kMin   ? internal::SameHostAllreduce::Op::kMin
-                                : op == ReduceOp::kMax ? internal::SameHostAllreduce::Op::kMax
-                                                       : internal::SameHostAllreduce::Op::kSum);
+        same_host_->run(buffer, reduction);
       } else if (SyncAllreduce* sync = sync_allreduce(tensors, op)) {
         buffer = sync->staging;
         at::cat_out(buffer, flat);
@@ -234,8 +251,23 @@ class ProcessGroupGloo : public ProcessGroup {
     });
   }
 
-  // Large allreduces of one dtype Gloo takes, when every rank is on this
-  // host (the same answer on every rank: sizes and dtypes agree).
+  // Allreduces of at most ShmAllreduce::kMaxBytes of one dtype Gloo takes,
+  // when every rank is on this host (the same answer on every rank: sizes
+  // and dtypes agree).
+  bool use_shm(const std::vector<at::Tensor>& tensors) const {
+    if (!shm_) return false;
+    int64_t bytes = 0;
+    for (const auto& t : tensors) {
+      if (t.scalar_type() != tensors[0].scalar_type()) return false;
+      bytes += t.numel() * t.element_size();
+    }
+    if (bytes > internal::ShmAllreduce::kMaxBytes) return false;
+    dispatch_dtype(tensors[0], [](auto) {});  // throws for a dtype Gloo's path refuses
+    return true;
+  }
+
+  // Larger allreduces of one dtype Gloo takes, when every rank is on this
+  // host (the same answer on every rank).
   bool use_same_host(const std::vector<at::Tensor>& tensors) const {
     if (!same_host_) return false;
     int64_t bytes = 0;
@@ -283,9 +315,7 @@ class ProcessGroupGloo : public ProcessGroup {
     entry.staging = at::empty({numel}, tensors[0].options());
     dispatch_dtype(entry.staging, [&](auto zero) {
       using T = decltype(zero);
-      const gloo::ReductionFunction<T>* fn = gloo::ReductionFunction<T>::sum;
-      if (op == ReduceOp::kMin) fn = gloo::ReductionFunction<T>::min;
-      if (op == ReduceOp::kMax) fn = gloo::ReductionFunction<T>::max;
+      const gloo::ReductionFunction<T>* fn = internal::reduction_function<T>(reduction_of(op));
       entry.algorithm = std::make_unique<gloo::AllreduceHalvingDoubling<T>>(
           sync_context_, std::vector<T*>{static_cast<T*>(entry.staging.data_ptr())},
           static_cast<int>(numel), fn);
@@ -305,7 +335,9 @@ class ProcessGroupGloo : public ProcessGroup {
   const ProcessGroupOptions options_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::shared_ptr<gloo::rendezvous::Context> sync_context_;  // pairs in synchronous mode
-  // Large allreduces when every rank is on this host (null otherwise).
+  // When every rank is on this host (null otherwise): small allreduces
+  // through shared memory, large ones by cross-process reads.
+  std::unique_ptr<internal::ShmAllreduce> shm_;
   std::unique_ptr<internal::SameHostAllreduce> same_host_;
   int64_t sync_max_bytes_ = 0;  // set at construction, the same on every rank
   // Used only on ops_' thread.

@@ -1,11 +1,8 @@
 #include "ddp/internal/same_host_allreduce.h"
 
 #include <ATen/ops/empty.h>
-#include <gloo/allgather.h>
 #include <gloo/barrier.h>
 #include <gloo/context.h>
-#include <gloo/math.h>
-#include <gloo/types.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -19,6 +16,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "ddp/internal/same_host_common.h"
 
 namespace ddprpc::ddp::internal {
 namespace {
@@ -27,46 +25,6 @@ std::atomic<int64_t> g_runs{0};
 
 // Peer bytes read and reduced per step.
 constexpr int64_t kScratchBytes = int64_t{256} << 10;  // stays in cache while it is added
-
-std::vector<int64_t> allgather(const std::shared_ptr<gloo::Context>& context,
-                               std::vector<int64_t> mine) {
-  std::vector<int64_t> all(mine.size() * context->size);
-  gloo::AllgatherOptions opts(context);
-  opts.setInput(mine.data(), mine.size());
-  opts.setOutput(all.data(), all.size());
-  gloo::allgather(opts);
-  return all;
-}
-
-using ReduceFn = void (*)(void*, const void*, const void*, size_t);
-
-// Gloo's own element loops, on this thread (ATen's kernels would start an
-// intra-op team per piece: with several ranks on few cores, their spinning
-// threads cost more than the reduction).
-template <typename T>
-ReduceFn reduce_fn(SameHostAllreduce::Op op) {
-  if (op == SameHostAllreduce::Op::kMin) return &gloo::min<T>;
-  if (op == SameHostAllreduce::Op::kMax) return &gloo::max<T>;
-  return &gloo::sum<T>;
-}
-
-ReduceFn reduce_fn(at::ScalarType type, SameHostAllreduce::Op op) {
-  switch (type) {
-    case at::kFloat: return reduce_fn<float>(op);
-    case at::kDouble: return reduce_fn<double>(op);
-    case at::kLong: return reduce_fn<int64_t>(op);
-    case at::kInt: return reduce_fn<int32_t>(op);
-    case at::kHalf: return reduce_fn<gloo::float16>(op);
-    default:
-      throw std::invalid_argument(std::string("same-host allreduce: unsupported dtype ") +
-                                  c10::toString(type));
-  }
-}
-
-bool willing() {
-  const char* v = std::getenv("DDPRPC_GLOO_SAME_HOST");
-  return v == nullptr || std::string(v) != "0";
-}
 
 }  // namespace
 
@@ -81,7 +39,7 @@ std::unique_ptr<SameHostAllreduce> SameHostAllreduce::connect(
   const std::vector<int64_t> info = allgather(
       context, {::getpid(), static_cast<int64_t>(reinterpret_cast<uintptr_t>(nonce.get())),
                 nonce[0], nonce[1]});
-  int64_t ok = willing() ? 1 : 0;
+  int64_t ok = same_host_willing() ? 1 : 0;
   for (int r = 0; r < n && ok; ++r) {
     if (r == context->rank) continue;
     int64_t seen[2] = {0, 0};
@@ -126,7 +84,7 @@ void SameHostAllreduce::barrier() const {
   gloo::barrier(opts);
 }
 
-void SameHostAllreduce::run(at::Tensor& flat, Op op) {
+void SameHostAllreduce::run(at::Tensor& flat, Reduction op) {
   const int n = context_->size, me = context_->rank;
   const int64_t numel = flat.numel(), item = flat.element_size();
   const std::vector<int64_t> addresses =

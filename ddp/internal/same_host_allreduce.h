@@ -19,6 +19,8 @@
 #include <memory>
 #include <vector>
 
+#include "ddp/internal/same_host_common.h"
+
 namespace gloo {
 class Context;
 }
@@ -27,8 +29,6 @@ namespace ddprpc::ddp::internal {
 
 class SameHostAllreduce {
  public:
-  enum class Op { kSum, kMin, kMax };
-
   // Allreduces of fewer bytes keep Gloo's algorithms (latency-bound there).
   static constexpr int64_t kMinBytes = int64_t{1} << 20;
 
@@ -39,7 +39,7 @@ class SameHostAllreduce {
   // Collective: `flat` (contiguous, the same numel and dtype on every rank:
   // float, double, int64, int32 or half) becomes the reduction of every
   // rank's. Throws std::runtime_error when a peer cannot be read (it died).
-  void run(at::Tensor& flat, Op op);
+  void run(at::Tensor& flat, Reduction op);
 
   // Allreduces this process ran this way (for tests and reports).
   static int64_t runs();

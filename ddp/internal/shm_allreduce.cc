@@ -1,0 +1,328 @@
+#include "ddp/internal/shm_allreduce.h"
+
+#include <fcntl.h>
+#include <gloo/context.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+
+namespace ddprpc::ddp::internal {
+
+namespace {
+
+// At the segment's start (rank 0 writes the nonce; the rest starts zeroed);
+// the slots follow at kHeaderBytes.
+struct Header {
+  uint64_t nonce[2];
+  alignas(64) std::atomic<uint32_t> arrived;     // ranks in the current barrier
+  alignas(64) std::atomic<uint32_t> generation;  // barriers completed (the futex word)
+  // 1 + the first rank whose group went away (0: none), so that the others
+  // fail at once instead of waiting for it, as with a closed connection.
+  alignas(64) std::atomic<uint32_t> left;
+  // Barriers each rank has entered (for naming the ranks a wait is missing).
+  alignas(64) std::atomic<uint64_t> entered[ShmAllreduce::kMaxRanks];
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free &&
+                  std::atomic<uint64_t>::is_always_lock_free,
+              "the barrier's words are shared between processes");
+
+constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
+constexpr size_t kSlotBytes = ShmAllreduce::kMaxBytes;
+// Elements reduced per step: the accumulator and one peer block in cache.
+constexpr int64_t kBlockBytes = 16 << 10;
+// A waiting rank spins this long (ranks that fit the CPUs) before sleeping.
+constexpr absl::Duration kSpin = absl::Microseconds(50);
+// A sleeping rank looks at its peers and the deadline this often.
+constexpr int64_t kSleepSliceNs = 20'000'000;
+
+std::atomic<int64_t> g_runs{0};
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+int pidfd_open(int64_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(::syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+#else
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+size_t segment_bytes(int size) { return kHeaderBytes + 2 * static_cast<size_t>(size) * kSlotBytes; }
+
+std::string segment_name(int64_t a, int64_t b) {
+  return absl::StrFormat("/ddprpc-allreduce-%016x%016x", static_cast<uint64_t>(a),
+                         static_cast<uint64_t>(b));
+}
+
+// Maps the named segment of `bytes` (created, reserved and stamped with
+// `nonce` when `create`); nullptr when it cannot.
+void* map_segment(const std::string& name, size_t bytes, bool create, const uint64_t nonce[2]) {
+  const int fd = create ? ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600)
+                        : ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return nullptr;
+  bool ok = true;
+  if (create) {
+    ok = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)) == 0;
+  } else {
+    struct stat st {};
+    ok = ::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+  }
+  void* base = ok ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    if (create) ::shm_unlink(name.c_str());
+    return nullptr;
+  }
+  auto* words = static_cast<uint64_t*>(base);
+  if (create) {
+    words[0] = nonce[0];
+    words[1] = nonce[1];
+  } else if (words[0] != nonce[0] || words[1] != nonce[1]) {
+    ::munmap(base, bytes);
+    return nullptr;
+  }
+  return base;
+}
+
+}  // namespace
+
+std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(const std::shared_ptr<gloo::Context>& context,
+                                                    absl::Duration timeout) {
+  const int n = context->size, me = context->rank;
+  const size_t bytes = segment_bytes(n);
+  // Rank 0 names and stamps the segment; {created, name (2 words), nonce
+  // (2 words)} from every rank, rank 0's used.
+  std::random_device random;
+  auto word = [&random] { return (static_cast<uint64_t>(random()) << 32) ^ random(); };
+  const uint64_t nonce[2] = {word(), word() ^ static_cast<uint64_t>(::getpid())};
+  const int64_t a = static_cast<int64_t>(word()), b = static_cast<int64_t>(word());
+  void* base = nullptr;
+  if (me == 0 && n <= kMaxRanks && same_host_willing()) {
+    base = map_segment(segment_name(a, b), bytes, /*create=*/true, nonce);
+  }
+  const std::vector<int64_t> offer =
+      allgather(context, {base != nullptr ? 1 : 0, a, b, static_cast<int64_t>(nonce[0]),
+                          static_cast<int64_t>(nonce[1])});
+  const std::string name = segment_name(offer[1], offer[2]);
+  if (offer[0] == 0) return nullptr;  // the same answer on every rank
+  if (me != 0 && same_host_willing()) {
+    const uint64_t expected[2] = {static_cast<uint64_t>(offer[3]), static_cast<uint64_t>(offer[4])};
+    base = map_segment(name, bytes, /*create=*/false, expected);
+  }
+  const std::vector<int64_t> mapped = allgather(context, {base != nullptr ? 1 : 0, ::getpid()});
+  if (me == 0) ::shm_unlink(name.c_str());  // every rank has opened it or given up
+  // Every peer's pid must be one this process can watch (same host, same
+  // pid namespace).
+  std::vector<int64_t> pids(n);
+  std::vector<int> pidfds(n, -1);
+  bool ok = base != nullptr;
+  for (int r = 0; r < n; ++r) {
+    pids[r] = mapped[2 * r + 1];
+    if (r == me || !ok) continue;
+    pidfds[r] = pidfd_open(pids[r]);
+    ok = pidfds[r] >= 0;
+  }
+  const std::vector<int64_t> oks = allgather(context, {ok ? 1 : 0});
+  bool all = true;
+  for (int r = 0; r < n; ++r) all = all && mapped[2 * r] == 1 && oks[r] == 1;
+  if (!all) {
+    for (int fd : pidfds) {
+      if (fd >= 0) ::close(fd);
+    }
+    if (base != nullptr) ::munmap(base, bytes);
+    return nullptr;
+  }
+  return std::unique_ptr<ShmAllreduce>(
+      new ShmAllreduce(me, n, base, bytes, std::move(pids), std::move(pidfds), timeout));
+}
+
+ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::vector<int64_t> pids,
+                           std::vector<int> pidfds, absl::Duration timeout)
+    : rank_(rank),
+      size_(size),
+      base_(base),
+      bytes_(bytes),
+      pids_(std::move(pids)),
+      pidfds_(std::move(pidfds)),
+      timeout_(timeout),
+      spin_(size <= usable_cpus()),
+      accumulator_(kBlockBytes) {}
+
+ShmAllreduce::~ShmAllreduce() {
+  auto* h = static_cast<Header*>(base_);
+  uint32_t none = 0;
+  h->left.compare_exchange_strong(none, static_cast<uint32_t>(rank_) + 1, std::memory_order_acq_rel);
+  futex(&h->generation, FUTEX_WAKE, INT_MAX, nullptr);
+  for (int fd : pidfds_) {
+    if (fd >= 0) ::close(fd);
+  }
+  ::munmap(base_, bytes_);
+}
+
+int64_t ShmAllreduce::runs() { return g_runs.load(); }
+
+char* ShmAllreduce::slot(int set, int rank) const {
+  return static_cast<char*>(base_) + kHeaderBytes +
+         (static_cast<size_t>(set) * size_ + rank) * kSlotBytes;
+}
+
+void ShmAllreduce::fail(const std::string& why) {
+  broken_ = true;
+  throw std::runtime_error("same-host allreduce (rank " + std::to_string(rank_) + " of " +
+                           std::to_string(size_) + "): " + why);
+}
+
+void ShmAllreduce::barrier() {
+  Header* h = static_cast<Header*>(base_);
+  ++barriers_;
+  h->entered[rank_].store(barriers_, std::memory_order_relaxed);
+  const uint32_t generation = h->generation.load(std::memory_order_acquire);
+  if (h->arrived.fetch_add(1, std::memory_order_acq_rel) == static_cast<uint32_t>(size_ - 1)) {
+    // Last in: the next barrier counts from zero, then everyone goes.
+    h->arrived.store(0, std::memory_order_relaxed);
+    h->generation.store(generation + 1, std::memory_order_release);
+    futex(&h->generation, FUTEX_WAKE, INT_MAX, nullptr);
+    return;
+  }
+  await(generation);
+}
+
+void ShmAllreduce::await(uint32_t generation) {
+  Header* h = static_cast<Header*>(base_);
+  auto moved = [&] { return h->generation.load(std::memory_order_acquire) != generation; };
+  const absl::Time start = absl::Now();
+  if (spin_) {
+    const absl::Time until = start + kSpin;
+    for (int i = 1;; ++i) {
+      if (moved()) return;
+      cpu_relax();
+      if (i % 64 == 0 && absl::Now() > until) break;
+    }
+  }
+  const absl::Time deadline = start + timeout_;
+  std::vector<pollfd> watch;
+  for (int fd : pidfds_) {
+    if (fd >= 0) watch.push_back({fd, POLLIN, 0});
+  }
+  for (;;) {
+    const timespec slice{0, kSleepSliceNs};
+    futex(&h->generation, FUTEX_WAIT, generation, &slice);  // returns at once if it moved
+    if (moved()) return;
+    // Ranks that have not entered this barrier yet.
+    std::vector<std::string> missing;
+    for (int r = 0; r < size_; ++r) {
+      if (h->entered[r].load(std::memory_order_relaxed) < barriers_) {
+        missing.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
+      }
+    }
+    if (const uint32_t gone = h->left.load(std::memory_order_acquire); gone != 0) {
+      const int r = static_cast<int>(gone) - 1;
+      fail(absl::StrCat("rank ", r, " (pid ", pids_[r], ") left the group (its process group ",
+                        "was destroyed); waiting for rank ", absl::StrJoin(missing, ", rank ")));
+    }
+    if (::poll(watch.data(), watch.size(), 0) > 0) {
+      std::vector<std::string> gone;
+      for (int r = 0; r < size_; ++r) {
+        if (pidfds_[r] < 0) continue;
+        pollfd one{pidfds_[r], POLLIN, 0};
+        if (::poll(&one, 1, 0) > 0) gone.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
+      }
+      fail(absl::StrCat("rank ", absl::StrJoin(gone, ", rank "), " exited; waiting for rank ",
+                        absl::StrJoin(missing, ", rank ")));
+    }
+    if (absl::Now() > deadline) {
+      fail(absl::StrCat("rank ", absl::StrJoin(missing, ", rank "), " did not arrive within ",
+                        absl::FormatDuration(timeout_)));
+    }
+  }
+}
+
+void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op) {
+  if (broken_) fail("unusable after an earlier failure");
+  if (tensors.empty()) return;
+  const at::ScalarType type = tensors[0].scalar_type();
+  const ReduceFn reduce = reduce_fn(type, op);
+  const int64_t item = static_cast<int64_t>(c10::elementSize(type));
+  int64_t numel = 0;
+  for (const auto& t : tensors) {
+    if (t.scalar_type() != type || !t.is_contiguous() || !t.device().is_cpu()) {
+      throw std::invalid_argument("same-host allreduce: tensors must be contiguous CPU tensors of one dtype");
+    }
+    numel += t.numel();
+  }
+  if (numel * item > kMaxBytes) {
+    throw std::invalid_argument(absl::StrCat("same-host allreduce: ", numel * item,
+                                             " bytes, more than its ", kMaxBytes));
+  }
+  const int set = static_cast<int>(calls_++ & 1);
+  char* const mine = slot(set, rank_);
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    std::memcpy(mine + offset, t.data_ptr(), t.numel() * item);
+    offset += t.numel() * item;
+  }
+  barrier();
+  // This rank's part, folded over the ranks in order: slot 0 op slot 1 op ...
+  auto begin = [&](int r) { return numel * r / size_; };
+  const int64_t step = kBlockBytes / item;
+  char* const acc = accumulator_.data();
+  for (int64_t pos = begin(rank_), end = begin(rank_ + 1); pos < end; pos += step) {
+    const int64_t len = std::min(step, end - pos);
+    const int64_t at = pos * item;
+    reduce(acc, slot(set, 0) + at, slot(set, 1) + at, len);
+    for (int r = 2; r < size_; ++r) reduce(acc, acc, slot(set, r) + at, len);
+    std::memcpy(mine + at, acc, len * item);
+  }
+  barrier();
+  // Every rank's reduced part into the tensors.
+  int r = 0;
+  offset = 0;
+  for (const auto& t : tensors) {
+    char* const out = static_cast<char*>(t.data_ptr());
+    for (int64_t pos = offset, end = offset + t.numel(); pos < end;) {
+      while (begin(r + 1) <= pos) ++r;
+      const int64_t len = std::min(end, begin(r + 1)) - pos;
+      std::memcpy(out + (pos - offset) * item, slot(set, r) + pos * item, len * item);
+      pos += len;
+    }
+    offset += t.numel();
+  }
+  g_runs.fetch_add(1);
+}
+
+}  // namespace ddprpc::ddp::internal
