@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -48,8 +49,13 @@ constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kSlotBytes = ShmAllreduce::kMaxBytes;
 // Elements reduced per step: the accumulator and one peer block in cache.
 constexpr int64_t kBlockBytes = 16 << 10;
-// A waiting rank spins this long (ranks that fit the CPUs) before sleeping.
-constexpr absl::Duration kSpin = absl::Microseconds(50);
+// A waiting rank spins this long (ranks that fit the CPUs) before sleeping;
+// DDPRPC_SPIN_US sets it, as for the same-host transport's waits.
+absl::Duration spin_budget() {
+  int64_t us = 50;
+  if (const char* v = std::getenv("DDPRPC_SPIN_US")) us = std::max<int64_t>(0, std::atoll(v));
+  return absl::Microseconds(us);
+}
 // A sleeping rank looks at its peers and the deadline this often.
 constexpr int64_t kSleepSliceNs = 20'000'000;
 
@@ -180,7 +186,7 @@ ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::ve
       pids_(std::move(pids)),
       pidfds_(std::move(pidfds)),
       timeout_(timeout),
-      spin_(size <= usable_cpus()),
+      spin_(size <= usable_cpus() ? spin_budget() : absl::ZeroDuration()),
       accumulator_(kBlockBytes) {}
 
 ShmAllreduce::~ShmAllreduce() {
@@ -226,8 +232,8 @@ void ShmAllreduce::await(uint32_t generation) {
   Header* h = static_cast<Header*>(base_);
   auto moved = [&] { return h->generation.load(std::memory_order_acquire) != generation; };
   const absl::Time start = absl::Now();
-  if (spin_) {
-    const absl::Time until = start + kSpin;
+  if (spin_ > absl::ZeroDuration()) {
+    const absl::Time until = start + spin_;
     for (int i = 1;; ++i) {
       if (moved()) return;
       cpu_relax();

@@ -76,7 +76,7 @@ class ShmAllreduce {
   const std::vector<int64_t> pids_;  // by rank
   const std::vector<int> pidfds_;    // by rank; readable once that rank exited (-1: self)
   const absl::Duration timeout_;
-  const bool spin_;                  // the group fits this host's CPUs
+  const absl::Duration spin_;        // zero unless the group fits this host's CPUs
   uint64_t calls_ = 0;
   uint64_t barriers_ = 0;
   bool broken_ = false;
