@@ -190,10 +190,15 @@ ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::ve
       accumulator_(kBlockBytes) {}
 
 ShmAllreduce::~ShmAllreduce() {
-  auto* h = static_cast<Header*>(base_);
-  uint32_t none = 0;
-  h->left.compare_exchange_strong(none, static_cast<uint32_t>(rank_) + 1, std::memory_order_acq_rel);
-  futex(&h->generation, FUTEX_WAKE, INT_MAX, nullptr);
+  // A group that failed does not say it left: its peers find the cause of
+  // that failure (an exit, another rank leaving, the timeout) themselves.
+  if (!broken_) {
+    auto* h = static_cast<Header*>(base_);
+    uint32_t none = 0;
+    h->left.compare_exchange_strong(none, static_cast<uint32_t>(rank_) + 1,
+                                    std::memory_order_acq_rel);
+    futex(&h->generation, FUTEX_WAKE, INT_MAX, nullptr);
+  }
   for (int fd : pidfds_) {
     if (fd >= 0) ::close(fd);
   }
@@ -256,11 +261,6 @@ void ShmAllreduce::await(uint32_t generation) {
         missing.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
       }
     }
-    if (const uint32_t gone = h->left.load(std::memory_order_acquire); gone != 0) {
-      const int r = static_cast<int>(gone) - 1;
-      fail(absl::StrCat("rank ", r, " (pid ", pids_[r], ") left the group (its process group ",
-                        "was destroyed); waiting for rank ", absl::StrJoin(missing, ", rank ")));
-    }
     if (::poll(watch.data(), watch.size(), 0) > 0) {
       std::vector<std::string> gone;
       for (int r = 0; r < size_; ++r) {
@@ -270,6 +270,11 @@ void ShmAllreduce::await(uint32_t generation) {
       }
       fail(absl::StrCat("rank ", absl::StrJoin(gone, ", rank "), " exited; waiting for rank ",
                         absl::StrJoin(missing, ", rank ")));
+    }
+    if (const uint32_t gone = h->left.load(std::memory_order_acquire); gone != 0) {
+      const int r = static_cast<int>(gone) - 1;
+      fail(absl::StrCat("rank ", r, " (pid ", pids_[r], ") left the group (its process group ",
+                        "was destroyed); waiting for rank ", absl::StrJoin(missing, ", rank ")));
     }
     if (absl::Now() > deadline) {
       fail(absl::StrCat("rank ", absl::StrJoin(missing, ", rank "), " did not arrive within ",

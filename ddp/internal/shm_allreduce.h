@@ -16,9 +16,9 @@
 // none (DDPRPC_GLOO_SAME_HOST=0 on any rank opts the group out).
 //
 // A wait fails with std::runtime_error naming the ranks that did not
-// arrive, when a rank exits, when a rank's object is destroyed (as a Gloo
-// peer closing its connections) or when `timeout` passes; the object is
-// unusable after a failure, as a Gloo context is.
+// arrive, when a rank exits, when a rank's object is destroyed without
+// having failed (as a Gloo peer closing its connections) or when `timeout`
+// passes; the object is unusable after a failure, as a Gloo context is.
 #pragma once
 
 #include <ATen/core/Tensor.h>
