@@ -288,6 +288,17 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
   }
 }
 
+// The message of an allreduce that must fail (a test failure if it does not).
+std::string failed_allreduce(ddp::ProcessGroup& pg, at::Tensor& t) {
+  try {
+    pg.allreduce({t})->wait(absl::Seconds(30));
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "allreduce succeeded";
+  return "";
+}
+
 // A rank that exits while the others wait in a shared-memory allreduce
 // fails theirs at once, naming it; one that stays alive but never comes
 // fails them when the group's timeout passes.
@@ -306,22 +317,14 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor,
     mp::die_abruptly();
   }
   absl::Time start = absl::Now();
-  try {
-    pg->allreduce({t})->wait(absl::Seconds(30));
-    ADD_FAILURE() << "allreduce without rank 2 succeeded";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 2 (pid"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("did not arrive within 3s"), std::string::npos) << e.what();
-  }
+  const std::string why = failed_allreduce(*pg, t);
+  EXPECT_NE(why.find("rank 2 (pid"), std::string::npos) << why;
+  EXPECT_NE(why.find("did not arrive within 3s"), std::string::npos) << why;
   EXPECT_GE(absl::Now() - start, absl::Seconds(3));
   EXPECT_LT(absl::Now() - start, absl::Seconds(6));
   // The group is unusable now; it says so instead of waiting again.
-  try {
-    pg->allreduce({t})->wait(absl::Seconds(30));
-    ADD_FAILURE() << "allreduce on a failed group succeeded";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
-  }
+  const std::string again = failed_allreduce(*pg, t);
+  EXPECT_NE(again.find("unusable"), std::string::npos) << again;
 }
 
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExits, 3) {
@@ -333,13 +336,9 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExi
   pg->allreduce({t})->wait(absl::Seconds(30));
   if (mp::rank() == 2) mp::die_abruptly();
   absl::Time start = absl::Now();
-  try {
-    pg->allreduce({t})->wait(absl::Seconds(30));
-    ADD_FAILURE() << "allreduce with a dead rank succeeded";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 2 (pid"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("exited"), std::string::npos) << e.what();
-  }
+  const std::string why = failed_allreduce(*pg, t);
+  EXPECT_NE(why.find("rank 2 (pid"), std::string::npos) << why;
+  EXPECT_NE(why.find("exited"), std::string::npos) << why;
   EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "waited for the timeout, not the exit";
 }
 
@@ -359,13 +358,9 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankLea
     return;
   }
   absl::Time start = absl::Now();
-  try {
-    pg->allreduce({t})->wait(absl::Seconds(30));
-    ADD_FAILURE() << "allreduce without rank 2 succeeded";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("rank 2 (pid"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("left the group"), std::string::npos) << e.what();
-  }
+  const std::string why = failed_allreduce(*pg, t);
+  EXPECT_NE(why.find("rank 2 (pid"), std::string::npos) << why;
+  EXPECT_NE(why.find("left the group"), std::string::npos) << why;
   EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "waited, though rank 2 had left";
 }
 

@@ -251,33 +251,28 @@ class ProcessGroupGloo : public ProcessGroup {
     });
   }
 
-  // Allreduces of at most ShmAllreduce::kMaxBytes of one dtype Gloo takes,
-  // when every rank is on this host (the same answer on every rank: sizes
-  // and dtypes agree).
-  bool use_shm(const std::vector<at::Tensor>& tensors) const {
-    if (!shm_) return false;
+  // The bytes of `tensors` when they share one dtype Gloo takes (throws
+  // for another), -1 when they mix dtypes. The same on every rank.
+  static int64_t bytes_of_one_dtype(const std::vector<at::Tensor>& tensors) {
     int64_t bytes = 0;
     for (const auto& t : tensors) {
-      if (t.scalar_type() != tensors[0].scalar_type()) return false;
+      if (t.scalar_type() != tensors[0].scalar_type()) return -1;
       bytes += t.numel() * t.element_size();
     }
-    if (bytes > internal::ShmAllreduce::kMaxBytes) return false;
-    dispatch_dtype(tensors[0], [](auto) {});  // throws for a dtype Gloo's path refuses
-    return true;
+    dispatch_dtype(tensors[0], [](auto) {});
+    return bytes;
   }
 
-  // Larger allreduces of one dtype Gloo takes, when every rank is on this
-  // host (the same answer on every rank).
+  // Allreduces when every rank is on this host: through shared memory up
+  // to ShmAllreduce::kMaxBytes, by cross-process reads from
+  // SameHostAllreduce::kMinBytes.
+  bool use_shm(const std::vector<at::Tensor>& tensors) const {
+    if (!shm_) return false;
+    const int64_t bytes = bytes_of_one_dtype(tensors);
+    return bytes >= 0 && bytes <= internal::ShmAllreduce::kMaxBytes;
+  }
   bool use_same_host(const std::vector<at::Tensor>& tensors) const {
-    if (!same_host_) return false;
-    int64_t bytes = 0;
-    for (const auto& t : tensors) {
-      if (t.scalar_type() != tensors[0].scalar_type()) return false;
-      bytes += t.numel() * t.element_size();
-    }
-    if (bytes < internal::SameHostAllreduce::kMinBytes) return false;
-    dispatch_dtype(tensors[0], [](auto) {});  // throws for a dtype Gloo's path refuses
-    return true;
+    return same_host_ && bytes_of_one_dtype(tensors) >= internal::SameHostAllreduce::kMinBytes;
   }
 
   // Small allreduces run Gloo's halving-doubling algorithm on a second mesh
