@@ -41,8 +41,9 @@ class ShmAllreduce {
  public:
   // Largest allreduce (bytes) it takes.
   static constexpr int64_t kMaxBytes = int64_t{1} << 20;
-  // Largest group it serves (the segment's header holds a word per rank).
-  static constexpr int kMaxRanks = 256;
+  // Largest group it serves: the segment, reserved in full, takes two
+  // slots of kMaxBytes per rank (16 MiB for 8 ranks, 128 MiB for 64).
+  static constexpr int kMaxRanks = 64;
 
   // Collective over `context` (every rank calls it, in the same order as
   // the group's other operations). nullptr when some rank cannot take part.
