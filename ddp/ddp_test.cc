@@ -39,6 +39,21 @@ namespace {
 
 std::shared_ptr<ddp::ProcessGroup> group() { return ddp::init_process_group("gloo"); }
 
+// The store at MASTER_ADDR:MASTER_PORT, served by rank 0 (as an RPC agent
+// would host it), and this rank's client of it.
+struct RankStore {
+  std::unique_ptr<ddprpc::rpc::StoreServer> server;  // rank 0 only
+  std::shared_ptr<ddprpc::rpc::Store> store;
+};
+RankStore rank_store_at_master(absl::Duration timeout) {
+  const std::string host = std::getenv("MASTER_ADDR");
+  const int port = std::atoi(std::getenv("MASTER_PORT"));
+  RankStore out;
+  if (mp::rank() == 0) out.server = ddprpc::rpc::StoreServer::start(host, port);
+  out.store = std::make_shared<ddprpc::rpc::Store>(host, port, timeout);
+  return out;
+}
+
 MULTIPROCESS_TEST(ProcessGroupTest, CollectivesGiveTheExpectedValues, 3) {
   auto pg = group();
   const double r = mp::rank();
@@ -103,11 +118,8 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
 // A group built on an existing store (as when RPC already hosts one): two
 // groups under different prefixes share it without mixing their keys.
 MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {
-  const std::string host = std::getenv("MASTER_ADDR");
-  const int port = std::atoi(std::getenv("MASTER_PORT"));
-  std::unique_ptr<ddprpc::rpc::StoreServer> server;
-  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port);
-  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(30));
+  const RankStore rank_store = rank_store_at_master(absl::Seconds(30));
+  const auto& store = rank_store.store;
   auto a = ddp::make_gloo_group(store, "a/", mp::rank(), 2);
   auto b = ddp::make_gloo_group(store, "b/", mp::rank(), 2);
   EXPECT_EQ(a->rank(), mp::rank());
@@ -133,11 +145,8 @@ MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {
 // results.
 MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesOnOneHostMatchGloo, 3) {
   using ddprpc::ddp::internal::SameHostAllreduce;
-  const std::string host = std::getenv("MASTER_ADDR");
-  const int port = std::atoi(std::getenv("MASTER_PORT"));
-  std::unique_ptr<ddprpc::rpc::StoreServer> server;
-  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port);
-  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(60));
+  const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
+  const auto& store = rank_store.store;
   const int64_t r = mp::rank();
   const int64_t n = 300001;  // 1.2 MB of floats, not a multiple of 3
   auto check = [&](ddp::ProcessGroup& pg) {
@@ -217,11 +226,8 @@ TEST(ReductionTest, HalfResultsAreAlwaysStored) {
 // when one rank opts out.
 MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemory, 3) {
   using ddprpc::ddp::internal::ShmAllreduce;
-  const std::string host = std::getenv("MASTER_ADDR");
-  const int port = std::atoi(std::getenv("MASTER_PORT"));
-  std::unique_ptr<ddprpc::rpc::StoreServer> server;
-  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port);
-  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(60));
+  const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
+  const auto& store = rank_store.store;
   const int64_t r = mp::rank();
   auto values = [](int64_t n, at::ScalarType type, int64_t rank) {
     return at::remainder(at::arange(n, at::kLong) * (rank + 1) + rank, 97).to(type);
@@ -299,18 +305,26 @@ std::string failed_allreduce(ddp::ProcessGroup& pg, at::Tensor& t) {
   return "";
 }
 
-// A rank that exits while the others wait in a shared-memory allreduce
-// fails theirs at once, naming it; one that stays alive but never comes
-// fails them when the group's timeout passes.
-MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor, 3) {
-  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+// A group with `timeout` whose first allreduce (of `t`, 1000 ones) went
+// through shared memory and summed.
+std::shared_ptr<ddp::ProcessGroup> group_after_one_allreduce(absl::Duration timeout, at::Tensor& t) {
   ddp::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(3);
+  options.timeout = timeout;
   auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
   const int64_t before = ddprpc::ddp::internal::ShmAllreduce::runs();
-  at::Tensor t = at::ones({1000});
+  t = at::ones({1000});
   pg->allreduce({t})->wait(absl::Seconds(30));
-  ASSERT_EQ(ddprpc::ddp::internal::ShmAllreduce::runs() - before, 1);
+  EXPECT_EQ(ddprpc::ddp::internal::ShmAllreduce::runs() - before, 1);
+  EXPECT_TRUE(at::equal(t, at::full({1000}, 3.0)));
+  return pg;
+}
+
+// A rank that stays alive but never comes fails the others' shared-memory
+// allreduce when the group's timeout passes, naming it.
+MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor, 3) {
+  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  at::Tensor t;
+  auto pg = group_after_one_allreduce(absl::Seconds(3), t);
   if (mp::rank() == 2) {
     // Alive but absent for longer than the timeout, then gone.
     absl::SleepFor(absl::Seconds(6));
@@ -327,13 +341,11 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor,
   EXPECT_NE(again.find("unusable"), std::string::npos) << again;
 }
 
+// A rank that exits while the others wait fails theirs at once, naming it.
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExits, 3) {
   if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
-  ddp::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(60);
-  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
-  at::Tensor t = at::ones({1000});
-  pg->allreduce({t})->wait(absl::Seconds(30));
+  at::Tensor t;
+  auto pg = group_after_one_allreduce(absl::Seconds(60), t);
   if (mp::rank() == 2) mp::die_abruptly();
   absl::Time start = absl::Now();
   const std::string why = failed_allreduce(*pg, t);
@@ -346,12 +358,8 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExi
 // others wait for it fails them at once, as a closed Gloo connection does.
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankLeavesTheGroup, 3) {
   if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
-  ddp::ProcessGroupOptions options;
-  options.timeout = absl::Seconds(60);
-  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
-  at::Tensor t = at::ones({1000});
-  pg->allreduce({t})->wait(absl::Seconds(30));
-  EXPECT_TRUE(at::equal(t, at::full({1000}, 3.0)));
+  at::Tensor t;
+  auto pg = group_after_one_allreduce(absl::Seconds(60), t);
   if (mp::rank() == 2) {
     pg.reset();
     absl::SleepFor(absl::Seconds(3));  // alive while the others notice
