@@ -246,20 +246,23 @@ void ShmAllreduce::await(uint32_t generation) {
     }
   }
   const absl::Time deadline = start + timeout_;
-  std::vector<pollfd> watch;
-  for (int fd : pidfds_) {
-    if (fd >= 0) watch.push_back({fd, POLLIN, 0});
-  }
+  // Ranks that have not entered this barrier yet (for a failure's message).
+  auto missing = [&] {
+    std::vector<std::string> out;
+    for (int r = 0; r < size_; ++r) {
+      if (h->entered[r].load(std::memory_order_relaxed) < barriers_) {
+        out.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
+      }
+    }
+    return absl::StrJoin(out, ", rank ");
+  };
   for (;;) {
     const timespec slice{0, kSleepSliceNs};
     futex(&h->generation, FUTEX_WAIT, generation, &slice);  // returns at once if it moved
     if (moved()) return;
-    // Ranks that have not entered this barrier yet.
-    std::vector<std::string> missing;
-    for (int r = 0; r < size_; ++r) {
-      if (h->entered[r].load(std::memory_order_relaxed) < barriers_) {
-        missing.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
-      }
+    std::vector<pollfd> watch;
+    for (int fd : pidfds_) {
+      if (fd >= 0) watch.push_back({fd, POLLIN, 0});
     }
     if (::poll(watch.data(), watch.size(), 0) > 0) {
       std::vector<std::string> gone;
@@ -269,15 +272,15 @@ void ShmAllreduce::await(uint32_t generation) {
         if (::poll(&one, 1, 0) > 0) gone.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
       }
       fail(absl::StrCat("rank ", absl::StrJoin(gone, ", rank "), " exited; waiting for rank ",
-                        absl::StrJoin(missing, ", rank ")));
+                        missing()));
     }
     if (const uint32_t gone = h->left.load(std::memory_order_acquire); gone != 0) {
       const int r = static_cast<int>(gone) - 1;
       fail(absl::StrCat("rank ", r, " (pid ", pids_[r], ") left the group (its process group ",
-                        "was destroyed); waiting for rank ", absl::StrJoin(missing, ", rank ")));
+                        "was destroyed); waiting for rank ", missing()));
     }
     if (absl::Now() > deadline) {
-      fail(absl::StrCat("rank ", absl::StrJoin(missing, ", rank "), " did not arrive within ",
+      fail(absl::StrCat("rank ", missing(), " did not arrive within ",
                         absl::FormatDuration(timeout_)));
     }
   }
