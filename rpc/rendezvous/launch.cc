@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -99,20 +100,57 @@ void kill_all(std::vector<Child>& children, int sig) {
 
 }  // namespace
 
-int pick_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+namespace {
+
+// Whether a listener could bind `port` on 127.0.0.1 now (port 0: any; then
+// *port is the one the kernel chose).
+bool bindable(int* port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC's listeners do
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+  addr.sin_port = htons(static_cast<uint16_t>(*port));
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (ok) {
     socklen_t len = sizeof(addr);
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    port = ntohs(addr.sin_port);
+    ok = ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+    *port = ntohs(addr.sin_port);
   }
   ::close(fd);
-  return port;
+  return ok;
+}
+
+// The first port of the kernel's ephemeral range (32768 if unreadable).
+int ephemeral_low() {
+  int low = 32768, high = 60999;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &low, &high) != 2) low = 32768;
+    std::fclose(f);
+  }
+  return low;
+}
+
+}  // namespace
+
+int pick_free_port() {
+  // Below the ephemeral range: the kernel hands those ports to every
+  // bind(0) and outgoing connection, so one free a moment ago could be a
+  // worker's listener or a connection's end by the time the store binds it.
+  constexpr int kLowest = 10000;
+  const int high = ephemeral_low();
+  if (high - kLowest >= 1000) {
+    std::mt19937 rng(std::random_device{}() ^ static_cast<unsigned>(::getpid()));
+    std::uniform_int_distribution<int> pick(kLowest, high - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      int port = pick(rng);
+      if (bindable(&port)) return port;
+    }
+  }
+  int port = 0;
+  return bindable(&port) ? port : 0;
 }
 
 // 32 bytes from the kernel's generator, in hex.

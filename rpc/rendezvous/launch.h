@@ -55,7 +55,9 @@ LaunchResult launch(const LaunchOptions& options);
 // The number of threads of this process (from /proc/self/task; 0 if unknown).
 int thread_count();
 
-// A TCP port on 127.0.0.1 that was free a moment ago.
+// A TCP port on 127.0.0.1 that was free a moment ago, taken from below the
+// kernel's ephemeral range where it can be (no bind(0) or outgoing connection
+// is handed it meanwhile); 0 if none was found.
 int pick_free_port();
 
 }  // namespace ddprpc::rpc

@@ -1,5 +1,10 @@
 #include "rpc/rendezvous/launch.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -16,6 +21,34 @@ LaunchOptions sh(int nprocs, const std::string& script) {
   o.argv = {"/bin/sh", "-c", script};
   o.timeout = absl::Seconds(20);
   return o;
+}
+
+// The store's port comes from below the ephemeral range, where no worker's
+// listener (bind to port 0) or outgoing connection can take it between the
+// pick and rank 0's bind; and a listener can bind it.
+TEST(LaunchTest, PickedPortsAreOutsideTheEphemeralRangeAndBindable) {
+  int low = 0, high = 0;
+  FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(std::fscanf(f, "%d %d", &low, &high), 2);
+  std::fclose(f);
+  ASSERT_GT(low, 11000) << "this kernel's ephemeral range leaves no room below it";
+  for (int i = 0; i < 20; ++i) {
+    const int port = pick_free_port();
+    ASSERT_GT(port, 0);
+    EXPECT_LT(port, low);
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0) << port;
+    EXPECT_EQ(::listen(fd, 1), 0) << port;
+    ::close(fd);
+  }
 }
 
 TEST(LaunchTest, AllRanksSucceed) {
