@@ -4,7 +4,6 @@
 #include <gloo/context.h>
 #include <linux/futex.h>
 #include <poll.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -14,7 +13,6 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -23,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::ddp::internal {
 
@@ -49,13 +48,6 @@ constexpr size_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
 constexpr size_t kSlotBytes = ShmAllreduce::kMaxBytes;
 // Elements reduced per step: the accumulator and one peer block in cache.
 constexpr int64_t kBlockBytes = 16 << 10;
-// A waiting rank spins this long (ranks that fit the CPUs) before sleeping;
-// DDPRPC_SPIN_US sets it, as for the same-host transport's waits.
-absl::Duration spin_budget() {
-  int64_t us = 50;
-  if (const char* v = std::getenv("DDPRPC_SPIN_US")) us = std::max<int64_t>(0, std::atoll(v));
-  return absl::Microseconds(us);
-}
 // A sleeping rank looks at its peers and the deadline this often.
 constexpr int64_t kSleepSliceNs = 20'000'000;
 
@@ -73,13 +65,6 @@ int pidfd_open(int64_t pid) {
   errno = ENOSYS;
   return -1;
 #endif
-}
-
-int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-  return std::max(1, CPU_COUNT(&set));
 }
 
 inline void cpu_relax() {
@@ -123,6 +108,12 @@ void* map_segment(const std::string& name, size_t bytes, bool create, const uint
     return nullptr;
   }
   return base;
+}
+
+// x[i] / d for n elements, in place: true division, as at::div_ does.
+template <typename T>
+void divide(T* x, int64_t n, T d) {
+  for (int64_t i = 0; i < n; ++i) x[i] /= d;
 }
 
 }  // namespace
@@ -186,7 +177,9 @@ ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::ve
       pids_(std::move(pids)),
       pidfds_(std::move(pidfds)),
       timeout_(timeout),
-      spin_(size <= usable_cpus() ? spin_budget() : absl::ZeroDuration()),
+      spin_(size <= rpc::transport::usable_cpus()
+                ? absl::Nanoseconds(rpc::transport::max_spin_ns())
+                : absl::ZeroDuration()),
       accumulator_(kBlockBytes) {}
 
 ShmAllreduce::~ShmAllreduce() {
@@ -286,11 +279,14 @@ void ShmAllreduce::await(uint32_t generation) {
   }
 }
 
-void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op) {
+void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op, bool average) {
   if (broken_) fail("unusable after an earlier failure");
   if (tensors.empty()) return;
   const at::ScalarType type = tensors[0].scalar_type();
   const ReduceFn reduce = reduce_fn(type, op);
+  if (average && (op != Reduction::kSum || !can_average(type))) {
+    throw std::invalid_argument("same-host allreduce: averages are of float or double sums");
+  }
   const int64_t item = static_cast<int64_t>(c10::elementSize(type));
   int64_t numel = 0;
   for (const auto& t : tensors) {
@@ -320,6 +316,13 @@ void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op) {
     const int64_t at = pos * item;
     reduce(acc, slot(set, 0) + at, slot(set, 1) + at, len);
     for (int r = 2; r < size_; ++r) reduce(acc, acc, slot(set, r) + at, len);
+    if (average) {
+      if (type == at::kFloat) {
+        divide(reinterpret_cast<float*>(acc), len, static_cast<float>(size_));
+      } else {
+        divide(reinterpret_cast<double*>(acc), len, static_cast<double>(size_));
+      }
+    }
     std::memcpy(mine + at, acc, len * item);
   }
   barrier();

@@ -55,9 +55,14 @@ class ShmAllreduce {
 
   // Collective: `tensors` (contiguous, CPU, one dtype Gloo reduces, at most
   // kMaxBytes together; the same shapes on every rank) become the
-  // reduction of every rank's. Not thread-safe: one caller at a time (the
-  // group's operation thread).
-  void run(const std::vector<at::Tensor>& tensors, Reduction op);
+  // reduction of every rank's. With `average` (a sum of float or double
+  // tensors only, see can_average), every element is then divided by the
+  // group's size, as a division after the call would. Not thread-safe: one
+  // caller at a time (the group's operation thread).
+  void run(const std::vector<at::Tensor>& tensors, Reduction op, bool average = false);
+  static bool can_average(at::ScalarType type) {
+    return type == at::kFloat || type == at::kDouble;
+  }
 
   // Allreduces this process ran this way (for tests and reports).
   static int64_t runs();
@@ -77,7 +82,9 @@ class ShmAllreduce {
   const std::vector<int64_t> pids_;  // by rank
   const std::vector<int> pidfds_;    // by rank; readable once that rank exited (-1: self)
   const absl::Duration timeout_;
-  const absl::Duration spin_;        // zero unless the group fits this host's CPUs
+  // The host's spin budget (rpc/transport/spin_budget.h); zero unless the
+  // group fits this host's CPUs.
+  const absl::Duration spin_;
   uint64_t calls_ = 0;
   uint64_t barriers_ = 0;
   bool broken_ = false;

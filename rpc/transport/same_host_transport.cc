@@ -30,6 +30,7 @@
 #include "rpc/security.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 #include "rpc/transport/internal/spin_poll.h"
+#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -700,6 +701,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
 
   static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
   static constexpr int kMaxHandedOff = 64;
+  static constexpr int kIdleTicks = 20;  // 100 ms without a request
 
   void accept_loop() {
     for (;;) {
@@ -735,29 +737,70 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   }
 
   // Hands the reading of connections whose inline request runs too long to
-  // a new thread.
+  // a new thread. It ticks while requests come, and parks after
+  // kIdleTicks ticks without one; a request that finds it parked wakes it
+  // (note_inline_run). So the requests of a busy server neither wake it
+  // nor take the server's mutex.
   void watchdog_loop() {
     absl::MutexLock lock(&mu_);
+    int idle_ticks = 0;
     while (!stopping_) {
-      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || inline_runs_ > 0;
-      };
-      mu_.Await(absl::Condition(&wake));
-      if (stopping_) return;
+      if (idle_ticks >= kIdleTicks) {
+        watchdog_parked_.store(true);
+        // A request that started before the store above and was not seen
+        // by the last tick would not wake the watchdog: look once more.
+        if (!any_inline_run()) {
+          auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return stopping_ || !watchdog_parked_.load();
+          };
+          mu_.Await(absl::Condition(&wake));
+          if (stopping_) return;
+        }
+        watchdog_parked_.store(false);
+        idle_ticks = 0;
+      }
       mu_.AwaitWithTimeout(absl::Condition(&stopping_), kWatchdogTick);
       if (stopping_) return;
-      const absl::Time now = absl::Now();
-      for (auto& [ptr, c] : conns_) {
-        absl::MutexLock conn_lock(&c->mu);
-        if (c->inline_since == absl::InfiniteFuture() ||
-            now - c->inline_since < limits_.inline_handoff) {
-          continue;
-        }
-        c->inline_since = absl::InfiniteFuture();
-        ++c->reader;
-        ++handed_off_;
-        start_reader(c, c->reader);
-      }
+      const bool active = hand_off_overdue() || requests_since_tick_.exchange(false);
+      idle_ticks = active ? 0 : idle_ticks + 1;
+    }
+  }
+
+  // Starts a new reading thread for each connection whose inline request
+  // has run for inline_handoff; returns whether any request runs inline.
+  bool hand_off_overdue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    bool any = false;
+    for (auto& [ptr, c] : conns_) {
+      absl::MutexLock conn_lock(&c->mu);
+      if (c->inline_since == absl::InfiniteFuture()) continue;
+      any = true;
+      if (now - c->inline_since < limits_.inline_handoff) continue;
+      c->inline_since = absl::InfiniteFuture();
+      ++c->reader;
+      handed_off_.fetch_add(1);
+      start_reader(c, c->reader);
+    }
+    return any;
+  }
+
+  bool any_inline_run() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto& [ptr, c] : conns_) {
+      absl::MutexLock conn_lock(&c->mu);
+      if (c->inline_since != absl::InfiniteFuture()) return true;
+    }
+    return false;
+  }
+
+  // After a reading thread marked its connection's inline run: keeps the
+  // watchdog ticking, and wakes it if it parked.
+  void note_inline_run() {
+    requests_since_tick_.store(true, std::memory_order_relaxed);
+    // Sequentially consistent with the watchdog's store before it looks at
+    // the connections: either it sees this run, or this sees it parked.
+    if (watchdog_parked_.load()) {
+      absl::MutexLock lock(&mu_);
+      watchdog_parked_.store(false);
     }
   }
 
@@ -831,16 +874,12 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     auto responder = std::make_shared<SameHostResponder>(c);
     bool run_here;
     {
-      // Lock order: the server's, then the connection's (as the watchdog).
-      absl::MutexLock server_lock(&mu_);
       absl::MutexLock lock(&c->mu);
       ++c->unanswered;
-      run_here = !frame.more_in_flight && handed_off_running() < kMaxHandedOff;
-      if (run_here) {
-        c->inline_since = absl::Now();
-        ++inline_runs_;
-      }
+      run_here = !frame.more_in_flight && handed_off_.load() < kMaxHandedOff;
+      if (run_here) c->inline_since = absl::Now();
     }
+    if (run_here) note_inline_run();
     try {
       if (run_here) {
         run_inline_(std::move(responder), std::move(frame));
@@ -853,19 +892,16 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       ok = absl::InternalError("serving a request failed");
     }
     if (run_here) {
-      absl::MutexLock server_lock(&mu_);
       absl::MutexLock lock(&c->mu);
       c->inline_since = absl::InfiniteFuture();
-      --inline_runs_;
       if (c->reader != generation) {
-        --handed_off_;
+        // The watchdog counted this thread's run as handed off.
+        handed_off_.fetch_sub(1);
         *mine = false;
       }
     }
     return ok;
   }
-
-  int handed_off_running() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return handed_off_; }
 
   absl::Status handshake(ServerConn* c) {
     const absl::Time deadline = absl::Now() + kHandshakeTimeout;
@@ -951,8 +987,12 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   std::map<ServerConn*, std::shared_ptr<ServerConn>> conns_ ABSL_GUARDED_BY(mu_);
   std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);
   int readers_ ABSL_GUARDED_BY(mu_) = 0;       // threads in serve()
-  int inline_runs_ ABSL_GUARDED_BY(mu_) = 0;   // requests run by reading threads
-  int handed_off_ ABSL_GUARDED_BY(mu_) = 0;    // of them, those whose reading moved on
+  // Inline runs whose connection's reading moved on to another thread.
+  std::atomic<int> handed_off_{0};
+  // Set by every inline run; the watchdog's tick clears it.
+  std::atomic<bool> requests_since_tick_{false};
+  // Written under mu_ (read without it by note_inline_run).
+  std::atomic<bool> watchdog_parked_{false};
 };
 
 // ------------------------------------------------------------ channel
@@ -1597,7 +1637,7 @@ class SameHostTransport : public Transport {
       const size_t bar = endpoint.rfind('|');
       if (bar != std::string::npos && endpoint.substr(0, bar) == host_identity()) ++here;
     }
-    SpinPoll::set_enabled(here >= 2 && here <= SpinPoll::usable_cpus());
+    SpinPoll::set_enabled(here >= 2 && here <= usable_cpus());
   }
 
  private:

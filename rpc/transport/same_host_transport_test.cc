@@ -381,5 +381,55 @@ TEST(SameHostTransportTest, ACallerThatDoesNotReadIsThrottled) {
   server->shutdown(absl::ZeroDuration());
 }
 
+// A request that blocks its connection's reading thread, run after the
+// server has been idle long enough for its watchdog to stop ticking: the
+// watchdog still hands reading on, so the next request (which releases the
+// first) is read. Twice, with a pause before each.
+TEST(SameHostTransportTest, ABlockedRequestAfterAnIdlePauseIsHandedOn) {
+  ServerLimits limits;
+  limits.world_size = 2;
+  limits.inline_handoff = absl::Milliseconds(10);
+  auto transport = make_same_host_transport(make_default_transport());
+  absl::Mutex mu;
+  int released ABSL_GUARDED_BY(mu) = 0;  // requests that released a blocked one
+  auto serve = [&](std::shared_ptr<Responder> r, Frame f) {
+    const uint64_t id = f.header.id();
+    if (id % 2 == 1) {  // blocks until the next request arrives
+      absl::MutexLock lock(&mu);
+      auto next_came = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+        return released >= static_cast<int>(id / 2) + 1;
+      };
+      mu.AwaitWithTimeout(absl::Condition(&next_came), absl::Seconds(20));
+    } else {
+      absl::MutexLock lock(&mu);
+      ++released;
+    }
+    Echo::reply(r, std::move(f));
+  };
+  auto server = transport->listen(
+      "127.0.0.1", limits, Security{}, [](int, const Frame&) { return absl::OkStatus(); }, serve,
+      serve);
+  Replies replies;
+  PeerOptions options;
+  options.self = 1;
+  options.same_host_endpoint = server->same_host_endpoint();
+  auto ch = transport->connect("127.0.0.1:" + std::to_string(server->port()), options,
+                               replies.on_frame(), replies.on_close());
+  ASSERT_TRUE(ch);
+  for (uint64_t round = 0; round < 2; ++round) {
+    absl::SleepFor(absl::Milliseconds(400));  // the watchdog parks after 100 ms
+    const absl::Time start = absl::Now();
+    // Neither says that others are in flight: both are run inline.
+    ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 2 * round + 1), SendOptions{}));
+    ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 2 * round + 2), SendOptions{}));
+    ASSERT_TRUE(replies.wait_for(2 * round + 2)) << "round " << round;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "round " << round;
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(released, static_cast<int>(round) + 1);
+  }
+  ch->close(/*graceful=*/true);
+  server->shutdown(absl::ZeroDuration());
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc::transport

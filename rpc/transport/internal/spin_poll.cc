@@ -3,9 +3,9 @@
 #include <sched.h>
 #include <time.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cstdlib>
+
+#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -23,28 +23,9 @@ std::atomic<bool> g_enabled{false};
 
 }  // namespace
 
-int64_t SpinPoll::max_spin_ns() {
-  static const int64_t max_ns = [] {
-    const char* v = std::getenv(kEnv);
-    if (v == nullptr || *v == '\0') return kDefaultMaxSpinUs * 1000;
-    char* end = nullptr;
-    const long long us = std::strtoll(v, &end, 10);
-    if (end == v || *end != '\0' || us < 0) return kDefaultMaxSpinUs * 1000;
-    return static_cast<int64_t>(std::min<long long>(us, 10000)) * 1000;
-  }();
-  return max_ns;
-}
-
 void SpinPoll::set_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
 
 bool SpinPoll::enabled() { return g_enabled.load(std::memory_order_relaxed); }
-
-int SpinPoll::usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-  return std::max(1, CPU_COUNT(&set));
-}
 
 SpinPoll& SpinPoll::this_thread() {
   thread_local SpinPoll spin(max_spin_ns());

@@ -16,8 +16,8 @@
 // Spinning pays only while the processes that exchange messages have a CPU
 // each: it is off in a process until set_enabled(true) (the same-host
 // transport's call, once it knows how many of the job's workers share this
-// host). The maximum is DDPRPC_SPIN_US microseconds (default
-// kDefaultMaxSpinUs; 0 turns spinning off), read once per process.
+// host). The maximum is the process's spin budget (spin_budget.h:
+// DDPRPC_SPIN_US).
 #pragma once
 
 #include <poll.h>
@@ -28,17 +28,11 @@ namespace ddprpc::rpc::transport {
 
 class SpinPoll {
  public:
-  static constexpr int64_t kDefaultMaxSpinUs = 50;
   static constexpr int kProbeEvery = 32;
-  static constexpr char kEnv[] = "DDPRPC_SPIN_US";
 
-  // The process's maximum budget (from kEnv), in nanoseconds.
-  static int64_t max_spin_ns();
   // Whether any thread of this process spins (off until set).
   static void set_enabled(bool on);
   static bool enabled();
-  // CPUs this process may run on.
-  static int usable_cpus();
 
   // As ::poll(fds, n, timeout_ms), after spinning within `budget`'s
   // current allowance (updated here). timeout_ms 0 never spins.

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -87,7 +88,7 @@ TEST_F(SpinPollTest, ADisabledProcessNeverSpins) {
   SpinPoll spin(/*max_ns=*/64'000);
   EXPECT_EQ(poll_once(spin, 1), 0);
   EXPECT_EQ(spin.budget_ns(), 64'000);  // no spin, so no miss either
-  EXPECT_GE(SpinPoll::usable_cpus(), 1);
+  EXPECT_GE(usable_cpus(), 1);
 }
 
 }  // namespace
