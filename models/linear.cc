@@ -1,9 +1,11 @@
 #include "models/linear.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -257,6 +259,27 @@ bool parse_dense_kernels(std::string_view csv, std::vector<DenseKernel>* out, st
   }
   if (out->empty()) *error = "no kernel named";
   return !out->empty();
+}
+
+LinearImpl::LinearImpl(int64_t in_features, int64_t out_features)
+    : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+
+LinearImpl::LinearImpl(const torch::nn::LinearOptions& options)
+    : torch::nn::LinearImpl(options) {
+  pad_weight();
+}
+
+void LinearImpl::pad_weight() {
+  // XNNPACK's linear run takes its input as is only from the mobile
+  // allocator (which pads every buffer); the forward runs the weight
+  // against the packed batch, so the weight is that input.
+  if (!weight.defined() || !plain(weight) || !weight.is_contiguous()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor padded = at::detail::empty_generic(
+      weight.sizes(), c10::GetDefaultMobileCPUAllocator(),
+      c10::DispatchKeySet(c10::DispatchKey::CPU), weight.scalar_type(), c10::nullopt);
+  padded.copy_(weight);
+  weight.set_data(padded);
 }
 
 void LinearImpl::cache_packed_weight(bool on) {

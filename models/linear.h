@@ -68,9 +68,16 @@ struct PackedWeightCache;
 // packed copy, others meanwhile take the uncached path. Off by default: a
 // training loop changes the weight after every forward, so packing it
 // would not pay.
+//
+// The weight lives in memory with the tail padding XNNPACK reads past the
+// end of its operands (from construction on; reset_parameters() and
+// optimizers write into it in place): XNNPACK would copy a weight without
+// it on every forward. A weight given another storage later (set_data,
+// torch::load) works the same, with that copy.
 class LinearImpl : public torch::nn::LinearImpl {
  public:
-  using torch::nn::LinearImpl::LinearImpl;
+  LinearImpl(int64_t in_features, int64_t out_features);
+  explicit LinearImpl(const torch::nn::LinearOptions& options);
   at::Tensor forward(const at::Tensor& input);
   // Turns the cache on (dropping what it holds) or off.
   void cache_packed_weight(bool on);
@@ -80,6 +87,8 @@ class LinearImpl : public torch::nn::LinearImpl {
   DenseKernel kernel() const { return kernel_; }
 
  private:
+  // Moves the weight into padded memory (see above).
+  void pad_weight();
   // forward() with the cache's lock held.
   at::Tensor forward_cached(internal::PackedWeightCache& cache, const at::Tensor& input);
 

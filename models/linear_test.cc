@@ -1,6 +1,8 @@
 #include "models/linear.h"
 
+#include <ATen/record_function.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/randn.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -8,6 +10,9 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
+#include <functional>
+#include <string_view>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -196,6 +201,64 @@ TEST(FastLinearTest, CachedPackedWeightIsDroppedByCacheOnAfterAnOptimizerStep) {
           << "forward " << i << " after the step used the old weight";
     }
   }
+}
+
+// The sizes of every tensor aten::copy_ wrote into on this thread while fn ran.
+std::vector<std::vector<int64_t>> copies_during(const std::function<void()>& fn) {
+  static thread_local std::vector<std::vector<int64_t>>* seen = nullptr;
+  std::vector<std::vector<int64_t>> out;
+  seen = &out;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& r) -> std::unique_ptr<at::ObserverContext> {
+            if (std::string_view(r.name()) == "aten::copy_" && seen && !r.inputs().empty() &&
+                r.inputs()[0].isTensor()) {
+              seen->push_back(r.inputs()[0].toTensor().sizes().vec());
+            }
+            return nullptr;
+          })
+          .needsInputs(true));
+  struct Remove {  // also when fn throws: `out` goes with this frame
+    at::CallbackHandle handle;
+    ~Remove() {
+      at::removeCallback(handle);
+      seen = nullptr;
+    }
+  } remove{handle};
+  fn();
+  return out;
+}
+
+// The layer's weight lives in padded memory, so XNNPACK runs it in place:
+// no product copies it, forward or backward, also after optimizer steps
+// and reset_parameters().
+TEST(FastLinearTest, WeightIsNotCopiedByTheProducts) {
+  at::manual_seed(6);
+  Linear layer(128, 256);
+  torch::optim::SGD sgd(layer->parameters(), torch::optim::SGDOptions(0.1));
+  auto step = [&] {
+    at::Tensor x = at::randn({7, 128});
+    sgd.zero_grad();
+    at::Tensor y = layer->forward(x);
+    EXPECT_TRUE(at::allclose(y, at::linear(x, layer->weight, layer->bias), 1e-4, 1e-4));
+    y.sum().backward();
+    sgd.step();
+  };
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "as constructed" : "after reset_parameters()");
+    for (int i = 0; i < 3; ++i) {
+      const auto copies = copies_during(step);
+      for (const auto& sizes : copies) {
+        EXPECT_NE(sizes, (std::vector<int64_t>{256, 128})) << "a copy of the weight, step " << i;
+      }
+    }
+    layer->reset_parameters();
+  }
+  // The check sees copies at all: a weight in ordinary memory is copied.
+  at::Tensor w = at::randn({256, 128});
+  layer->weight.set_data(w);
+  const auto copies = copies_during(step);
+  EXPECT_NE(std::find(copies.begin(), copies.end(), std::vector<int64_t>{256, 128}), copies.end());
 }
 
 // Threads sharing one layer (an RPC server's handlers) each get their own

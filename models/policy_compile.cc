@@ -11,12 +11,16 @@
 #include <torch/csrc/jit/tensorexpr/kernel.h>
 
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/synchronization/mutex.h"
 
 // Exported by libtorch_cpu, declared in headers Debian does not ship
 // (caffe2/utils/threadpool/thread_pool_guard.h,
@@ -130,7 +134,7 @@ class FuserGuard {
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 // Runs `method` of a compiled module on x under its thread and fuser settings.
-c10::IValue run_compiled(torch::jit::Module& module, const std::string& backend,
+c10::IValue run_compiled(const torch::jit::Module& module, const std::string& backend,
                          const std::string& mode, Threads threads, const char* method,
                          const at::Tensor& x) {
   c10::InferenceMode inference;
@@ -222,29 +226,107 @@ void warm_up(Run run) {
 
 }  // namespace
 
-CompiledPolicy::CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode,
-                               Threads threads)
-    : module_(std::move(module)), backend_(std::move(backend)), mode_(std::move(mode)), threads_(threads) {}
+// The instances of one compiled module. XNNPACK's prepacked linear (what
+// optimizeForMobile puts in the graph) sets its operator up for each call's
+// input and then runs it, with no lock: two calls on one instance race
+// (failed runs, outputs written at another call's shape, heap corruption).
+// On that backend a call runs an instance no other call holds, compiling
+// another when every one is busy; the other backends' instance is shared.
+class CompiledModule {
+ public:
+  // make_another: null where one instance takes concurrent calls.
+  CompiledModule(torch::jit::Module first, std::function<torch::jit::Module()> make_another,
+                 std::string backend, std::string mode, Threads threads)
+      : backend(std::move(backend)),
+        mode(std::move(mode)),
+        threads(threads),
+        make_another_(std::move(make_another)),
+        shared_(make_another_ ? std::nullopt : std::optional<torch::jit::Module>(first)) {
+    if (make_another_) idle_.push_back(std::move(first));
+  }
 
-c10::IValue CompiledPolicy::call(const char* method, const at::Tensor& obs) {
-  return run_compiled(module_, backend_, mode_, threads_, method, obs);
+  // Runs `method` on x under the module's thread and fuser settings.
+  c10::IValue run(const char* method, const at::Tensor& x) {
+    if (shared_) return run_compiled(*shared_, backend, mode, threads, method, x);
+    torch::jit::Module instance = take();
+    absl::Cleanup give_back = [&] {
+      absl::MutexLock lock(&mu_);
+      idle_.push_back(instance);
+    };
+    return run_compiled(instance, backend, mode, threads, method, x);
+  }
+
+  const std::string backend, mode;
+  const Threads threads;
+
+ private:
+  torch::jit::Module take() {
+    if (std::optional<torch::jit::Module> idle = take_idle()) return *std::move(idle);
+    absl::MutexLock lock(&compile_mu_);  // one compilation at a time
+    // One may have come back while this call waited for the compiler.
+    if (std::optional<torch::jit::Module> idle = take_idle()) return *std::move(idle);
+    return make_another_();
+  }
+
+  std::optional<torch::jit::Module> take_idle() {
+    absl::MutexLock lock(&mu_);
+    if (idle_.empty()) return std::nullopt;
+    torch::jit::Module instance = std::move(idle_.back());
+    idle_.pop_back();
+    return instance;
+  }
+
+  const std::function<torch::jit::Module()> make_another_;
+  const std::optional<torch::jit::Module> shared_;  // set where make_another_ is null
+
+  absl::Mutex compile_mu_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  std::vector<torch::jit::Module> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+
+// `scripted` through the backend's passes, as a CompiledModule that makes
+// its further instances the same way where the backend needs them.
+std::shared_ptr<CompiledModule> compile_module(const torch::jit::Module& scripted,
+                                               const std::string& backend, const std::string& mode,
+                                               const std::vector<std::string>& other_methods,
+                                               Threads threads) {
+  std::function<torch::jit::Module()> make_another;
+  if (backend == "xnnpack") {
+    make_another = [scripted, backend, mode, other_methods] {
+      return optimize(scripted.clone(), backend, mode, other_methods);
+    };
+  }
+  return std::make_shared<CompiledModule>(optimize(scripted.clone(), backend, mode, other_methods),
+                                          std::move(make_another), backend, mode, threads);
 }
 
-CompiledLinearSoftmax::CompiledLinearSoftmax(torch::jit::Module module, std::string backend,
-                                             std::string mode, Threads threads)
-    : module_(std::move(module)), backend_(std::move(backend)), mode_(std::move(mode)), threads_(threads) {}
+}  // namespace
+
+CompiledPolicy::CompiledPolicy(std::shared_ptr<CompiledModule> module) : module_(std::move(module)) {}
+
+const std::string& CompiledPolicy::backend() const { return module_->backend; }
+const std::string& CompiledPolicy::mode() const { return module_->mode; }
+Threads CompiledPolicy::threads() const { return module_->threads; }
+
+CompiledLinearSoftmax::CompiledLinearSoftmax(std::shared_ptr<CompiledModule> module)
+    : module_(std::move(module)) {}
+
+std::string CompiledLinearSoftmax::name() const { return module_->backend + "/" + module_->mode; }
 
 at::Tensor CompiledLinearSoftmax::forward(const at::Tensor& x) {
-  return run_compiled(module_, backend_, mode_, threads_, "forward", x).toTensor();
+  return module_->run("forward", x).toTensor();
 }
 
 std::tuple<at::Tensor, at::Tensor> CompiledPolicy::forward(const at::Tensor& obs) {
-  auto out = call("forward", obs).toTuple();
+  auto out = module_->run("forward", obs).toTuple();
   return {out->elements()[0].toTensor(), out->elements()[1].toTensor()};
 }
 
 PolicyOutput CompiledPolicy::forward_exploration(const at::Tensor& obs) {
-  auto out = call("forward_exploration", obs).toTuple();
+  auto out = module_->run("forward_exploration", obs).toTuple();
   return {out->elements()[0].toTensor(), out->elements()[1].toTensor(), out->elements()[2].toTensor()};
 }
 
@@ -286,8 +368,8 @@ CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& opt
   const auto [backend, mode] = resolve(options, default_backend(policy->kind), model);
   const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ", model);
   return compile_or_throw(what, [&] {
-    CompiledPolicy compiled(optimize(script(policy), backend, mode, {"forward_exploration"}),
-                            backend, mode, options.threads);
+    CompiledPolicy compiled(
+        compile_module(script(policy), backend, mode, {"forward_exploration"}, options.threads));
     warm_up([&](int64_t batch) {
       at::Tensor obs = policy->example_input(batch);
       compiled.forward(obs);
@@ -314,7 +396,7 @@ CompiledLinearSoftmax compile_linear_softmax(
     absl::StrAppend(&source, "    return torch.softmax(h, -1)\n");
     m.define(source);
     m.eval();
-    CompiledLinearSoftmax compiled(optimize(m, backend, mode, {}), backend, mode, options.threads);
+    CompiledLinearSoftmax compiled(compile_module(m, backend, mode, {}, options.threads));
     warm_up([&](int64_t batch) { compiled.forward(at::zeros({batch, layers[0].first.size(1)})); });
     return compiled;
   });

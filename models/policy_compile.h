@@ -36,11 +36,16 @@
 //
 // Calls run under c10::InferenceMode (outputs are inference tensors). nnc
 // policies switch process-wide JIT fuser settings around each call: do not
-// call them concurrently with other TorchScript code.
+// call them concurrently with other TorchScript code. Other backends take
+// concurrent calls: an xnnpack module's prepacked linears hold per-call
+// state, so each concurrent caller runs its own instance (the first call
+// that finds every instance busy compiles another: one per concurrent
+// caller at most, each holding a copy of the weights).
 #pragma once
 
 #include <torch/script.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -51,6 +56,9 @@
 namespace ddprpc::models {
 
 enum class Threads { kCallerThread, kIntraOpPools };
+
+// A compiled module's instances and settings (policy_compile.cc).
+class CompiledModule;
 
 struct CompileOptions {
   std::string backend;  // empty: default_backend(policy kind), with its mode
@@ -64,20 +72,16 @@ class CompiledPolicy {
   std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& obs);
   PolicyOutput forward_exploration(const at::Tensor& obs);
 
-  const std::string& backend() const { return backend_; }
-  const std::string& mode() const { return mode_; }
-  std::string name() const { return backend_ + "/" + mode_; }
-  Threads threads() const { return threads_; }
+  const std::string& backend() const;
+  const std::string& mode() const;
+  std::string name() const { return backend() + "/" + mode(); }
+  Threads threads() const;
 
  private:
   friend CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& options);
-  CompiledPolicy(torch::jit::Module module, std::string backend, std::string mode, Threads threads);
-  // Runs `method` on obs under this policy's thread and fuser settings.
-  c10::IValue call(const char* method, const at::Tensor& obs);
+  explicit CompiledPolicy(std::shared_ptr<CompiledModule> module);
 
-  torch::jit::Module module_;
-  std::string backend_, mode_;
-  Threads threads_;
+  std::shared_ptr<CompiledModule> module_;  // shared by copies
 };
 
 // rpc_rl's agent policy, compiled the same way: linear layers (weight
@@ -87,17 +91,14 @@ class CompiledLinearSoftmax {
  public:
   // x [B, in] -> probabilities [B, out].
   at::Tensor forward(const at::Tensor& x);
-  std::string name() const { return backend_ + "/" + mode_; }
+  std::string name() const;
 
  private:
   friend CompiledLinearSoftmax compile_linear_softmax(
       const std::vector<std::pair<at::Tensor, at::Tensor>>& layers, const CompileOptions& options);
-  CompiledLinearSoftmax(torch::jit::Module module, std::string backend, std::string mode,
-                        Threads threads);
+  explicit CompiledLinearSoftmax(std::shared_ptr<CompiledModule> module);
 
-  torch::jit::Module module_;
-  std::string backend_, mode_;
-  Threads threads_;
+  std::shared_ptr<CompiledModule> module_;  // shared by copies
 };
 
 // Every (backend, mode) pair compile_policy knows, in the order above.
