@@ -3,7 +3,9 @@
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/exp.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/mse_loss.h>
@@ -218,12 +220,36 @@ TEST(ReductionTest, HalfResultsAreAlwaysStored) {
   }
 }
 
+// The vector sums give the scalar loop's bits at every length (whole
+// vectors and a tail), with the output apart from or equal to an input.
+TEST(ReductionTest, VectorSumsMatchTheScalarLoopBitForBit) {
+  using namespace ddprpc::ddp::internal;
+  for (int64_t n : {0, 1, 7, 8, 9, 31, 1000, 4099}) {
+    for (at::ScalarType type : {at::kFloat, at::kDouble}) {
+      SCOPED_TRACE(testing::Message() << n << " of " << c10::toString(type));
+      // Magnitudes from 1e-3 to 1e3, so that sums round.
+      const at::Tensor a = at::randn({n}, type) * at::exp(at::randn({n}, type) * 3);
+      const at::Tensor b = at::randn({n}, type) * at::exp(at::randn({n}, type) * 3);
+      at::Tensor want = at::empty_like(a);
+      const ReduceFn scalar = type == at::kFloat ? static_cast<ReduceFn>(&gloo::sum<float>)
+                                                 : static_cast<ReduceFn>(&gloo::sum<double>);
+      scalar(want.data_ptr(), a.data_ptr(), b.data_ptr(), n);
+      at::Tensor out = at::empty_like(a);
+      reduce_fn(type, Reduction::kSum)(out.data_ptr(), a.data_ptr(), b.data_ptr(), n);
+      EXPECT_TRUE(at::equal(out, want));
+      at::Tensor in_place = a.clone();
+      reduce_fn(type, Reduction::kSum)(in_place.data_ptr(), in_place.data_ptr(), b.data_ptr(), n);
+      EXPECT_TRUE(at::equal(in_place, want));
+    }
+  }
+}
+
 // Allreduces of at most 1 MiB among processes of one host go through a
 // shared-memory segment (internal/shm_allreduce.h): exact sums, max, min
 // and averages for several dtypes and sizes (one element, sizes that do
 // not split evenly, exactly 1 MiB), a bucket mixing a non-contiguous
 // tensor, the same bits on every rank, and Gloo's path beyond 1 MiB or
-// when one rank opts out.
+// when one rank opts out (where lists are no longer reduced in place).
 MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemory, 3) {
   using ddprpc::ddp::internal::ShmAllreduce;
   const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
@@ -268,6 +294,18 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
     pg.allreduce({lo}, ddp::ReduceOp::kMin)->wait(absl::Seconds(60));
     EXPECT_TRUE(at::equal(hi, f) && at::equal(lo, f)) << "ranks hold different sums";
     EXPECT_TRUE(at::allclose(f, fractions(0) + fractions(1) + fractions(2), 1e-6, 1e-3));
+    // Averages: a float one is divided inside the reduction, yet holds the
+    // bits of the sum divided afterwards; a half one is divided after it.
+    at::Tensor favg = fractions(r);
+    pg.allreduce({favg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+    EXPECT_TRUE(at::equal(favg, f / 3)) << "the average is not the sum divided by the size";
+    at::Tensor havg = values(1000, at::kHalf, r);
+    pg.allreduce({havg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+    EXPECT_TRUE(at::allclose(havg.to(at::kFloat),
+                             (values(1000, at::kLong, 0) + values(1000, at::kLong, 1) +
+                              values(1000, at::kLong, 2)).to(at::kFloat) / 3,
+                             1e-3, 0.1));
+    small += 2;
     // A bucket of several tensors, one of them a transposed view.
     at::Tensor a = values(600, at::kFloat, r).reshape({20, 30}).t();
     at::Tensor b = values(11, at::kFloat, r);
@@ -282,14 +320,18 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
   {
     auto pg = ddp::make_gloo_group(store, "shm/", mp::rank(), 3);
     const auto [runs, small] = check(*pg);
-    EXPECT_EQ(small, 96);  // 1 MiB fits, 1 MiB + 2 bytes does not
+    EXPECT_EQ(small, 98);  // 1 MiB fits, 1 MiB + 2 bytes does not
     EXPECT_EQ(runs, fast ? small : 0);
+    // What it tells a caller with separate tensors (DDP's buckets).
+    EXPECT_EQ(pg->reduces_lists_in_place(ShmAllreduce::kMaxBytes), fast);
+    EXPECT_FALSE(pg->reduces_lists_in_place(ShmAllreduce::kMaxBytes + 1));
     pg->barrier()->wait(absl::Seconds(60));
   }
   if (r == 1) ::setenv("DDPRPC_GLOO_SAME_HOST", "0", 1);
   {
     auto pg = ddp::make_gloo_group(store, "gloo/", mp::rank(), 3);
     EXPECT_EQ(check(*pg).first, 0) << "one rank opted out, yet the others used shared memory";
+    EXPECT_FALSE(pg->reduces_lists_in_place(1000));
     pg->barrier()->wait(absl::Seconds(60));
   }
 }

@@ -5,6 +5,8 @@
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -94,6 +96,9 @@ class DistributedDataParallel::Reducer {
     for (Bucket& b : buckets_) {
       b.flat = at::empty({b.numel}, params_[b.params.front()].options().requires_grad(false));
     }
+    lists_in_place_ = std::all_of(buckets_.begin(), buckets_.end(), [this](const Bucket& b) {
+      return group_->reduces_lists_in_place(b.numel * b.flat.element_size());
+    });
     for (size_t k = 0; k < params_.size(); ++k) {
       hook_ids_.push_back(params_[k].register_hook([this, k](const at::Tensor& grad) {
         on_grad(k, grad);
@@ -122,6 +127,7 @@ class DistributedDataParallel::Reducer {
   void set_hook(CommHook hook) {
     absl::MutexLock lock(&mu_);
     hook_ = std::move(hook);
+    default_hook_ = false;
   }
   void set_sink(GradientSink sink) {
     absl::MutexLock lock(&mu_);
@@ -151,6 +157,7 @@ class DistributedDataParallel::Reducer {
     if (!ours) return;
     absl::MutexLock lock(&mu_);
     if (!sync_) return;
+    if (default_hook_ && lists_in_place_) return average_in_place(where, grads);
     // Fresh buckets each pass: the averages are handed out as views of
     // them (as gradient_as_bucket_view), which the context keeps.
     std::vector<at::Tensor> flats;
@@ -172,6 +179,40 @@ class DistributedDataParallel::Reducer {
   }
 
  private:
+  // reduce_in_pass with the default hook, where the group allreduces lists
+  // without packing them: each bucket's gradients averaged in place as one
+  // allreduce of their list, with no copy into a bucket first. A gradient that
+  // something else refers to, is not laid out as its parameter, or is
+  // missing (zeros) is averaged in a fresh tensor that then replaces it.
+  void average_in_place(const std::vector<int64_t>& where, std::vector<at::Tensor>& grads)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<std::shared_ptr<Work>> works;
+    for (const Bucket& b : buckets_) {
+      std::vector<at::Tensor> parts;
+      for (size_t k : b.params) {
+        const at::Tensor& p = params_[k];
+        at::Tensor* grad = where[k] >= 0 ? &grads[where[k]] : nullptr;
+        if (grad != nullptr && grad->defined() && grad->layout() == at::kStrided &&
+            !grad->_is_zerotensor() && !grad->is_neg() && !grad->is_conj() &&
+            grad->scalar_type() == p.scalar_type() && grad->sizes() == p.sizes() &&
+            grad->is_contiguous() && grad->use_count() == 1 && grad->storage().use_count() == 1) {
+          parts.push_back(*grad);
+          continue;
+        }
+        at::Tensor fresh = at::empty(p.sizes(), p.options().requires_grad(false));
+        if (grad != nullptr && grad->defined()) {
+          fresh.view(-1).copy_(grad->reshape(-1));
+        } else {
+          fresh.zero_();
+        }
+        if (grad != nullptr) *grad = fresh;
+        parts.push_back(fresh);
+      }
+      works.push_back(group_->allreduce(std::move(parts), ReduceOp::kAvg));
+    }
+    for (auto& w : works) w->wait(options_.timeout);
+  }
+
   struct Bucket {
     std::vector<size_t> params;  // indices into params_
     int64_t numel = 0;
@@ -277,6 +318,10 @@ class DistributedDataParallel::Reducer {
   const std::vector<at::Tensor> params_;
   const std::shared_ptr<ProcessGroup> group_;
   const DdpOptions options_;
+  // Whether the group allreduces every bucket's list of tensors without
+  // packing them (ProcessGroup::reduces_lists_in_place); set by the
+  // constructor.
+  bool lists_in_place_ = false;
   std::vector<Bucket> buckets_;
   std::vector<Slot> slot_;
   std::vector<unsigned> hook_ids_;
@@ -284,6 +329,7 @@ class DistributedDataParallel::Reducer {
   absl::Mutex mu_;
   // State below is protected by mu_.
   CommHook hook_ ABSL_GUARDED_BY(mu_);
+  bool default_hook_ ABSL_GUARDED_BY(mu_) = true;  // hook_ is allreduce_hook()
   GradientSink sink_ ABSL_GUARDED_BY(mu_);
   std::function<void(const std::string&)> observer_ ABSL_GUARDED_BY(mu_);
   bool sync_ ABSL_GUARDED_BY(mu_) = true;

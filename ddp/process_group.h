@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,12 @@ class ProcessGroup {
   // shaped like input.
   virtual std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input) = 0;
   virtual std::shared_ptr<Work> barrier() = 0;
+
+  // Whether allreduce() of several tensors totalling `bytes` (one dtype)
+  // reads and writes the tensors themselves, with no buffer of their
+  // concatenation in between: a caller holding separate tensors then gains
+  // nothing by packing them into one first. False unless a group says so.
+  virtual bool reduces_lists_in_place(int64_t bytes) const { return false; }
 };
 
 struct ProcessGroupOptions {

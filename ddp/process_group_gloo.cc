@@ -133,9 +133,12 @@ class ProcessGroupGloo : public ProcessGroup {
       if (use_shm(tensors)) {
         std::vector<at::Tensor> dense;
         for (auto& t : tensors) dense.push_back(t.contiguous());
-        shm_->run(dense, reduction);
+        // An average is divided inside the reduction, while the part is in cache.
+        const bool divided =
+            op == ReduceOp::kAvg && internal::ShmAllreduce::can_average(dense[0].scalar_type());
+        shm_->run(dense, reduction, divided);
         for (size_t i = 0; i < tensors.size(); ++i) {
-          if (op == ReduceOp::kAvg) dense[i].div_(size_);
+          if (op == ReduceOp::kAvg && !divided) dense[i].div_(size_);
           if (!dense[i].is_same(tensors[i])) tensors[i].copy_(dense[i]);
         }
         return;
@@ -201,6 +204,12 @@ class ProcessGroupGloo : public ProcessGroup {
         outputs[r].copy_(out.narrow(0, r * in.numel(), in.numel()).view(outputs[r].sizes()));
       }
     });
+  }
+
+  // Only the shared-memory path copies the tensors in and out directly;
+  // the others concatenate them and copy the result back.
+  bool reduces_lists_in_place(int64_t bytes) const override {
+    return shm_ != nullptr && bytes <= internal::ShmAllreduce::kMaxBytes;
   }
 
   std::shared_ptr<Work> barrier() override {
@@ -371,6 +380,9 @@ class OwningGroup : public ProcessGroup {
     return group_->allgather(std::move(o), std::move(i));
   }
   std::shared_ptr<Work> barrier() override { return group_->barrier(); }
+  bool reduces_lists_in_place(int64_t bytes) const override {
+    return group_->reduces_lists_in_place(bytes);
+  }
 
  private:
   std::shared_ptr<ProcessGroup> group_;

@@ -1,8 +1,9 @@
 // DDP inside distributed autograd across real processes: the averaging
 // happens in each worker's own backward pass, a pass that a peer's backward
 // starts on a worker (for a tensor it owns, not one of its DDP module's
-// parameters) takes no part in the allreduce, and several DDP instances
-// alive at once each average their own parameters.
+// parameters) takes no part in the allreduce, several DDP instances alive at
+// once each average their own parameters, and a gradient something else
+// holds is not averaged under its holder.
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
 
@@ -46,20 +47,37 @@ at::Tensor flat_grads(dist_autograd::ContextId id, torch::nn::Linear& model) {
   return at::cat(parts);
 }
 
+// A Gloo group of both workers under `prefix` whose collectives, like the
+// DDP of ddp_options(), fail within 20 s: a mispaired allreduce fails, not
+// hangs.
+std::shared_ptr<ddp::ProcessGroup> both_workers_group(std::shared_ptr<ddprpc::rpc::Store> store,
+                                                      const std::string& prefix) {
+  ddp::ProcessGroupOptions group_options;
+  group_options.timeout = absl::Seconds(20);
+  return ddp::make_gloo_group(std::move(store), prefix, mp::rank(), 2, group_options);
+}
+
+ddp::DdpOptions ddp_options() {
+  ddp::DdpOptions options;
+  options.timeout = absl::Seconds(20);
+  return options;
+}
+
+// Linear(4, 2) with the same initial values on both workers.
+torch::nn::Linear same_linear_on_both_workers() {
+  at::manual_seed(7);
+  return torch::nn::Linear(4, 2);
+}
+
 MULTIPROCESS_TEST(DdpDistAutogradTest, PeerStartedPassesTakeNoPartInTheAllreduce, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   const int rank = mp::rank();
   g_scale = at::full({1, 4}, 2.0 + rank).requires_grad_(true);
   {
-    at::manual_seed(7);  // the same initial model on both workers
-    torch::nn::Linear model(4, 2);
+    torch::nn::Linear model = same_linear_on_both_workers();
     auto store = mp::connect_rpc_store();
-    ddp::ProcessGroupOptions group_options;
-    group_options.timeout = absl::Seconds(20);
-    auto group = ddp::make_gloo_group(store, "test/ddp/", rank, 2, group_options);
-    ddp::DdpOptions options;
-    options.timeout = absl::Seconds(20);  // a mispaired allreduce fails, not hangs
-    ddp::DistributedDataParallel ddp(model.ptr(), group, options);
+    ddp::DistributedDataParallel ddp(model.ptr(), both_workers_group(store, "test/ddp/"),
+                                     ddp_options());
 
     const at::Tensor input = at::full({3, 4}, 1.0 + rank);
     // Worker 1 starts late: worker 0's backward has by then run a pass on
@@ -141,11 +159,8 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, InstancesAliveAtOnceEachAverageTheirOwnPa
     torch::nn::Linear first(4, 2);
     torch::nn::Linear second(4, 3);
     auto store = mp::connect_rpc_store();
-    ddp::ProcessGroupOptions group_options;
-    group_options.timeout = absl::Seconds(20);
-    auto group = ddp::make_gloo_group(store, "test/two_ddp/", rank, 2, group_options);
-    ddp::DdpOptions options;
-    options.timeout = absl::Seconds(20);  // a mispaired allreduce fails, not hangs
+    auto group = both_workers_group(store, "test/two_ddp/");
+    const ddp::DdpOptions options = ddp_options();
     ddp::DistributedDataParallel first_ddp(first.ptr(), group, options);
 
     // Each worker's own input: unaveraged gradients differ between workers.
@@ -186,6 +201,39 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, InstancesAliveAtOnceEachAverageTheirOwnPa
         << "parameters got " << first_got << ", not their average " << first_mean;
     EXPECT_TRUE(at::allclose(second_got, local_grads(second, second_loss), 1e-5, 1e-6))
         << "worker" << rank << ": the destroyed instance still reduced its parameters";
+  }
+  rpc::shutdown();
+}
+
+// The average replaces a pass's gradients in place only where nothing else
+// holds them: a gradient a tensor hook kept keeps this worker's own value,
+// while the context gets the average.
+MULTIPROCESS_TEST(DdpDistAutogradTest, GradientsHeldElsewhereAreNotAveragedUnderTheirHolder, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  const int rank = mp::rank();
+  {
+    torch::nn::Linear model = same_linear_on_both_workers();
+    auto store = mp::connect_rpc_store();
+    ddp::DistributedDataParallel ddp(model.ptr(), both_workers_group(store, "test/held/"),
+                                     ddp_options());
+
+    const at::Tensor input = at::full({3, 4}, 1.0 + rank);
+    auto loss_of = [&](torch::nn::Linear& m) { return m->forward(input).pow(2).sum(); };
+    const at::Tensor local = local_grads(model, loss_of);
+    const at::Tensor mean = mean_over_workers(*store, "test/held/mean", local);
+    ASSERT_FALSE(at::allclose(local, mean)) << "the check could not fail";
+
+    at::Tensor kept;  // the weight's gradient as the hook saw it
+    model->weight.register_hook([&kept](const at::Tensor& grad) { kept = grad; });
+    dist_autograd::Context context;
+    dist_autograd::backward(context.id(), {loss_of(model)});
+    EXPECT_TRUE(at::allclose(flat_grads(context.id(), model), mean, 1e-5, 1e-6))
+        << "worker" << rank << ": the context did not get the average";
+    ASSERT_TRUE(kept.defined());
+    const at::Tensor local_weight = local.narrow(0, 0, model->weight.numel()).view(kept.sizes());
+    EXPECT_TRUE(at::allclose(kept, local_weight, 1e-5, 1e-6))
+        << "worker" << rank << ": the hook's gradient was averaged under it: " << kept
+        << ", its own " << local_weight;
   }
   rpc::shutdown();
 }
