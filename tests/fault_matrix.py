@@ -9,9 +9,14 @@ rank 0 (which hosts the store); one host's link down for 3 s, then up; one
 host's link down for good. Each case must either complete (the master
 prints the table) or end with an error naming a worker and a call, within
 the RPC timeout + 10 s of the fault, and every process that can end must
-have ended 20 s after that. Prints a table of cases (seconds from the fault
-to the first error, and to the last process's end); leaves no process and
-no namespace behind. Needs root (ip netns).
+have ended 20 s after that. A job that recovers trains on: as long as no
+error is reported, it is given that same bound from its last sign of
+progress (an iteration of trainer0, the master's table), so a slow machine
+is not taken for a hang. A case that lingers prints each process's last
+line and saves its threads' stacks (gdb) beside the logs. Prints a table of
+cases (seconds from the fault to the first error, and to the last
+process's end); leaves no process and no namespace behind. Needs root (ip
+netns).
 
     fault_matrix.py BINARY [--rpc_timeout_s=20] [--cases=a,b,...]
 """
@@ -26,6 +31,12 @@ import tempfile
 import time
 
 TRAINERS, PS = 2, 2
+ITERS = 200  # the fault lands at iteration 20
+# However slow the machine, a case ends this long after its fault (the
+# 180 iterations after it take 10-15 s here).
+MAX_CASE_S = 150
+# What gdb may take to save the stacks of a case that lingers, all processes.
+STACKS_S = 20
 WORLD = TRAINERS + PS + 1
 # rank -> host: trainer0 (rank 0, the store) and ps0 on h1; trainer1 and ps1
 # on h2; the master on h3.
@@ -115,7 +126,7 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         logs[rank] = log
         procs[rank] = subprocess.Popen(
             ["ip", "netns", "exec", hosts.ns[host], binary, f"--trainers={TRAINERS}", f"--ps={PS}",
-             "--iters=400", "--warmup=2", "--pytorch=false", f"--listen_address={hosts.addr(host)}",
+             f"--iters={ITERS}", "--warmup=2", "--pytorch=false", f"--listen_address={hosts.addr(host)}",
              f"--rpc_timeout_s={rpc_timeout_s}", "--timeout_s=120",
              f"--json={os.path.join(logdir, f'{port}.json')}"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -145,25 +156,37 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         hosts.link(target, False)
 
     # Wait for every process that can end (a stopped one cannot) to end,
-    # noting when the first error that names a worker appears.
-    deadline = t_fault + bound + 20
+    # noting when the first error that names a worker appears. The bound
+    # runs from the fault, or from the last progress of a job that trains on
+    # and has reported no error.
+    progress = Progress(text)
     t_error = {}  # kind of error -> when it first appeared
     def note_errors(now):
         for kind in ("call", "worker"):
             if kind not in t_error and first_error(text, stopped, kind):
                 t_error[kind] = now
-    while time.time() < deadline:
+    def deadline():
+        if t_error:
+            return t_fault + bound + 20
+        return min(progress.since(t_fault) + bound + 20, t_fault + MAX_CASE_S)
+    while time.time() < deadline():
         if fault:
             note_errors(time.time())
         if all(p.poll() is not None for r, p in procs.items() if r != stopped):
             break
         time.sleep(0.05)
     t_end = time.time()
+    quiet_s = t_end - progress.since(t_fault)
     if fault:
         note_errors(t_end)
     # An error naming the call, else one naming the worker that was lost.
     kind = "call" if "call" in t_error else "worker"
-    lingering = [ROLE[r] for r, p in procs.items() if p.poll() is None and r != stopped]
+    # Each process still running that could have ended, with its last line.
+    last_lines = {ROLE[r]: last_line(text(r)) for r, p in procs.items()
+                  if p.poll() is None and r != stopped}
+    lingering = list(last_lines)
+    if lingering:  # gdb stops each in turn: its peers may fail after this
+        save_stacks(procs, stopped, port, logdir)
     for r, p in procs.items():
         if p.poll() is None:
             try:
@@ -185,9 +208,58 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         "to_error": None if completed or kind not in t_error else t_error[kind] - t_fault,
         "to_end": t_end - t_fault if fault else t_end - t_start,
         "lingering": lingering,
+        "last_lines": last_lines,
+        "quiet_s": quiet_s,
+        "after_fault_s": t_end - t_fault,  # for "none": after iteration 20
         "message": message[:300],
         "bound": bound,
     }
+
+
+class Progress:
+    """When the job last moved: trainer0's iteration count rose, or the
+    master printed its table."""
+
+    def __init__(self, text):
+        self.text = text
+        self.iteration = -1
+        self.table = False
+        self.at = None
+
+    def since(self, t_fault):
+        """The time of the last progress seen (t_fault if none since)."""
+        now = time.time()
+        found = re.findall(r"iteration (\d+)/", self.text(0))
+        iteration = int(found[-1]) if found else -1
+        table = "All:" in self.text(4)
+        if iteration > self.iteration or (table and not self.table):
+            if self.iteration >= 0 or self.table:  # not the first look
+                self.at = now
+            self.iteration, self.table = iteration, table
+        return max(t_fault, self.at or t_fault)
+
+
+def last_line(text):
+    """A log's last non-empty line (progress lines end in carriage returns)."""
+    lines = [l.strip() for l in re.split(r"[\r\n]+", text) if l.strip()]
+    return re.sub(r"\x1b\[K", "", lines[-1])[:160] if lines else ""
+
+
+def save_stacks(procs, stopped, port, logdir):
+    """Every thread's stack of each process still running, for the logs,
+    within STACKS_S in all."""
+    until = time.time() + STACKS_S
+    for r, p in procs.items():
+        if p.poll() is not None or r == stopped:
+            continue
+        try:
+            out = subprocess.run(["gdb", "-p", str(p.pid), "-batch", "-ex", "thread apply all bt"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 errors="replace", timeout=max(1, until - time.time())).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out = f"gdb: {e}"
+        with open(os.path.join(logdir, f"{port}_{ROLE[r]}.stacks"), "w") as f:
+            f.write(out)
 
 
 def first_error(text, stopped, kind):
@@ -226,6 +298,8 @@ def main():
     if args.cases:
         cases = [CASES[int(i) - 1] for i in args.cases.split(",")]
     hosts = Hosts()
+    # Bazel's timeout sends SIGTERM: clean up (finally below) before going.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit("fault_matrix: terminated"))
     logdir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tempfile.mkdtemp(prefix="fault_matrix.")
     results = []
     try:
@@ -253,8 +327,10 @@ def main():
             failed.append(f"{r['case']}: the error came after {r['to_error']:.1f} s "
                           f"(bound: RPC timeout + 10 s = {r['bound']} s)")
         if r["lingering"]:
-            failed.append(f"{r['case']}: still running {r['bound'] + 20} s after the fault: "
-                          f"{', '.join(r['lingering'])}")
+            failed.append(f"{r['case']}: still running {r['after_fault_s']:.0f} s after the fault, "
+                          f"{r['quiet_s']:.0f} s after the job's last progress: "
+                          f"{', '.join(r['lingering'])}; their last lines (stacks in the logs):")
+            failed.extend(f"  {role}: {line}" for role, line in r["last_lines"].items())
     if left:
         failed.append(f"left behind: {left}")
     print(f"logs: {logdir}")
