@@ -298,6 +298,7 @@ class Conn {
         want_out = !out_.empty();
         if (broken_) return absl::UnavailableError(broken_why_);
       }
+      if (!hold && has_buffered()) return absl::OkStatus();
       pollfd fds[2] = {{fd_, static_cast<short>((hold ? 0 : POLLIN) | (want_out ? POLLOUT : 0)), 0},
                        {wake_fd_, POLLIN, 0}};
       const absl::Time now = absl::Now();
@@ -341,6 +342,16 @@ class Conn {
     return check_peer();
   }
 
+  // From here on, reads take what the socket holds (up to kReadAhead
+  // bytes) and keep what is not asked for yet: a small message costs one
+  // recv, and messages that came together one recv for all. Called once
+  // the handshake is done: nothing a peer sends before is read ahead.
+  void start_reading_ahead() {
+    if (!ahead_) ahead_ = std::make_unique<char[]>(kReadAhead);
+  }
+  // Whether bytes read ahead wait: the socket's readiness does not show them.
+  bool has_buffered() const { return ahead_pos_ < ahead_end_; }
+
   // Reads exactly n bytes; Unavailable at end of stream (eof set when no
   // byte of them came).
   absl::Status read_exact(void* dst, size_t n, bool* eof = nullptr,
@@ -349,9 +360,24 @@ class Conn {
     size_t done = 0;
     if (eof) *eof = false;
     while (done < n) {
-      ssize_t got = recv(fd_, out + done, n - done, MSG_DONTWAIT);
+      if (ahead_pos_ < ahead_end_) {
+        const size_t take = std::min(ahead_end_ - ahead_pos_, n - done);
+        std::memcpy(out + done, ahead_.get() + ahead_pos_, take);
+        ahead_pos_ += take;
+        done += take;
+        continue;
+      }
+      // Large reads go straight to their destination.
+      const bool ahead = ahead_ && n - done < kReadAhead;
+      ssize_t got = ahead ? recv(fd_, ahead_.get(), kReadAhead, MSG_DONTWAIT)
+                          : recv(fd_, out + done, n - done, MSG_DONTWAIT);
       if (got > 0) {
-        done += got;
+        if (ahead) {
+          ahead_pos_ = 0;
+          ahead_end_ = static_cast<size_t>(got);
+        } else {
+          done += got;
+        }
         continue;
       }
       // A reset is a close with bytes left unread (the peer exited).
@@ -539,9 +565,13 @@ class Conn {
   const int64_t max_message_bytes_;
   const absl::Duration keepalive_interval_;
   const absl::Duration keepalive_timeout_;
+  static constexpr size_t kReadAhead = 64 << 10;
   // The reading thread's:
   absl::Time stopped_since_ = absl::InfiniteFuture();
   absl::Time last_check_ = absl::InfinitePast();
+  std::unique_ptr<char[]> ahead_;  // bytes read ahead: [ahead_pos_, ahead_end_)
+  size_t ahead_pos_ = 0;
+  size_t ahead_end_ = 0;
 
   mutable absl::Mutex write_mu_;
   // State below is protected by write_mu_.
@@ -816,6 +846,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
         end(c);
         return;
       }
+      c->conn->start_reading_ahead();
     }
     for (;;) {
       auto paused = [this, &c] {
@@ -1153,7 +1184,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
     absl::Status ok = absl::OkStatus();
     while (ok.ok()) {
       pollfd q{conn_->fd(), POLLIN, 0};
-      if (poll(&q, 1, 0) <= 0) break;
+      if (!conn_->has_buffered() && poll(&q, 1, 0) <= 0) break;
       ok = read_one();
     }
     if (ok.ok()) ok = conn_->check_peer_now_and_then();
@@ -1288,6 +1319,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       background_id_ = std::this_thread::get_id();
     }
     absl::Status ok = welcome();
+    if (ok.ok()) conn_->start_reading_ahead();
     {
       absl::MutexLock lock(&gate_->mu);
       welcomed_ = true;  // drivers may read from here on
@@ -1441,6 +1473,33 @@ class DriverRegistration {
   ReadGate* const gate_;
 };
 
+// One wait of a driver on the channels whose reading role it holds (and
+// its wake-up fd): reads what came, or checks the peers when nothing did.
+void poll_and_read(const std::vector<std::shared_ptr<SameHostChannel>>& reading,
+                   absl::Duration wait) {
+  std::vector<pollfd> fds;
+  fds.push_back({t_driver_fd, POLLIN, 0});  // a reply handled elsewhere
+  for (auto& ch : reading) {
+    const bool out = ch->conn()->flush();
+    fds.push_back({ch->conn()->fd(), static_cast<short>(POLLIN | (out ? POLLOUT : 0)), 0});
+    fds.push_back({ch->conn()->wake_fd(), POLLIN, 0});
+  }
+  const int r = SpinPoll::this_thread().poll(fds.data(), fds.size(),
+                                             static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+  if (r > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t v;
+    ssize_t ignored = ::read(t_driver_fd, &v, sizeof(v));
+    (void)ignored;
+  }
+  for (size_t i = 0; i < reading.size() && r > 0; ++i) {
+    if (fds[2 + 2 * i].revents & POLLIN) reading[i]->conn()->drain_wake();
+    if (fds[1 + 2 * i].revents & (POLLIN | POLLHUP | POLLERR)) reading[i]->read_one_or_end();
+  }
+  if (r == 0) {
+    for (auto& ch : reading) ch->check_peer_or_end();
+  }
+}
+
 void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function<bool()>& done,
                      absl::Time deadline) {
   Lend lend(gate_.get(), /*same_host_side=*/false);
@@ -1488,28 +1547,14 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       if (!others) return;  // no same-host channel to read
       continue;
     }
-    std::vector<pollfd> fds;
-    fds.push_back({t_driver_fd, POLLIN, 0});  // a reply handled elsewhere
+    // Messages read ahead first: polling the socket would not show them.
+    bool read_ahead = false;
     for (auto& ch : reading) {
-      const bool out = ch->conn()->flush();
-      fds.push_back({ch->conn()->fd(), static_cast<short>(POLLIN | (out ? POLLOUT : 0)), 0});
-      fds.push_back({ch->conn()->wake_fd(), POLLIN, 0});
+      if (!ch->conn()->has_buffered()) continue;
+      read_ahead = true;
+      ch->read_one_or_end();
     }
-    const absl::Duration wait = std::min(kSlice, deadline - now);
-    const int r = SpinPoll::this_thread().poll(
-        fds.data(), fds.size(), static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
-    if (r > 0 && (fds[0].revents & POLLIN)) {
-      uint64_t v;
-      ssize_t ignored = ::read(t_driver_fd, &v, sizeof(v));
-      (void)ignored;
-    }
-    for (size_t i = 0; i < reading.size() && r > 0; ++i) {
-      if (fds[2 + 2 * i].revents & POLLIN) reading[i]->conn()->drain_wake();
-      if (fds[1 + 2 * i].revents & (POLLIN | POLLHUP | POLLERR)) reading[i]->read_one_or_end();
-    }
-    if (r == 0) {
-      for (auto& ch : reading) ch->check_peer_or_end();
-    }
+    if (!read_ahead) poll_and_read(reading, std::min(kSlice, deadline - now));
     absl::MutexLock lock(&gate_->mu);
     for (size_t i = 0; i < reading.size(); ++i) {
       if (!nested[i]) reading[i]->release_for_driver();

@@ -4,7 +4,9 @@
 // them from the sender's memory straight into the new tensor
 // (process_vm_readv, "cross-memory attach"), then acknowledges so that the
 // sender lets them go. Small tensors travel inline on the socket, so a
-// small message wakes the receiving thread once.
+// small message wakes the receiving thread once; after the handshake a
+// reader takes what the socket holds (64 KiB at most) in one read, so a
+// small message costs one read and messages that came together one for all.
 //
 // make_same_host_transport() wraps another transport (gRPC): its servers
 // listen on both, and a channel to a peer whose endpoint names this host

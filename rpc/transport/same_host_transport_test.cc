@@ -5,6 +5,7 @@
 #include "rpc/transport/same_host_transport.h"
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
@@ -324,6 +325,97 @@ TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
   ch->send(request(at::arange(64 << 10, at::kFloat), 9), SendOptions{});
   EXPECT_TRUE(replies.wait_for(1)) << "the server stopped serving after hostile connections";
   ch->close(false);
+}
+
+// Reads exactly n bytes (false on a timeout or the end of the stream).
+bool recv_all(int fd, void* dst, size_t n) {
+  auto* out = static_cast<char*>(dst);
+  while (n > 0) {
+    ssize_t got = recv(fd, out, n, 0);
+    if (got <= 0) return false;
+    out += got;
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+// A hello and requests written at once, small ones around one larger than
+// what the server reads ahead of its parser and one that straddles the end
+// of what it read: every request is answered, in order, with its bytes
+// (a server that waited on the socket for bytes it had already read would
+// leave the last ones unanswered).
+TEST(SameHostTransportTest, RequestsWrittenTogetherAreEachAnswered) {
+  Echo echo;
+  int fd = raw_connect(echo.socket_name());
+  ASSERT_GE(fd, 0);
+  std::string burst;
+  auto append = [&burst](const void* data, size_t n) {
+    burst.append(static_cast<const char*>(data), n);
+  };
+  Preamble hp;
+  hp.kind = same_host::kHello;
+  hp.body = sizeof(HelloBody);
+  HelloBody h;
+  h.worker = 1;
+  append(&hp, sizeof(hp));
+  append(&h, sizeof(h));
+  const std::vector<int64_t> floats = {4, 1, 15000, 4, 40000, 2, 3};
+  std::vector<at::Tensor> sent;
+  for (size_t i = 0; i < floats.size(); ++i) {
+    sent.push_back(at::arange(static_cast<int64_t>(i), static_cast<int64_t>(i) + floats[i], at::kFloat));
+    const Frame f = request(sent.back(), i + 1);
+    const std::string head = internal::serialize_head(f);
+    Preamble p;
+    p.kind = same_host::kFrame;
+    p.body = head.size();
+    p.inline_bytes = floats[i] * sizeof(float);
+    append(&p, sizeof(p));
+    burst += head;
+    append(sent.back().data_ptr(), p.inline_bytes);
+  }
+  ASSERT_EQ(send(fd, burst.data(), burst.size(), MSG_NOSIGNAL), static_cast<ssize_t>(burst.size()));
+  Preamble p;
+  ASSERT_TRUE(recv_all(fd, &p, sizeof(p)));
+  ASSERT_EQ(p.kind, same_host::kWelcome);
+  std::string body(p.body, '\0');
+  ASSERT_TRUE(recv_all(fd, body.data(), body.size()));
+  for (size_t i = 0; i < floats.size(); ++i) {
+    ASSERT_TRUE(recv_all(fd, &p, sizeof(p))) << "no reply to request " << i + 1;
+    ASSERT_EQ(p.kind, same_host::kFrame);
+    ASSERT_EQ(p.num_remote, 0u);
+    ASSERT_EQ(p.inline_bytes, floats[i] * sizeof(float)) << "reply " << i + 1;
+    std::string head(p.body, '\0');
+    ASSERT_TRUE(recv_all(fd, head.data(), head.size()));
+    at::Tensor got = at::empty({floats[i]}, at::kFloat);
+    ASSERT_TRUE(recv_all(fd, got.data_ptr(), p.inline_bytes));
+    EXPECT_TRUE(at::equal(got, sent[i])) << "reply " << i + 1;
+  }
+  ::close(fd);
+}
+
+// A caller that reads its replies itself (Transport::drive) once they all
+// came: its first read takes them together, and each is delivered (a
+// reader that polled the socket for those it had already taken would wait
+// until its deadline).
+TEST(SameHostTransportTest, ACallerReadingItsRepliesGetsThoseThatCameTogether) {
+  Echo echo;
+  Replies replies;
+  auto ch = connect_as_worker1(&echo, &replies);
+  ASSERT_TRUE(ch);
+  echo.transport()->reserve_reading();
+  constexpr int kRequests = 16;
+  for (int i = 1; i <= kRequests; ++i) {
+    ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), i), SendOptions{true, i < kRequests}));
+  }
+  absl::SleepFor(absl::Milliseconds(300));  // the replies wait in the socket
+  auto all = [&] {
+    absl::MutexLock lock(&replies.mu);
+    return replies.frames.size() >= static_cast<size_t>(kRequests);
+  };
+  echo.transport()->drive(all, absl::Now() + absl::Seconds(20));
+  echo.transport()->release_reading();
+  EXPECT_TRUE(all());
+  ch->close(/*graceful=*/true);
 }
 
 // A caller that never reads its replies stops being read once its replies
