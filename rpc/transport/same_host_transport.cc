@@ -347,7 +347,7 @@ class Conn {
   // recv, and messages that came together one recv for all. Called once
   // the handshake is done: nothing a peer sends before is read ahead.
   void start_reading_ahead() {
-    if (!ahead_) ahead_ = std::make_unique<char[]>(kReadAhead);
+    if (!ahead_) ahead_.reset(new char[kReadAhead]);  // not zeroed: only what recv wrote is read
   }
   // Whether bytes read ahead wait: the socket's readiness does not show them.
   bool has_buffered() const { return ahead_pos_ < ahead_end_; }
