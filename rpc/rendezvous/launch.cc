@@ -98,10 +98,6 @@ void kill_all(std::vector<Child>& children, int sig) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // Whether a listener could bind `port` on 127.0.0.1 now (port 0: any; then
 // *port is the one the kernel chose).
 bool bindable(int* port) {
