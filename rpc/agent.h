@@ -102,13 +102,13 @@ struct RpcBackendOptions {
   // one that claims to be huge: past it gRPC cancels streams (its choice;
   // calls on them fail with kUnavailable and the next ones reconnect).
   int64_t max_receive_buffer_bytes = 0;
-  // A request that the thread reading its stream runs itself (its caller
-  // had no other call to this worker in flight) and that runs longer than
-  // about this (it blocks, or waits for a later request of the same
-  // caller) hands the reading of the stream to another thread. Shorter
-  // requests run there one after another without a thread switch. Requests
-  // that arrive while others of their caller are in flight are handed on
-  // at once, whatever this says.
+  // A request that the thread reading this worker's streams runs itself
+  // (its caller had no other call to this worker in flight) and that runs
+  // longer than about this (it blocks, or waits for a later request)
+  // hands the reading of the streams to another thread. Shorter requests,
+  // of every caller, run there one after another without a thread switch.
+  // Requests that arrive while others of their caller are in flight are
+  // handed on at once, whatever this says.
   absl::Duration inline_request_handoff = absl::Milliseconds(10);
   // Peers on this host (same boot and namespaces) are reached through the
   // same-host transport (rpc/transport/same_host_transport.h: a Unix socket,

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -133,14 +135,17 @@ pid_t peer_pid_of(int fd, uid_t* uid) {
 // and reads on one thread at a time.
 class Conn {
  public:
+  // `on_wake`, if given, runs at every wake() besides the eventfd: for a
+  // connection whose reader waits elsewhere (the server's epoll set).
   Conn(int fd, pid_t peer_pid, int64_t max_message_bytes, absl::Duration keepalive_interval,
-       absl::Duration keepalive_timeout)
+       absl::Duration keepalive_timeout, std::function<void()> on_wake = nullptr)
       : fd_(fd),
         wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
         peer_pid_(peer_pid),
         max_message_bytes_(max_message_bytes),
         keepalive_interval_(std::max(keepalive_interval, absl::Milliseconds(10))),
-        keepalive_timeout_(keepalive_timeout) {}
+        keepalive_timeout_(keepalive_timeout),
+        on_wake_(std::move(on_wake)) {}
   ~Conn() {
     ::close(fd_);
     if (wake_fd_ >= 0) ::close(wake_fd_);
@@ -268,6 +273,7 @@ class Conn {
   }
 
   void wake() {
+    if (on_wake_) on_wake_();
     if (wake_fd_ < 0) return;
     uint64_t one = 1;
     ssize_t ignored = ::write(wake_fd_, &one, sizeof(one));
@@ -276,21 +282,15 @@ class Conn {
 
   // ---- reading: one thread at a time.
 
-  // Waits until the socket has bytes and `paused()` is false (flushing the
-  // send queue and watching the peer meanwhile), or `deadline`. Cancelled
-  // once shut down; Unavailable when the peer's process stopped or died.
-  // With `yield`, returns Aborted whenever yield() is true when it looks.
-  // With `spin`, looks for a while before it sleeps (SpinPoll): for a
-  // server's reader, whose next request may follow its reply closely; not
-  // for a channel's background reader, which runs beside a caller that
-  // has work of its own.
-  absl::Status wait_readable(const std::function<bool()>& paused,
-                             absl::Time deadline = absl::InfiniteFuture(),
-                             const std::function<bool()>& yield = nullptr, bool spin = false) {
+  // Waits until the socket has bytes (flushing the send queue and watching
+  // the peer meanwhile), or `deadline`. Cancelled once shut down;
+  // Unavailable when the peer's process stopped or died. With `yield`,
+  // returns Aborted whenever yield() is true when it looks.
+  absl::Status wait_readable(absl::Time deadline = absl::InfiniteFuture(),
+                             const std::function<bool()>& yield = nullptr) {
     for (;;) {
       if (shut_now()) return absl::CancelledError("the connection was closed");
       if (yield && yield()) return absl::AbortedError("another thread reads");
-      const bool hold = paused && paused();
       bool want_out;
       {
         absl::MutexLock lock(&write_mu_);
@@ -298,18 +298,17 @@ class Conn {
         want_out = !out_.empty();
         if (broken_) return absl::UnavailableError(broken_why_);
       }
-      if (!hold && has_buffered()) return absl::OkStatus();
-      pollfd fds[2] = {{fd_, static_cast<short>((hold ? 0 : POLLIN) | (want_out ? POLLOUT : 0)), 0},
+      if (has_buffered()) return absl::OkStatus();
+      pollfd fds[2] = {{fd_, static_cast<short>(POLLIN | (want_out ? POLLOUT : 0)), 0},
                        {wake_fd_, POLLIN, 0}};
       const absl::Time now = absl::Now();
       absl::Duration wait = std::min(keepalive_interval_, deadline - now);
       if (wait <= absl::ZeroDuration()) return absl::DeadlineExceededError("timed out");
       const int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(wait) + 1);
-      int r = spin && !hold ? SpinPoll::this_thread().poll(fds, 2, timeout_ms)
-                            : poll(fds, 2, timeout_ms);
+      int r = poll(fds, 2, timeout_ms);
       if (r < 0 && errno != EINTR) return absl::InternalError(std::strerror(errno));
       if (fds[1].revents & POLLIN) drain_wake();
-      if (!hold && (fds[0].revents & (POLLIN | POLLHUP | POLLERR))) {
+      if (fds[0].revents & (POLLIN | POLLHUP | POLLERR)) {
         stopped_since_ = absl::InfiniteFuture();
         return absl::OkStatus();
       }
@@ -333,6 +332,49 @@ class Conn {
     flush_locked();
     return !out_.empty();
   }
+  // The same, for a reader that polls the socket elsewhere: `want_out` says
+  // whether something is left; Cancelled once shut down, Unavailable once
+  // broken.
+  absl::Status flush_for_reader(bool* want_out) {
+    absl::MutexLock lock(&write_mu_);
+    flush_locked();
+    *want_out = !out_.empty();
+    if (shut_) return absl::CancelledError("the connection was closed");
+    if (broken_) return absl::UnavailableError(broken_why_);
+    return absl::OkStatus();
+  }
+  // Reads what the socket holds into the read-ahead buffer (one recv that
+  // does not wait) when that buffer is empty: OK with bytes buffered, or
+  // with `would_block` set when the socket had none; Unavailable at the end
+  // of the stream (`eof` set). After start_reading_ahead() only.
+  absl::Status fill(bool* would_block, bool* eof) {
+    *would_block = false;
+    *eof = false;
+    while (!has_buffered()) {
+      ssize_t got = recv(fd_, ahead_.get(), kReadAhead, MSG_DONTWAIT);
+      if (got > 0) {
+        ahead_pos_ = 0;
+        ahead_end_ = static_cast<size_t>(got);
+        stopped_since_ = absl::InfiniteFuture();
+        break;
+      }
+      if (got == 0 || errno == ECONNRESET) {
+        *eof = true;
+        return absl::UnavailableError("the peer closed the connection");
+      }
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        *would_block = true;
+        break;
+      }
+      return absl::UnavailableError(absl::StrCat("reading the connection failed: ",
+                                                 std::strerror(errno)));
+    }
+    return absl::OkStatus();
+  }
+  // Whether the peer's process still runs (see check_peer), for a reader
+  // that waits elsewhere and has not heard from it for keepalive_interval.
+  absl::Status check_peer_alive() { return check_peer(); }
   // The peer check of wait_readable, at most once per keepalive_interval,
   // for threads that poll the socket themselves.
   absl::Status check_peer_now_and_then() {
@@ -390,7 +432,7 @@ class Conn {
         return absl::UnavailableError(absl::StrCat("reading the connection failed: ",
                                                    std::strerror(errno)));
       }
-      absl::Status ready = wait_readable(nullptr, deadline);
+      absl::Status ready = wait_readable(deadline);
       if (!ready.ok()) return ready;
     }
     return absl::OkStatus();
@@ -565,6 +607,7 @@ class Conn {
   const int64_t max_message_bytes_;
   const absl::Duration keepalive_interval_;
   const absl::Duration keepalive_timeout_;
+  const std::function<void()> on_wake_;
   static constexpr size_t kReadAhead = 64 << 10;
   // The reading thread's:
   absl::Time stopped_since_ = absl::InfiniteFuture();
@@ -597,23 +640,41 @@ absl::Status read_preamble(Conn* conn, Preamble* p, bool* eof,
 }
 
 // ------------------------------------------------------------ server
+//
+// One thread at a time holds a server's reading role: it waits on the
+// epoll set of every connection (each armed for one event at a time) and
+// serves the connections that have bytes, one message after another, each
+// request run on that thread unless its caller said others are in flight.
+// So requests that arrive while the role holder is busy cost no thread
+// wake-up: it finds them when it looks again. A watchdog gives the role to
+// another thread when a message has kept the holder for inline_handoff
+// (a request that blocks, a peer that stopped halfway through a frame),
+// and with it the connection of a request that blocks, so that the
+// caller's next request is read.
 
 class SameHostServer;
 
+// Who reads a connection (ServerConn::reader), besides the id of a thread.
+constexpr int64_t kNobody = 0;     // armed in the epoll set, queued, or parked while paused
+constexpr int64_t kHandshake = -1;  // its handshake's thread
+
 // A caller's connection as the server sees it.
 struct ServerConn {
-  ServerConn(std::unique_ptr<Conn> c, uid_t uid) : conn(std::move(c)), peer_uid(uid) {}
-  const std::unique_ptr<Conn> conn;
+  ServerConn(uint64_t key, uid_t uid) : key(key), peer_uid(uid) {}
+  const uint64_t key;  // in the server's table and as its epoll data
+  std::unique_ptr<Conn> conn;  // set once, before the connection is shared
   const uid_t peer_uid;
   int caller = -1;  // set by the handshake, before any request
   std::string address;
+  // It wants the role holder's attention: replies went out while it was
+  // paused, or its socket has room for what waits to be written.
+  std::atomic<bool> poked{false};
 
   absl::Mutex mu;
   // State below is protected by mu.
   int unanswered ABSL_GUARDED_BY(mu) = 0;
-  bool paused ABSL_GUARDED_BY(mu) = false;  // the reader waits for room
-  int reader ABSL_GUARDED_BY(mu) = 0;       // generation of the thread that reads
-  absl::Time inline_since ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+  bool paused ABSL_GUARDED_BY(mu) = false;  // not read until replies go out
+  int64_t reader ABSL_GUARDED_BY(mu) = kHandshake;
 };
 
 class SameHostResponder : public Responder {
@@ -664,20 +725,32 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     sockaddr_un addr;
     socklen_t len;
     set_abstract_address(s->name_, &addr, &len);
+    epoll_event poke{};
+    poke.events = EPOLLIN;
+    poke.data.u64 = kPokeKey;
     if (s->listen_fd_ < 0 || bind(s->listen_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
-        listen(s->listen_fd_, 1024) != 0) {
+        listen(s->listen_fd_, 1024) != 0 || s->epoll_fd_ < 0 || s->poke_fd_ < 0 ||
+        epoll_ctl(s->epoll_fd_, EPOLL_CTL_ADD, s->poke_fd_, &poke) != 0) {
       LOG(WARNING) << "rpc: no same-host endpoint (" << std::strerror(errno) << "); peers on this "
                    << "host connect over the network";
+      if (s->listen_fd_ >= 0) ::close(s->listen_fd_);
       return nullptr;
     }
     s->stop_fd_ = eventfd(0, EFD_CLOEXEC);
+    {
+      absl::MutexLock lock(&s->mu_);
+      s->spawn_thread([self = s.get()](int64_t me) { self->reading_thread(me); });
+    }
     s->acceptor_ = std::thread([self = s.get()] { self->accept_loop(); });
     s->watchdog_ = std::thread([self = s.get()] { self->watchdog_loop(); });
     return s;
   }
 
-  // shutdown() must have been called (its reading threads hold it).
-  ~SameHostServer() = default;
+  // shutdown() must have been called (its threads hold it).
+  ~SameHostServer() {
+    if (epoll_fd_ >= 0) ::close(epoll_fd_);
+    if (poke_fd_ >= 0) ::close(poke_fd_);
+  }
 
   const std::string& name() const { return name_; }
 
@@ -691,13 +764,12 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     ssize_t ignored = ::write(stop_fd_, &one, sizeof(one));
     (void)ignored;
     if (acceptor_.joinable()) acceptor_.join();
-    if (watchdog_.joinable()) watchdog_.join();
     // Connections still open get `grace` to answer what they have read.
     const absl::Time deadline = absl::Now() + grace;
     std::vector<std::shared_ptr<ServerConn>> conns;
     {
       absl::MutexLock lock(&mu_);
-      for (auto& [ptr, c] : conns_) conns.push_back(c);
+      for (auto& [key, c] : conns_) conns.push_back(c);
     }
     for (auto& c : conns) {
       absl::MutexLock lock(&c->mu);
@@ -708,10 +780,17 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       c->conn->send_control(kGoodbye, 0, 0);
       c->conn->shutdown_after_flush(absl::Milliseconds(100));
     }
+    {
+      absl::MutexLock lock(&mu_);
+      threads_stop_ = true;
+    }
+    poke();
+    if (watchdog_.joinable()) watchdog_.join();
     absl::MutexLock lock(&mu_);
-    auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return readers_ == 0; };
+    auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return threads_ == 0; };
     mu_.Await(absl::Condition(&gone));
     conns_.clear();
+    ready_.clear();
     stopped_ = true;
     ::close(listen_fd_);
     ::close(stop_fd_);
@@ -727,11 +806,30 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
         check_(std::move(check)),
         run_inline_(std::move(run_inline)),
         offload_(std::move(offload)),
+        epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
+        poke_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
         streams_of_worker_(std::max(limits.world_size, 1), 0) {}
 
-  static constexpr absl::Duration kWatchdogTick = absl::Milliseconds(5);
   static constexpr int kMaxHandedOff = 64;
-  static constexpr int kIdleTicks = 20;  // 100 ms without a request
+  // The watchdog parks after this long without a message, and looks at
+  // most this often.
+  static constexpr absl::Duration kIdle = absl::Milliseconds(100);
+  static constexpr absl::Duration kMinLook = absl::Milliseconds(1);
+  static constexpr uint64_t kPokeKey = 0;  // epoll data of poke_fd_; connections count from 1
+  static constexpr int kMaxEvents = 32;
+  // Messages the role holder serves of one connection before it looks at
+  // the others again.
+  static constexpr int kFairShare = 16;
+  // Threads without the role that wait for it; more leave.
+  static constexpr int kMaxIdleThreads = 2;
+
+  // What became of a connection after one message, or after finding none.
+  enum class Next {
+    kMore,   // still this thread's: it may have another message
+    kIdle,   // given back (armed, or parked while paused)
+    kEnded,  // closed and forgotten
+    kMoved,  // the watchdog gave it, with the role, to another thread
+  };
 
   void accept_loop() {
     for (;;) {
@@ -743,159 +841,287 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       if (fd < 0) continue;
       uid_t uid = static_cast<uid_t>(-1);
       const pid_t pid = peer_pid_of(fd, &uid);
-      auto c = std::make_shared<ServerConn>(
-          std::make_unique<Conn>(fd, pid, limits_.max_message_bytes, limits_.keepalive_interval,
-                                 limits_.keepalive_timeout),
-          uid);
+      absl::MutexLock lock(&mu_);
+      if (stopping_) {
+        ::close(fd);
+        continue;
+      }
+      auto c = std::make_shared<ServerConn>(next_key_++, uid);
+      // A wake of the connection (a reply while it is paused, or a write
+      // that found its socket full) pokes the role holder.
+      c->conn = std::make_unique<Conn>(
+          fd, pid, limits_.max_message_bytes, limits_.keepalive_interval,
+          limits_.keepalive_timeout,
+          [server = weak_from_this(), conn = c.get()] {
+            conn->poked.store(true);
+            if (auto s = server.lock()) s->poke();
+          });
       c->address = absl::StrCat("same-host process ", pid);
-      absl::MutexLock lock(&mu_);
-      if (stopping_) continue;  // c closes its socket
-      conns_.emplace(c.get(), c);
-      start_reader(c, 0);
+      conns_.emplace(c->key, c);
+      if (!spawn_thread([self = this, c](int64_t) { self->admit(c); })) conns_.erase(c->key);
     }
   }
 
-  void start_reader(const std::shared_ptr<ServerConn>& c, int generation)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    ++readers_;
-    // The thread holds the server: its mutex outlives the last unlock here.
-    std::thread([self = shared_from_this(), c, generation] {
-      self->serve(c, generation);
-      absl::MutexLock lock(&self->mu_);
-      --self->readers_;
-    }).detach();
+  // Starts a thread running `body` with its id; it holds the server. False
+  // (logged) when none can start.
+  bool spawn_thread(std::function<void(int64_t)> body) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t me = next_thread_++;
+    try {
+      internal::fault_point("transport.spawn_thread");
+      std::thread([self = shared_from_this(), me, body = std::move(body)] {
+        body(me);
+        absl::MutexLock lock(&self->mu_);
+        --self->threads_;
+      }).detach();
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "rpc same-host transport: cannot start a thread: " << e.what();
+      return false;
+    }
+    ++threads_;
+    return true;
   }
 
-  // Hands the reading of connections whose inline request runs too long to
-  // a new thread. It ticks while requests come, and parks after
-  // kIdleTicks ticks without one; a request that finds it parked wakes it
-  // (note_inline_run). So the requests of a busy server neither wake it
-  // nor take the server's mutex.
-  void watchdog_loop() {
-    absl::MutexLock lock(&mu_);
-    int idle_ticks = 0;
-    while (!stopping_) {
-      if (idle_ticks >= kIdleTicks) {
-        watchdog_parked_.store(true);
-        // A request that started before the store above and was not seen
-        // by the last tick would not wake the watchdog: look once more.
-        if (!any_inline_run()) {
-          auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return stopping_ || !watchdog_parked_.load();
-          };
-          mu_.Await(absl::Condition(&wake));
-          if (stopping_) return;
-        }
-        watchdog_parked_.store(false);
-        idle_ticks = 0;
-      }
-      mu_.AwaitWithTimeout(absl::Condition(&stopping_), kWatchdogTick);
-      if (stopping_) return;
-      const bool active = hand_off_overdue() || requests_since_tick_.exchange(false);
-      idle_ticks = active ? 0 : idle_ticks + 1;
+  // A new connection's thread: its handshake, then the epoll set.
+  void admit(const std::shared_ptr<ServerConn>& c) {
+    absl::Status why = handshake(c.get());
+    if (!why.ok()) {
+      reject(c.get(), why);
+      end(c);
+      return;
+    }
+    c->conn->start_reading_ahead();
+    {
+      absl::MutexLock lock(&c->mu);
+      c->reader = kNobody;
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+    ev.data.u64 = c->key;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, c->conn->fd(), &ev) != 0) {
+      reject(c.get(), absl::InternalError(absl::StrCat("epoll: ", std::strerror(errno))));
+      end(c);
     }
   }
 
-  // Starts a new reading thread for each connection whose inline request
-  // has run for inline_handoff; returns whether any request runs inline.
-  bool hand_off_overdue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const absl::Time now = absl::Now();
-    bool any = false;
-    for (auto& [ptr, c] : conns_) {
-      absl::MutexLock conn_lock(&c->mu);
-      if (c->inline_since == absl::InfiniteFuture()) continue;
-      any = true;
-      if (now - c->inline_since < limits_.inline_handoff) continue;
-      c->inline_since = absl::InfiniteFuture();
-      ++c->reader;
-      handed_off_.fetch_add(1);
-      start_reader(c, c->reader);
-    }
-    return any;
+  // Wakes the role holder to look at the poked connections (and at
+  // threads_stop_).
+  void poke() {
+    uint64_t one = 1;
+    ssize_t ignored = ::write(poke_fd_, &one, sizeof(one));
+    (void)ignored;
   }
 
-  bool any_inline_run() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (auto& [ptr, c] : conns_) {
-      absl::MutexLock conn_lock(&c->mu);
-      if (c->inline_since != absl::InfiniteFuture()) return true;
-    }
-    return false;
-  }
-
-  // After a reading thread marked its connection's inline run: keeps the
-  // watchdog ticking, and wakes it if it parked.
-  void note_inline_run() {
-    requests_since_tick_.store(true, std::memory_order_relaxed);
-    // Sequentially consistent with the watchdog's store before it looks at
-    // the connections: either it sees this run, or this sees it parked.
-    if (watchdog_parked_.load()) {
-      absl::MutexLock lock(&mu_);
-      watchdog_parked_.store(false);
-    }
-  }
-
-  // The reading thread of one connection (generation 0 from the start,
-  // later ones after a handoff).
-  void serve(const std::shared_ptr<ServerConn>& c, int generation) {
-    absl::Status why;
-    bool clean = false;
-    if (generation == 0) {
-      why = handshake(c.get());
-      if (!why.ok()) {
-        reject(c.get(), why);
-        end(c);
-        return;
-      }
-      c->conn->start_reading_ahead();
-    }
+  // A thread that serves connections: it waits for the role, holds it
+  // until the watchdog gives it to another thread (while a message keeps
+  // this one), then waits again, or leaves when enough threads wait.
+  void reading_thread(int64_t me) {
     for (;;) {
-      auto paused = [this, &c] {
-        const bool full = c->conn->backlog_bytes() > limits_.max_pending_reply_bytes;
-        absl::MutexLock lock(&c->mu);
-        c->paused = full || c->unanswered >= limits_.max_pending_requests;
-        return c->paused;
-      };
-      why = c->conn->wait_readable(paused, absl::InfiniteFuture(), nullptr, /*spin=*/true);
-      if (!why.ok()) break;
-      Preamble p;
-      bool eof = false;
-      why = read_preamble(c->conn.get(), &p, &eof);
-      if (!why.ok()) {
-        if (eof) clean = true;  // the caller closed without saying goodbye
-        break;
+      {
+        absl::MutexLock lock(&mu_);
+        ++idle_;
+        auto can_hold = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return role_free_ || threads_stop_;
+        };
+        mu_.Await(absl::Condition(&can_hold));
+        --idle_;
+        if (threads_stop_) return;
+        role_free_ = false;
+        holder_ = me;
       }
+      hold_role(me);
+      absl::MutexLock lock(&mu_);
+      if (threads_stop_ || idle_ >= kMaxIdleThreads) return;
+    }
+  }
+
+  void hold_role(int64_t me) {
+    for (;;) {
+      std::shared_ptr<ServerConn> c;
+      bool sweep = false;
+      {
+        absl::MutexLock lock(&mu_);
+        if (holder_ != me || threads_stop_) return;
+        c = take_ready(me);
+        const absl::Time now = absl::Now();
+        if (!c && now >= next_sweep_) {
+          next_sweep_ = now + limits_.keepalive_interval;
+          sweep = true;
+        }
+      }
+      if (c) {
+        if (!serve(c, me)) return;
+      } else if (sweep) {
+        check_peers(me);
+      } else {
+        wait_for_events(/*block=*/true);
+      }
+    }
+  }
+
+  // The next queued connection nobody reads, now read by `me`.
+  std::shared_ptr<ServerConn> take_ready(int64_t me) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    while (!ready_.empty()) {
+      const uint64_t key = ready_.front();
+      ready_.pop_front();
+      auto it = conns_.find(key);
+      if (it == conns_.end()) continue;
+      absl::MutexLock conn_lock(&it->second->mu);
+      // Another thread reads it and gives it back when done.
+      if (it->second->reader != kNobody) continue;
+      it->second->reader = me;
+      return it->second;
+    }
+    return nullptr;
+  }
+
+  // Queues the connections that have an event and those poked; with
+  // `block`, waits for one first (spinning before it sleeps where that
+  // pays), or for keepalive_interval.
+  void wait_for_events(bool block) {
+    epoll_event events[kMaxEvents];
+    int n;
+    if (!block) {
+      n = epoll_wait(epoll_fd_, events, kMaxEvents, 0);
+    } else {
+      const int timeout_ms =
+          static_cast<int>(absl::ToInt64Milliseconds(limits_.keepalive_interval) + 1);
+      if (SpinPoll::enabled()) {
+        pollfd p{epoll_fd_, POLLIN, 0};
+        n = SpinPoll::this_thread().poll(&p, 1, timeout_ms) > 0
+                ? epoll_wait(epoll_fd_, events, kMaxEvents, 0)
+                : 0;
+      } else {
+        n = epoll_wait(epoll_fd_, events, kMaxEvents, timeout_ms);
+      }
+    }
+    bool poked = false;
+    absl::MutexLock lock(&mu_);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 == kPokeKey) {
+        poked = true;
+      } else {
+        ready_.push_back(events[i].data.u64);
+      }
+    }
+    if (!poked) return;
+    uint64_t v;
+    ssize_t ignored = ::read(poke_fd_, &v, sizeof(v));
+    (void)ignored;
+    for (auto& [key, c] : conns_) {
+      if (c->poked.exchange(false)) ready_.push_back(key);
+    }
+  }
+
+  // Looks at the process behind every connection nobody reads (a caller
+  // that stopped or died while idle, or while its connection is paused).
+  void check_peers(int64_t me) {
+    std::vector<std::shared_ptr<ServerConn>> idle;
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [key, c] : conns_) {
+        absl::MutexLock conn_lock(&c->mu);
+        if (c->reader != kNobody) continue;
+        c->reader = me;
+        idle.push_back(c);
+      }
+    }
+    for (auto& c : idle) {
+      absl::Status alive = c->conn->check_peer_alive();
+      if (!alive.ok()) {
+        finish(c, alive, /*clean=*/false);
+        continue;
+      }
+      absl::MutexLock lock(&c->mu);
+      c->reader = kNobody;  // its arming is as it was
+    }
+  }
+
+  // Serves `c` (read by `me`) until it has no message, is paused, ended or
+  // taken away, or had its share; false when `me` lost the role.
+  bool serve(const std::shared_ptr<ServerConn>& c, int64_t me) {
+    for (int served = 0;;) {
+      const Next next = step(c, me);
+      bool lost;
+      {
+        absl::MutexLock lock(&mu_);
+        lost = holder_ != me;
+      }
+      if (next != Next::kMore) return !lost && next != Next::kMoved;
+      if (lost || ++served >= kFairShare) {
+        // Behind the others that have come meanwhile.
+        if (!lost) wait_for_events(/*block=*/false);
+        requeue(c, /*wake=*/lost);
+        return !lost;
+      }
+    }
+  }
+
+  // One message of `c`, or none: the connection's next state.
+  Next step(const std::shared_ptr<ServerConn>& c, int64_t me) {
+    Conn* conn = c->conn.get();
+    bool want_out = false;
+    absl::Status why = conn->flush_for_reader(&want_out);
+    if (!why.ok()) return finish(c, why, /*clean=*/false);
+    const bool full = conn->backlog_bytes() > limits_.max_pending_reply_bytes;
+    {
+      absl::MutexLock lock(&c->mu);
+      c->paused = full || c->unanswered >= limits_.max_pending_requests;
+      if (c->paused) {
+        // Its replies going out poke it; room to write wakes it here.
+        c->reader = kNobody;
+        if (want_out) arm(c.get(), EPOLLOUT);
+        return Next::kIdle;
+      }
+    }
+    bool would_block = false;
+    bool eof = false;
+    why = conn->fill(&would_block, &eof);
+    if (!why.ok()) return finish(c, why, /*clean=*/eof);
+    if (would_block) {
+      {
+        absl::MutexLock lock(&c->mu);
+        c->reader = kNobody;
+      }
+      arm(c.get(), EPOLLIN | EPOLLRDHUP | (want_out ? EPOLLOUT : 0));
+      return Next::kIdle;
+    }
+    // A message, or its start, is here; the rest may take a while.
+    set_busy(c, me);
+    Preamble p;
+    why = read_preamble(conn, &p, &eof);
+    bool clean = eof;  // a caller that closed without saying goodbye
+    bool moved = false;
+    if (why.ok()) {
       if (p.kind == kFrame) {
-        bool mine = true;
         try {
           internal::fault_point("transport.server_read");
-          why = on_frame(c, p, generation, &mine);
+          why = on_frame(c, p, me, &moved);
         } catch (const std::exception& e) {
           why = absl::InternalError(absl::StrCat("rpc transport: ", e.what()));
         }
-        if (!why.ok()) break;
-        if (!mine) return;  // another thread reads now
       } else if (p.kind == kAck && p.body == 0) {
-        why = c->conn->on_ack(p.seq);
-        if (!why.ok()) break;
+        why = conn->on_ack(p.seq);
       } else if (p.kind == kConfirm && p.body == 0) {
-        c->conn->set_may_send_remote(p.flags & kFlagCrossMemory);
+        conn->set_may_send_remote(p.flags & kFlagCrossMemory);
       } else if (p.kind == kGoodbye && p.body == 0) {
+        why = absl::CancelledError("goodbye");
         clean = true;
-        break;
       } else {
         why = absl::DataLossError(absl::StrCat("unexpected message kind ", int{p.kind}));
-        break;
       }
     }
-    if (!clean && !why.ok() && !absl::IsCancelled(why)) {
-      reject(c.get(), why);
-      c->conn->send_control(kGoodbye, 0, 0, std::string(why.message()).substr(0, kMaxHandshakeBody));
+    if (moved) return Next::kMoved;  // not ours any more, whatever it did
+    if (why.ok()) {
+      clear_busy(me);
+      return Next::kMore;
     }
-    end(c);
+    const Next next = finish(c, why, clean);
+    clear_busy(me);
+    return next;
   }
 
-  absl::Status on_frame(const std::shared_ptr<ServerConn>& c, const Preamble& p, int generation,
-                        bool* mine) {
+  absl::Status on_frame(const std::shared_ptr<ServerConn>& c, const Preamble& p, int64_t me,
+                        bool* moved) {
     Frame frame;
     absl::Status ok = c->conn->read_frame(p, &frame);
     if (!ok.ok()) return ok;
@@ -903,12 +1129,16 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     ok = check_(c->caller, frame);
     if (!ok.ok()) return ok;
     auto responder = std::make_shared<SameHostResponder>(c);
-    bool run_here;
     {
       absl::MutexLock lock(&c->mu);
       ++c->unanswered;
-      run_here = !frame.more_in_flight && handed_off_.load() < kMaxHandedOff;
-      if (run_here) c->inline_since = absl::Now();
+    }
+    bool run_here;
+    {
+      absl::MutexLock lock(&mu_);
+      // A thread that lost the role runs nothing more.
+      run_here = !frame.more_in_flight && handed_off_ < kMaxHandedOff && holder_ == me;
+      if (run_here) busy_running_ = true;
     }
     if (run_here) note_inline_run();
     try {
@@ -923,15 +1153,138 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       ok = absl::InternalError("serving a request failed");
     }
     if (run_here) {
-      absl::MutexLock lock(&c->mu);
-      c->inline_since = absl::InfiniteFuture();
-      if (c->reader != generation) {
-        // The watchdog counted this thread's run as handed off.
-        handed_off_.fetch_sub(1);
-        *mine = false;
+      absl::MutexLock lock(&mu_);
+      if (holder_ != me) {
+        --handed_off_;  // the watchdog counted this run as handed off
+        absl::MutexLock conn_lock(&c->mu);
+        *moved = c->reader != me;
       }
     }
     return ok;
+  }
+
+  // Re-arms `c` (nobody reads it now) for `events`, once.
+  void arm(ServerConn* c, uint32_t events) {
+    epoll_event ev{};
+    ev.events = events | EPOLLONESHOT;
+    ev.data.u64 = c->key;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, c->conn->fd(), &ev) != 0) {
+      // Only a connection that is being closed has no registration.
+      LOG(WARNING) << "rpc same-host transport: epoll of " << c->address << ": "
+                   << std::strerror(errno);
+    }
+  }
+
+  // Gives `c` back to the queue of the role (poking the holder when it is
+  // another thread, which may sleep).
+  void requeue(const std::shared_ptr<ServerConn>& c, bool wake) {
+    {
+      absl::MutexLock lock(&mu_);
+      absl::MutexLock conn_lock(&c->mu);
+      c->reader = kNobody;
+      ready_.push_back(c->key);
+    }
+    if (wake) poke();
+  }
+
+  // The role holder `me` is on a message of `c` from now (reading it; then
+  // on_frame marks the run of its request), or on none.
+  void set_busy(const std::shared_ptr<ServerConn>& c, int64_t me) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (holder_ != me) return;
+      busy_since_ = absl::Now();
+      busy_conn_ = c;
+      busy_running_ = false;
+    }
+    note_inline_run();
+  }
+  void clear_busy(int64_t me) {
+    absl::MutexLock lock(&mu_);
+    if (holder_ != me) return;
+    busy_since_ = absl::InfiniteFuture();
+    busy_conn_.reset();
+    busy_running_ = false;
+  }
+
+  // Ends `c` (saying why to a caller that broke a rule) and forgets it.
+  Next finish(const std::shared_ptr<ServerConn>& c, const absl::Status& why, bool clean) {
+    if (!clean && !why.ok() && !absl::IsCancelled(why)) {
+      reject(c.get(), why);
+      c->conn->send_control(kGoodbye, 0, 0, std::string(why.message()).substr(0, kMaxHandshakeBody));
+    }
+    end(c);
+    return Next::kEnded;
+  }
+
+  // The watchdog: gives the role to another thread when a message has kept
+  // the holder for inline_handoff. It looks when the message it saw would
+  // be overdue, or inline_handoff after it saw none (no message that
+  // starts later is overdue before that), and parks once kIdle has passed
+  // without a message; a message that finds it parked wakes it
+  // (note_inline_run). So the messages of a busy server wake it at most
+  // once per inline_handoff and take the server's mutex only for their
+  // own marks.
+  void watchdog_loop() {
+    absl::MutexLock lock(&mu_);
+    absl::Time last_message = absl::Now();
+    while (!threads_stop_) {
+      const absl::Time now = absl::Now();
+      if (now - last_message >= kIdle) {
+        watchdog_parked_.store(true);
+        // A message that started before the store above and was not seen
+        // by the last look would not wake the watchdog: look once more.
+        if (busy_since_ == absl::InfiniteFuture()) {
+          auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+            return threads_stop_ || !watchdog_parked_.load();
+          };
+          mu_.Await(absl::Condition(&wake));
+          if (threads_stop_) return;
+        }
+        watchdog_parked_.store(false);
+        last_message = absl::Now();
+      }
+      const absl::Duration wait =
+          busy_since_ == absl::InfiniteFuture()
+              ? limits_.inline_handoff
+              : std::max(busy_since_ + limits_.inline_handoff - now, kMinLook);
+      mu_.AwaitWithTimeout(absl::Condition(&threads_stop_), wait);
+      if (threads_stop_) return;
+      if (hand_off_overdue() || messages_since_look_.exchange(false)) last_message = absl::Now();
+    }
+  }
+
+  // Gives the role to another thread if the holder has been on one message
+  // for inline_handoff, and the connection too if it runs that message's
+  // request; returns whether the holder is on a message.
+  bool hand_off_overdue() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (busy_since_ == absl::InfiniteFuture()) return false;
+    if (absl::Now() - busy_since_ < limits_.inline_handoff) return true;
+    if (busy_running_) {
+      ++handed_off_;
+      absl::MutexLock conn_lock(&busy_conn_->mu);
+      busy_conn_->reader = kNobody;
+      ready_.push_front(busy_conn_->key);
+    }
+    busy_since_ = absl::InfiniteFuture();
+    busy_conn_.reset();
+    busy_running_ = false;
+    holder_ = kNobody;
+    role_free_ = true;
+    if (idle_ == 0) spawn_thread([self = this](int64_t me) { self->reading_thread(me); });
+    return true;
+  }
+
+  // Keeps the watchdog ticking while messages come, and wakes it if it
+  // parked.
+  void note_inline_run() {
+    messages_since_look_.store(true, std::memory_order_relaxed);
+    // Sequentially consistent with the watchdog's store before it looks at
+    // the holder: either it sees this message, or this sees it parked.
+    if (watchdog_parked_.load()) {
+      absl::MutexLock lock(&mu_);
+      watchdog_parked_.store(false);
+    }
   }
 
   absl::Status handshake(ServerConn* c) {
@@ -994,9 +1347,11 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   }
 
   void end(const std::shared_ptr<ServerConn>& c) {
+    // Not in the set (its handshake failed, or it is ending anyway): no-op.
+    epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c->conn->fd(), nullptr);
     c->conn->shutdown_after_flush(absl::Milliseconds(100));
     absl::MutexLock lock(&mu_);
-    if (conns_.erase(c.get()) > 0 && c->caller >= 0) --streams_of_worker_[c->caller];
+    if (conns_.erase(c->key) > 0 && c->caller >= 0) --streams_of_worker_[c->caller];
   }
 
   const ServerLimits limits_;
@@ -1005,6 +1360,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   const CheckRequest check_;
   const OnRequest run_inline_;
   const OnRequest offload_;
+  const int epoll_fd_;  // every connection nobody reads, armed for one event
+  const int poke_fd_;   // in the set: wakes the role holder
   std::string name_;
   int listen_fd_ = -1;
   int stop_fd_ = -1;
@@ -1015,13 +1372,27 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   // State below is protected by mu_.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<ServerConn*, std::shared_ptr<ServerConn>> conns_ ABSL_GUARDED_BY(mu_);
+  bool threads_stop_ ABSL_GUARDED_BY(mu_) = false;  // reading threads and the watchdog leave
+  std::map<uint64_t, std::shared_ptr<ServerConn>> conns_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = kPokeKey + 1;
   std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);
-  int readers_ ABSL_GUARDED_BY(mu_) = 0;       // threads in serve()
-  // Inline runs whose connection's reading moved on to another thread.
-  std::atomic<int> handed_off_{0};
-  // Set by every inline run; the watchdog's tick clears it.
-  std::atomic<bool> requests_since_tick_{false};
+  int threads_ ABSL_GUARDED_BY(mu_) = 0;  // running: reading threads and handshakes
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;     // reading threads waiting for the role
+  int64_t next_thread_ ABSL_GUARDED_BY(mu_) = 1;
+  bool role_free_ ABSL_GUARDED_BY(mu_) = true;
+  int64_t holder_ ABSL_GUARDED_BY(mu_) = kNobody;
+  // Connections for the holder to serve before it waits (each nobody's
+  // when queued; one may be queued twice).
+  std::deque<uint64_t> ready_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // The message the holder is on, since when, and whether it runs it.
+  absl::Time busy_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  std::shared_ptr<ServerConn> busy_conn_ ABSL_GUARDED_BY(mu_);
+  bool busy_running_ ABSL_GUARDED_BY(mu_) = false;
+  // Requests that still run on threads that lost the role to the watchdog.
+  int handed_off_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set by every message; each look of the watchdog clears it.
+  std::atomic<bool> messages_since_look_{false};
   // Written under mu_ (read without it by note_inline_run).
   std::atomic<bool> watchdog_parked_{false};
 };
@@ -1338,7 +1709,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
         if (ended_ || closing_) break;
         holder_ = me;
       }
-      ok = conn_->wait_readable(nullptr, absl::InfiniteFuture(), [this] {
+      ok = conn_->wait_readable(absl::InfiniteFuture(), [this] {
         absl::MutexLock lock(&gate_->mu);
         return expecting_ == 0 || gate_->reserved > 0;
       });

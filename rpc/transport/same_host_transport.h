@@ -8,6 +8,13 @@
 // reader takes what the socket holds (64 KiB at most) in one read, so a
 // small message costs one read and messages that came together one for all.
 //
+// A server's connections are read by one thread at a time, which waits on
+// all of them (epoll) and runs their requests one after another: requests
+// that come while it is busy, from any caller, cost no thread wake-up. A
+// request that keeps it for ServerLimits::inline_handoff (it blocks), or a
+// frame that stops halfway, hands reading on to another thread; a caller
+// that keeps its connection full gets its share in turn with the others.
+//
 // make_same_host_transport() wraps another transport (gRPC): its servers
 // listen on both, and a channel to a peer whose endpoint names this host
 // goes over the socket, to any other peer (or when the socket cannot be

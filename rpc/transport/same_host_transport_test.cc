@@ -14,6 +14,8 @@
 
 #include <cstring>
 #include <memory>
+#include <set>
+#include <thread>
 #include <string>
 
 #include "absl/synchronization/notification.h"
@@ -521,6 +523,176 @@ TEST(SameHostTransportTest, ABlockedRequestAfterAnIdlePauseIsHandedOn) {
   }
   ch->close(/*graceful=*/true);
   server->shutdown(absl::ZeroDuration());
+}
+
+
+// A server whose requests (inline or handed on) go to `handler`, and
+// channels to it as workers 1, 2, ...
+class Served {
+ public:
+  using Handler = std::function<void(std::shared_ptr<Responder>, Frame)>;
+  Served(ServerLimits limits, Handler handler) : handler_(std::move(handler)) {
+    limits.world_size = 8;
+    transport_ = make_same_host_transport(make_default_transport());
+    server_ = transport_->listen(
+        "127.0.0.1", limits, Security{}, [](int, const Frame&) { return absl::OkStatus(); },
+        [this](std::shared_ptr<Responder> r, Frame f) { handler_(std::move(r), std::move(f)); },
+        [this](std::shared_ptr<Responder> r, Frame f) { handler_(std::move(r), std::move(f)); });
+  }
+  ~Served() {
+    for (auto& ch : channels_) ch->close(/*graceful=*/false);
+    server_->shutdown(absl::ZeroDuration());
+  }
+  Channel* connect(int worker, Replies* replies) {
+    PeerOptions options;
+    options.self = worker;
+    options.same_host_endpoint = server_->same_host_endpoint();
+    channels_.push_back(transport_->connect("127.0.0.1:" + std::to_string(server_->port()),
+                                            options, replies->on_frame(), replies->on_close()));
+    return channels_.back().get();
+  }
+  std::string socket_name() const {
+    const std::string ep = server_->same_host_endpoint();
+    return ep.substr(ep.rfind('|') + 1);
+  }
+
+ private:
+  const Handler handler_;
+  std::shared_ptr<Transport> transport_;
+  std::unique_ptr<Server> server_;
+  std::vector<std::shared_ptr<Channel>> channels_;
+};
+
+// The requests of several callers are run by the thread that holds the
+// server's reading role, one after another, not by a thread per
+// connection: requests that come while it is busy cost no other thread's
+// wake-up.
+TEST(SameHostTransportTest, RequestsOfSeveralCallersRunOnTheReadingThread) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Minutes(10);  // the role never moves here
+  absl::Mutex mu;
+  std::set<std::thread::id> threads;
+  Served server(limits, [&](std::shared_ptr<Responder> r, Frame f) {
+    {
+      absl::MutexLock lock(&mu);
+      threads.insert(std::this_thread::get_id());
+    }
+    absl::SleepFor(absl::Milliseconds(1));  // others' requests come meanwhile
+    Echo::reply(r, std::move(f));
+  });
+  Replies replies[3];
+  std::vector<Channel*> channels;
+  for (int w = 0; w < 3; ++w) channels.push_back(server.connect(w + 1, &replies[w]));
+  for (int round = 1; round <= 5; ++round) {
+    for (Channel* ch : channels) {
+      ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), round), SendOptions{}));
+    }
+    for (Replies& r : replies) ASSERT_TRUE(r.wait_for(round));
+  }
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(threads.size(), 1u) << "requests of different callers ran on different threads";
+}
+
+// A request that blocks gives the reading role away (after inline_handoff):
+// another caller's request, which releases it, is read and run.
+TEST(SameHostTransportTest, ARequestThatBlocksLetsOtherCallersIn) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Milliseconds(10);
+  absl::Notification blocked, released;
+  Served server(limits, [&](std::shared_ptr<Responder> r, Frame f) {
+    if (f.header.id() == 1) {
+      blocked.Notify();
+      released.WaitForNotificationWithTimeout(absl::Seconds(20));
+    } else {
+      released.Notify();
+    }
+    Echo::reply(r, std::move(f));
+  });
+  Replies first, second;
+  Channel* a = server.connect(1, &first);
+  Channel* b = server.connect(2, &second);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(a->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(blocked.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(b->send(request(at::arange(4, at::kFloat), 2), SendOptions{}));
+  ASSERT_TRUE(second.wait_for(1));
+  ASSERT_TRUE(first.wait_for(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the blocked request kept the role";
+}
+
+// A caller that stops halfway through a frame (and stays connected) keeps
+// only its own connection: the others are still answered.
+TEST(SameHostTransportTest, AFrameLeftHalfwayDoesNotStopTheOthers) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Milliseconds(10);
+  Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
+  int fd = raw_connect(server.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 3);
+  const Frame f = request(at::arange(64, at::kFloat), 1);
+  const std::string head = internal::serialize_head(f);
+  Preamble p;
+  p.kind = same_host::kFrame;
+  p.body = head.size();
+  p.inline_bytes = 64 * sizeof(float);
+  send_all(fd, &p, sizeof(p));
+  send_all(fd, head.data(), head.size());  // and none of its tensor bytes
+  absl::SleepFor(absl::Milliseconds(50));
+  Replies replies;
+  Channel* ch = server.connect(1, &replies);
+  for (int i = 1; i <= 3; ++i) {
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), i), SendOptions{}));
+    ASSERT_TRUE(replies.wait_for(i)) << "request " << i;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "request " << i;
+  }
+  ::close(fd);
+}
+
+// A caller that keeps its connection full of requests does not starve
+// another: the server serves a share of one connection, then the others
+// that have bytes, in turn.
+TEST(SameHostTransportTest, AFloodingCallerDoesNotStarveAnother) {
+  std::atomic<int> flood_served{0};
+  Served server(ServerLimits{}, [&](std::shared_ptr<Responder> r, Frame f) {
+    if (f.header.id() != 0) ++flood_served;
+    Echo::reply(r, std::move(f));
+  });
+  int fd = raw_connect(server.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 3);
+  const Frame f = request(at::arange(4, at::kFloat), 1);
+  const std::string head = internal::serialize_head(f);
+  std::string msg(sizeof(Preamble), '\0');
+  Preamble p;
+  p.kind = same_host::kFrame;
+  p.body = head.size();
+  p.inline_bytes = 4 * sizeof(float);
+  std::memcpy(msg.data(), &p, sizeof(p));
+  msg += head;
+  msg.append(static_cast<const char*>(f.tensors[0].data_ptr()), p.inline_bytes);
+  constexpr int kFlood = 20000;
+  std::string burst;
+  for (int i = 0; i < 100; ++i) burst += msg;
+  // Replies are read (and dropped) so that the flood is never throttled.
+  std::thread drain([fd] {
+    char buf[1 << 16];
+    while (recv(fd, buf, sizeof(buf), 0) > 0) {
+    }
+  });
+  std::thread flood([&] {
+    for (int i = 0; i < kFlood / 100; ++i) send_all(fd, burst.data(), burst.size());
+  });
+  while (flood_served.load() < 100) absl::SleepFor(absl::Milliseconds(1));
+  Replies replies;
+  Channel* ch = server.connect(1, &replies);
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 0), SendOptions{}));
+  ASSERT_TRUE(replies.wait_for(1));
+  EXPECT_LT(flood_served.load(), kFlood) << "the other caller was answered after the whole flood";
+  flood.join();
+  ::shutdown(fd, SHUT_RDWR);
+  drain.join();
+  ::close(fd);
 }
 
 }  // namespace

@@ -48,9 +48,10 @@ struct ServerLimits {
   // keepalive_timeout, the caller's connections end (UNAVAILABLE).
   absl::Duration keepalive_interval = absl::Seconds(2);
   absl::Duration keepalive_timeout = absl::Seconds(5);
-  // A request run inline by the reading thread for about this long (up to
-  // 5 ms more) hands reading to another thread, so that a request that
-  // blocks does not stop its connection (see RpcBackendOptions).
+  // A request run inline by the reading thread for about this long hands
+  // reading (of every connection, and of the request's own) to another
+  // thread, so that a request that blocks stops no connection (see
+  // RpcBackendOptions).
   absl::Duration inline_handoff = absl::Milliseconds(10);
   // Bytes the transport may buffer for all connections together: what
   // bounds the memory of a message that claims to be huge.
