@@ -28,8 +28,10 @@
 #include <ATen/ops/remainder.h>
 #include <ATen/ops/sin.h>
 
+#include "ddp/internal/op_queue.h"
 #include "ddp/internal/same_host_allreduce.h"
 #include "ddp/internal/shm_allreduce.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "rpc/rendezvous/store.h"
 #include "tests/multiprocess.h"
@@ -81,6 +83,57 @@ MULTIPROCESS_TEST(ProcessGroupTest, CollectivesGiveTheExpectedValues, 3) {
 // Small allreduces run on cached per-shape algorithms (synchronous mesh),
 // large ones and those past the cache's size on Gloo's collective API: both
 // must give exact sums, however often a shape repeats and in any mix.
+// allreduce_and_wait runs after what the group has queued (here a
+// broadcast nobody waited for), and gives what allreduce gives.
+MULTIPROCESS_TEST(ProcessGroupTest, AllreduceAndWaitRunsAfterWhatIsQueued, 2) {
+  auto pg = group();
+  const double r = mp::rank();
+  at::Tensor x = at::full({3}, r == 0 ? 1.0 : 5.0);
+  std::shared_ptr<ddp::Work> broadcast = pg->broadcast({x}, 0);
+  pg->allreduce_and_wait({x}, ddp::ReduceOp::kSum, absl::Seconds(60));
+  EXPECT_TRUE(broadcast->completed());
+  EXPECT_TRUE(at::allclose(x, at::full({3}, 2.0))) << x;  // 1 + 1: the broadcast came first
+  at::Tensor y = at::full({2}, r + 1);
+  pg->allreduce_and_wait({y}, ddp::ReduceOp::kAvg, absl::Seconds(60));
+  EXPECT_TRUE(at::allclose(y, at::full({2}, 1.5))) << y;
+}
+
+// An idle queue runs run_now's operation on the calling thread; a busy one
+// runs it on its own thread after what it holds, in order; errors name the
+// operation either way.
+TEST(OpQueueTest, RunNowRunsHereWhenIdleAndInOrderOtherwise) {
+  ddp::internal::OpQueue queue;
+  std::thread::id ran_on;
+  queue.run_now("op", [&] { ran_on = std::this_thread::get_id(); }, absl::Seconds(10));
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+
+  absl::Notification release;
+  std::vector<int> order;
+  std::shared_ptr<ddp::Work> first = queue.enqueue("first", [&] {
+    release.WaitForNotification();
+    order.push_back(1);
+  });
+  std::thread releaser([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    release.Notify();
+  });
+  queue.run_now("second", [&] {
+    order.push_back(2);
+    ran_on = std::this_thread::get_id();
+  }, absl::Seconds(10));
+  releaser.join();
+  EXPECT_TRUE(first->completed());
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+
+  try {
+    queue.run_now("third", [] { throw std::runtime_error("broken"); }, absl::Seconds(10));
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "third failed: broken");
+  }
+}
+
 MULTIPROCESS_TEST(ProcessGroupTest, RepeatedAndManyShapesGiveExactSums, 3) {
   auto pg = group();
   const double r = mp::rank();

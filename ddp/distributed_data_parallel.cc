@@ -208,7 +208,12 @@ class DistributedDataParallel::Reducer {
         if (grad != nullptr) *grad = fresh;
         parts.push_back(fresh);
       }
-      works.push_back(group_->allreduce(std::move(parts), ReduceOp::kAvg));
+      // One bucket: the group may run it on this thread, which waits anyway.
+      if (buckets_.size() == 1) {
+        group_->allreduce_and_wait(std::move(parts), ReduceOp::kAvg, options_.timeout);
+      } else {
+        works.push_back(group_->allreduce(std::move(parts), ReduceOp::kAvg));
+      }
     }
     for (auto& w : works) w->wait(options_.timeout);
   }

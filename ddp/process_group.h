@@ -49,6 +49,14 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> allgather(std::vector<at::Tensor> outputs, at::Tensor input) = 0;
   virtual std::shared_ptr<Work> barrier() = 0;
 
+  // allreduce(tensors, op)->wait(timeout). A group may run it on the calling
+  // thread when none of its operations is queued or running, with no hop to
+  // the thread that runs them: for callers that would wait at once.
+  virtual void allreduce_and_wait(std::vector<at::Tensor> tensors, ReduceOp op,
+                                  absl::Duration timeout) {
+    allreduce(std::move(tensors), op)->wait(timeout);
+  }
+
   // Whether allreduce() of several tensors totalling `bytes` (one dtype)
   // reads and writes the tensors themselves, with no buffer of their
   // concatenation in between: a caller holding separate tensors then gains

@@ -127,45 +127,17 @@ class ProcessGroupGloo : public ProcessGroup {
 
   std::shared_ptr<Work> allreduce(std::vector<at::Tensor> tensors, ReduceOp op) override {
     for (const auto& t : tensors) check_tensor(t);
-    return enqueue("allreduce", [this, tensors, op]() mutable {
-      if (tensors.empty()) return;
-      const internal::Reduction reduction = reduction_of(op);
-      if (use_shm(tensors)) {
-        std::vector<at::Tensor> dense;
-        for (auto& t : tensors) dense.push_back(t.contiguous());
-        // An average is divided inside the reduction, while the part is in cache.
-        const bool divided =
-            op == ReduceOp::kAvg && internal::ShmAllreduce::can_average(dense[0].scalar_type());
-        shm_->run(dense, reduction, divided);
-        for (size_t i = 0; i < tensors.size(); ++i) {
-          if (op == ReduceOp::kAvg && !divided) dense[i].div_(size_);
-          if (!dense[i].is_same(tensors[i])) tensors[i].copy_(dense[i]);
-        }
-        return;
-      }
-      std::vector<at::Tensor> flat;
-      for (auto& t : tensors) flat.push_back(t.reshape(-1));
-      at::Tensor buffer;
-      if (use_same_host(tensors)) {
-        buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
-        same_host_->run(buffer, reduction);
-      } else if (SyncAllreduce* sync = sync_allreduce(tensors, op)) {
-        buffer = sync->staging;
-        at::cat_out(buffer, flat);
-        sync->algorithm->run();
-      } else {
-        buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
-        async_allreduce(buffer, op);
-      }
-      if (op == ReduceOp::kAvg) buffer.div_(size_);
-      if (buffer.data_ptr() != tensors[0].data_ptr() || flat.size() > 1) {
-        int64_t offset = 0;
-        for (auto& t : tensors) {
-          t.copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
-          offset += t.numel();
-        }
-      }
-    });
+    return enqueue("allreduce", [this, tensors, op]() mutable { run_allreduce(tensors, op); });
+  }
+
+  void allreduce_and_wait(std::vector<at::Tensor> tensors, ReduceOp op,
+                          absl::Duration timeout) override {
+    for (const auto& t : tensors) check_tensor(t);
+    // By value: queued behind others, it may outlive a wait that timed out.
+    ops_.run_now(
+        what("allreduce"),
+        [this, tensors = std::move(tensors), op]() mutable { run_allreduce(tensors, op); },
+        timeout);
   }
 
   std::shared_ptr<Work> broadcast(std::vector<at::Tensor> tensors, int root) override {
@@ -220,9 +192,53 @@ class ProcessGroupGloo : public ProcessGroup {
   }
 
  private:
+  // An allreduce, on the thread that runs the group's operations.
+  void run_allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
+    if (tensors.empty()) return;
+    const internal::Reduction reduction = reduction_of(op);
+    if (use_shm(tensors)) {
+      std::vector<at::Tensor> dense;
+      for (auto& t : tensors) dense.push_back(t.contiguous());
+      // An average is divided inside the reduction, while the part is in cache.
+      const bool divided =
+          op == ReduceOp::kAvg && internal::ShmAllreduce::can_average(dense[0].scalar_type());
+      shm_->run(dense, reduction, divided);
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (op == ReduceOp::kAvg && !divided) dense[i].div_(size_);
+        if (!dense[i].is_same(tensors[i])) tensors[i].copy_(dense[i]);
+      }
+      return;
+    }
+    std::vector<at::Tensor> flat;
+    for (auto& t : tensors) flat.push_back(t.reshape(-1));
+    at::Tensor buffer;
+    if (use_same_host(tensors)) {
+      buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
+      same_host_->run(buffer, reduction);
+    } else if (SyncAllreduce* sync = sync_allreduce(tensors, op)) {
+      buffer = sync->staging;
+      at::cat_out(buffer, flat);
+      sync->algorithm->run();
+    } else {
+      buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
+      async_allreduce(buffer, op);
+    }
+    if (op == ReduceOp::kAvg) buffer.div_(size_);
+    if (buffer.data_ptr() != tensors[0].data_ptr() || flat.size() > 1) {
+      int64_t offset = 0;
+      for (auto& t : tensors) {
+        t.copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  }
+
+  // How errors name operation `name`.
+  std::string what(const char* name) const {
+    return absl::StrCat("ProcessGroupGloo ", name, " (rank ", rank_, " of ", size_, ")");
+  }
   std::shared_ptr<Work> enqueue(const char* name, std::function<void()> op) {
-    return ops_.enqueue(absl::StrCat("ProcessGroupGloo ", name, " (rank ", rank_, " of ", size_, ")"),
-                        std::move(op));
+    return ops_.enqueue(what(name), std::move(op));
   }
 
   std::shared_ptr<gloo::rendezvous::Context> connect(std::shared_ptr<rpc::Store> store,
@@ -380,6 +396,10 @@ class OwningGroup : public ProcessGroup {
     return group_->allgather(std::move(o), std::move(i));
   }
   std::shared_ptr<Work> barrier() override { return group_->barrier(); }
+  void allreduce_and_wait(std::vector<at::Tensor> t, ReduceOp op,
+                          absl::Duration timeout) override {
+    group_->allreduce_and_wait(std::move(t), op, timeout);
+  }
   bool reduces_lists_in_place(int64_t bytes) const override {
     return group_->reduces_lists_in_place(bytes);
   }

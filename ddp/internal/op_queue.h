@@ -1,5 +1,6 @@
 // Runs a process group's operations one at a time, in the order issued, on
-// a thread of its own, and gives each a Work that reports its outcome.
+// a thread of its own, and gives each a Work that reports its outcome; or
+// on the calling thread (run_now), when nothing else is queued or running.
 #pragma once
 
 #include <deque>
@@ -62,25 +63,60 @@ class OpQueue {
     return work;
   }
 
+  // enqueue(what, op)->wait(timeout), but run on this thread when the queue
+  // is idle (nothing queued or running): its thread is neither woken for it
+  // nor waited for, and operations enqueued meanwhile run after it. An
+  // operation run here is bounded by its own deadline, not by `timeout`.
+  void run_now(std::string what, std::function<void()> op, absl::Duration timeout) {
+    std::shared_ptr<QueuedWork> queued;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!queue_.empty() || running_) {
+        queued = std::make_shared<QueuedWork>(what);
+        queue_.emplace_back(std::move(op), queued);
+      } else {
+        running_ = true;
+      }
+    }
+    if (queued) return queued->wait(timeout);
+    std::string error;
+    try {
+      op();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      running_ = false;
+    }
+    if (!error.empty()) throw std::runtime_error(what + " failed: " + error);
+  }
+
  private:
   void loop() {
     while (true) {
       std::pair<std::function<void()>, std::shared_ptr<QueuedWork>> item;
       {
         absl::MutexLock lock(&mu_);
+        // An operation run_now runs goes first; then the queue, or the end.
         auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return stopping_ || !queue_.empty();
+          return !running_ && (stopping_ || !queue_.empty());
         };
         mu_.Await(absl::Condition(&ready));
         if (queue_.empty()) return;
         item = std::move(queue_.front());
         queue_.pop_front();
+        running_ = true;
       }
       std::string error;
       try {
         item.first();
       } catch (const std::exception& e) {
         error = e.what();
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        running_ = false;
       }
       item.second->finish(std::move(error));
     }
@@ -91,6 +127,7 @@ class OpQueue {
   std::deque<std::pair<std::function<void()>, std::shared_ptr<QueuedWork>>> queue_
       ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;  // an operation runs (here or in run_now)
   std::thread thread_;  // last: starts after the state above exists
 };
 
