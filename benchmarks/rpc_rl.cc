@@ -462,6 +462,7 @@ int coordinator(const Config& c) {
                            c.episodes, 1);
   for (int64_t ep = 0; ep < c.episodes; ++ep) {
     const auto start = Clock::now();
+    rpc::SyncCallScope waited_here;  // this thread reads the episode's replies
     std::vector<rpc::Future<std::tuple<at::Tensor, std::vector<double>, std::vector<double>, int64_t>>>
         futs;
     for (auto& ob : obs) {

@@ -1618,6 +1618,8 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
     holder_ = std::thread::id();
     ++gate_->version;
   }
+  // Ended, or being closed: a driver lets it go.
+  bool over() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) { return ended_ || closing_; }
   bool held_by_other(std::thread::id me) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
     return !ended_ && ((holder_ != std::thread::id() && holder_ != me) || !welcomed_);
   }
@@ -1879,14 +1881,33 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
   // reply read by another thread) goes unnoticed.
   constexpr absl::Duration kSlice = absl::Milliseconds(50);
   const std::thread::id me = std::this_thread::get_id();
+  // The roles this thread holds, kept until it returns: letting them go
+  // between its waits would wake the channels' background readers to take
+  // them, only for this thread to wait for them back.
+  std::vector<std::shared_ptr<SameHostChannel>> reading;
+  std::vector<bool> nested;
+  auto release = [&] {
+    absl::MutexLock lock(&gate_->mu);
+    for (size_t i = 0; i < reading.size(); ++i) {
+      if (!nested[i]) reading[i]->release_for_driver();
+    }
+  };
   while (!done()) {
     const absl::Time now = absl::Now();
-    if (now >= deadline) return;
-    std::vector<std::shared_ptr<SameHostChannel>> reading;
-    std::vector<bool> nested;
+    if (now >= deadline) break;
     bool others = false;
     {
       absl::MutexLock lock(&gate_->mu);
+      // Ended or closing channels are let go (close() waits for that).
+      for (size_t i = 0; i < reading.size();) {
+        if (!reading[i]->over()) {
+          ++i;
+          continue;
+        }
+        if (!nested[i]) reading[i]->release_for_driver();
+        reading.erase(reading.begin() + i);
+        nested.erase(nested.begin() + i);
+      }
       auto& list = gate_->channels;
       for (size_t i = 0; i < list.size();) {
         std::shared_ptr<SameHostChannel> ch = list[i].lock();
@@ -1896,6 +1917,7 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
           continue;
         }
         ++i;
+        if (std::find(reading.begin(), reading.end(), ch) != reading.end()) continue;
         bool is_nested;
         if (ch->claim_for_driver(me, &is_nested)) {
           reading.push_back(std::move(ch));
@@ -1915,7 +1937,7 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       }
     }
     if (reading.empty()) {
-      if (!others) return;  // no same-host channel to read
+      if (!others) break;  // no same-host channel to read
       continue;
     }
     // Messages read ahead first: polling the socket would not show them.
@@ -1926,11 +1948,8 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       ch->read_one_or_end();
     }
     if (!read_ahead) poll_and_read(reading, std::min(kSlice, deadline - now));
-    absl::MutexLock lock(&gate_->mu);
-    for (size_t i = 0; i < reading.size(); ++i) {
-      if (!nested[i]) reading[i]->release_for_driver();
-    }
   }
+  release();
 }
 
 

@@ -555,6 +555,8 @@ class Served {
     const std::string ep = server_->same_host_endpoint();
     return ep.substr(ep.rfind('|') + 1);
   }
+  std::string endpoint() const { return server_->same_host_endpoint(); }
+  std::string address() const { return "127.0.0.1:" + std::to_string(server_->port()); }
 
  private:
   const Handler handler_;
@@ -693,6 +695,56 @@ TEST(SameHostTransportTest, AFloodingCallerDoesNotStarveAnother) {
   ::shutdown(fd, SHUT_RDWR);
   drain.join();
   ::close(fd);
+}
+
+
+// A thread waiting for a reply (drive) keeps the reading roles it took
+// until its wait ends, but lets go of a channel that another thread
+// closes: the close does not wait for the awaited reply.
+TEST(SameHostTransportTest, ClosingAChannelThatAWaitingThreadReadsReturnsAtOnce) {
+  absl::Notification release;
+  Served slow(ServerLimits{}, [&](std::shared_ptr<Responder> r, Frame f) {
+    if (f.header.id() == 2) release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    Echo::reply(r, std::move(f));
+  });
+  Served quick(ServerLimits{}, [](std::shared_ptr<Responder> r, Frame f) {
+    Echo::reply(r, std::move(f));
+  });
+  auto client = make_same_host_transport(make_default_transport());
+  auto open = [&](const Served& server, Replies* replies) {
+    PeerOptions options;
+    options.self = 1;
+    options.same_host_endpoint = server.endpoint();
+    return client->connect(server.address(), options, replies->on_frame(), replies->on_close());
+  };
+  Replies slow_replies, quick_replies;
+  std::shared_ptr<Channel> to_slow = open(slow, &slow_replies);
+  std::shared_ptr<Channel> to_quick = open(quick, &quick_replies);
+  // Both welcomed, so that a waiting thread takes both roles.
+  ASSERT_TRUE(to_slow->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(to_quick->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(slow_replies.wait_for(1));
+  ASSERT_TRUE(quick_replies.wait_for(1));
+  ASSERT_TRUE(to_slow->send(request(at::arange(4, at::kFloat), 2), SendOptions{}));
+  std::thread waiter([&] {
+    client->drive(
+        [&] {
+          absl::MutexLock lock(&slow_replies.mu);
+          return slow_replies.frames.size() >= 2;
+        },
+        absl::Now() + absl::Seconds(30));
+  });
+  absl::SleepFor(absl::Milliseconds(200));  // the waiter holds both roles
+  const absl::Time start = absl::Now();
+  to_quick->close(/*graceful=*/false);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "close waited for the other reply";
+  release.Notify();
+  waiter.join();
+  {
+    absl::MutexLock lock(&slow_replies.mu);
+    EXPECT_EQ(slow_replies.frames.size(), 2u);
+  }
+  to_slow->close(/*graceful=*/false);
 }
 
 }  // namespace
