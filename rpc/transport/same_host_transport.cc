@@ -355,6 +355,7 @@ class Conn {
       if (got > 0) {
         ahead_pos_ = 0;
         ahead_end_ = static_cast<size_t>(got);
+        read_all_ = ahead_end_ < kReadAhead;
         stopped_since_ = absl::InfiniteFuture();
         break;
       }
@@ -393,6 +394,10 @@ class Conn {
   }
   // Whether bytes read ahead wait: the socket's readiness does not show them.
   bool has_buffered() const { return ahead_pos_ < ahead_end_; }
+  // Whether every byte read so far has been used and the last read took
+  // all the socket held: bytes that come later show as readiness, so a
+  // reader polling the socket need not try to read first.
+  bool drained() const { return !has_buffered() && read_all_; }
 
   // Reads exactly n bytes; Unavailable at end of stream (eof set when no
   // byte of them came).
@@ -417,6 +422,7 @@ class Conn {
         if (ahead) {
           ahead_pos_ = 0;
           ahead_end_ = static_cast<size_t>(got);
+          read_all_ = ahead_end_ < kReadAhead;
         } else {
           done += got;
         }
@@ -615,6 +621,7 @@ class Conn {
   std::unique_ptr<char[]> ahead_;  // bytes read ahead: [ahead_pos_, ahead_end_)
   size_t ahead_pos_ = 0;
   size_t ahead_end_ = 0;
+  bool read_all_ = false;  // the last read into ahead_ left the socket empty
 
   mutable absl::Mutex write_mu_;
   // State below is protected by write_mu_.
@@ -1040,7 +1047,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   // taken away, or had its share; false when `me` lost the role.
   bool serve(const std::shared_ptr<ServerConn>& c, int64_t me) {
     for (int served = 0;;) {
-      const Next next = step(c, me);
+      const Next next = step(c, me, /*after_message=*/served > 0);
       bool lost;
       {
         absl::MutexLock lock(&mu_);
@@ -1057,7 +1064,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   }
 
   // One message of `c`, or none: the connection's next state.
-  Next step(const std::shared_ptr<ServerConn>& c, int64_t me) {
+  // `after_message`: this thread served one of `c` just before.
+  Next step(const std::shared_ptr<ServerConn>& c, int64_t me, bool after_message) {
     Conn* conn = c->conn.get();
     bool want_out = false;
     absl::Status why = conn->flush_for_reader(&want_out);
@@ -1075,8 +1083,14 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     }
     bool would_block = false;
     bool eof = false;
-    why = conn->fill(&would_block, &eof);
-    if (!why.ok()) return finish(c, why, /*clean=*/eof);
+    // After a message that left nothing read and unused, bytes that came
+    // since show when the connection is armed again: no read to find none.
+    if (after_message && conn->drained()) {
+      would_block = true;
+    } else {
+      why = conn->fill(&would_block, &eof);
+      if (!why.ok()) return finish(c, why, /*clean=*/eof);
+    }
     if (would_block) {
       {
         absl::MutexLock lock(&c->mu);
@@ -1401,6 +1415,10 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
 
 class SameHostChannel;
 
+// This thread's eventfd for ReadGate::driver_fds (made at its first
+// drive_same_host).
+thread_local int t_driver_fd = -1;
+
 // Who reads the replies of a transport's channels. A channel's socket is
 // read by one thread at a time, the holder of its reading role: a caller
 // waiting for a reply (SameHostTransport::drive), so that the reply wakes
@@ -1423,9 +1441,12 @@ struct ReadGate {
   // Eventfds of the threads in drive_same_host: a reply handled anywhere
   // (either transport) wakes them to look at their done().
   std::vector<int> driver_fds ABSL_GUARDED_BY(mu);
+  // All but the calling thread's: a driver that handled the reply itself
+  // looks at its done() before it waits again.
   void wake_drivers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     const uint64_t one = 1;
     for (int fd : driver_fds) {
+      if (fd == t_driver_fd) continue;
       ssize_t ignored = ::write(fd, &one, sizeof(one));
       (void)ignored;
     }
@@ -1815,12 +1836,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
   std::thread::id background_id_ ABSL_GUARDED_BY(gate_->mu);
 };
 
-// Reads the same-host channels whose role is free (or held by this
-// thread further up) until done() or `deadline`; gRPC's queue is read by
-// its own drive, which a caller of a gRPC channel reaches through it.
-// This thread's eventfd for ReadGate::driver_fds, and how deep in
-// drive_same_host it is.
-thread_local int t_driver_fd = -1;
+// How deep in drive_same_host this thread is.
 thread_local int t_driving = 0;
 
 // Registers this thread's eventfd with the gate for the scope.
