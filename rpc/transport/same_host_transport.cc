@@ -1124,7 +1124,14 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
         why = absl::DataLossError(absl::StrCat("unexpected message kind ", int{p.kind}));
       }
     }
-    if (moved) return Next::kMoved;  // not ours any more, whatever it did
+    if (moved) {
+      // Not ours any more: its reader ends it once it finds it shut.
+      if (!why.ok()) {
+        reject(c.get(), why);
+        c->conn->shutdown();
+      }
+      return Next::kMoved;
+    }
     if (why.ok()) {
       clear_busy(me);
       return Next::kMore;
