@@ -132,6 +132,16 @@ TEST(OpQueueTest, RunNowRunsHereWhenIdleAndInOrderOtherwise) {
   } catch (const std::runtime_error& e) {
     EXPECT_EQ(std::string(e.what()), "third failed: broken");
   }
+  // Whatever is thrown, and with an empty message, fails the operation and
+  // leaves the queue usable.
+  EXPECT_THROW(queue.run_now("fourth", [] { throw 7; }, absl::Seconds(10)), std::runtime_error);
+  EXPECT_THROW(queue.run_now("fifth", [] { throw std::runtime_error(""); }, absl::Seconds(10)),
+               std::runtime_error);
+  EXPECT_THROW(queue.enqueue("sixth", [] { throw 7; })->wait(absl::Seconds(10)),
+               std::runtime_error);
+  bool ran = false;
+  queue.enqueue("seventh", [&] { ran = true; })->wait(absl::Seconds(10));
+  EXPECT_TRUE(ran);
 }
 
 MULTIPROCESS_TEST(ProcessGroupTest, RepeatedAndManyShapesGiveExactSums, 3) {

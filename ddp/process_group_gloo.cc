@@ -360,7 +360,7 @@ class ProcessGroupGloo : public ProcessGroup {
   std::unique_ptr<internal::ShmAllreduce> shm_;
   std::unique_ptr<internal::SameHostAllreduce> same_host_;
   int64_t sync_max_bytes_ = 0;  // set at construction, the same on every rank
-  // Used only on ops_' thread.
+  // Used only by the operation running (on ops_' thread, or in run_now).
   std::map<std::tuple<int, int64_t, int>, SyncAllreduce> sync_allreduces_;
   internal::OpQueue ops_;  // last: its thread stops before the contexts go
 };

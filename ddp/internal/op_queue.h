@@ -6,6 +6,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,13 +25,14 @@ class QueuedWork : public Work {
     if (!mu_.AwaitWithTimeout(absl::Condition(&done_), timeout)) {
       throw std::runtime_error(what_ + " did not complete within " + absl::FormatDuration(timeout));
     }
-    if (!error_.empty()) throw std::runtime_error(what_ + " failed: " + error_);
+    if (error_) throw std::runtime_error(what_ + " failed: " + *error_);
   }
   bool completed() const override {
     absl::MutexLock lock(&mu_);
     return done_;
   }
-  void finish(std::string error) {
+  // `error`: what the operation threw, if it failed.
+  void finish(std::optional<std::string> error) {
     absl::MutexLock lock(&mu_);
     error_ = std::move(error);
     done_ = true;
@@ -40,7 +42,7 @@ class QueuedWork : public Work {
   const std::string what_;
   mutable absl::Mutex mu_;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
-  std::string error_ ABSL_GUARDED_BY(mu_);
+  std::optional<std::string> error_ ABSL_GUARDED_BY(mu_);
 };
 
 class OpQueue {
@@ -79,20 +81,27 @@ class OpQueue {
       }
     }
     if (queued) return queued->wait(timeout);
-    std::string error;
-    try {
-      op();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    std::optional<std::string> error = run(op);
     {
       absl::MutexLock lock(&mu_);
       running_ = false;
     }
-    if (!error.empty()) throw std::runtime_error(what + " failed: " + error);
+    if (error) throw std::runtime_error(what + " failed: " + *error);
   }
 
  private:
+  // Runs `op`; what it throws, as text.
+  static std::optional<std::string> run(const std::function<void()>& op) {
+    try {
+      op();
+      return std::nullopt;
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    } catch (...) {
+      return std::string("an exception that is not a std::exception");
+    }
+  }
+
   void loop() {
     while (true) {
       std::pair<std::function<void()>, std::shared_ptr<QueuedWork>> item;
@@ -108,12 +117,7 @@ class OpQueue {
         queue_.pop_front();
         running_ = true;
       }
-      std::string error;
-      try {
-        item.first();
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
+      std::optional<std::string> error = run(item.first);
       {
         absl::MutexLock lock(&mu_);
         running_ = false;

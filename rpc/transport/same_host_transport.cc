@@ -137,12 +137,17 @@ class Conn {
  public:
   // `on_wake`, if given, runs at every wake() besides the eventfd: for a
   // connection whose reader waits elsewhere (the server's epoll set).
+  // Tensors are lent by address while the peer has not acknowledged more
+  // than `max_lent_bytes` (one tensor is lent whatever its size when none
+  // is); beyond, they go inline.
   Conn(int fd, pid_t peer_pid, int64_t max_message_bytes, absl::Duration keepalive_interval,
-       absl::Duration keepalive_timeout, std::function<void()> on_wake = nullptr)
+       absl::Duration keepalive_timeout, std::function<void()> on_wake = nullptr,
+       int64_t max_lent_bytes = INT64_MAX)
       : fd_(fd),
         wake_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
         peer_pid_(peer_pid),
         max_message_bytes_(max_message_bytes),
+        max_lent_bytes_(max_lent_bytes),
         keepalive_interval_(std::max(keepalive_interval, absl::Milliseconds(10))),
         keepalive_timeout_(keepalive_timeout),
         on_wake_(std::move(on_wake)) {}
@@ -176,7 +181,9 @@ class Conn {
       const at::Tensor& t = frame.tensors[i];
       if (!t.defined() || t.numel() == 0) continue;
       const uint64_t n = t.numel() * t.element_size();
-      if (may_send_remote_ && n >= kCrossMemoryMinBytes) {
+      const int64_t lent = unacked_bytes_ + static_cast<int64_t>(p.remote_bytes);
+      if (may_send_remote_ && n >= kCrossMemoryMinBytes &&
+          (lent == 0 || lent + static_cast<int64_t>(n) <= max_lent_bytes_)) {
         remote.push_back({static_cast<uint32_t>(i), 0, reinterpret_cast<uint64_t>(t.data_ptr())});
         held.push_back(t);
         p.remote_bytes += n;
@@ -221,11 +228,10 @@ class Conn {
     return !broken_;
   }
 
-  // Bytes sent but not yet taken by the peer: queued here, or lent to it
-  // (remote tensors not acknowledged).
-  int64_t backlog_bytes() const {
+  // Bytes queued here, not yet taken by the socket.
+  int64_t queued_bytes() const {
     absl::MutexLock lock(&write_mu_);
-    return queued_bytes_ + unacked_bytes_;
+    return queued_bytes_;
   }
 
   absl::Status on_ack(uint64_t seq) {
@@ -611,6 +617,7 @@ class Conn {
   const int wake_fd_;
   const pid_t peer_pid_;  // from the kernel (SO_PEERCRED), 0 if unknown
   const int64_t max_message_bytes_;
+  const int64_t max_lent_bytes_;
   const absl::Duration keepalive_interval_;
   const absl::Duration keepalive_timeout_;
   const std::function<void()> on_wake_;
@@ -676,6 +683,8 @@ struct ServerConn {
   // It wants the role holder's attention: replies went out while it was
   // paused, or its socket has room for what waits to be written.
   std::atomic<bool> poked{false};
+  // In the server's ready_ queue; protected by the server's mu_.
+  bool queued = false;
 
   absl::Mutex mu;
   // State below is protected by mu.
@@ -862,7 +871,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
           [server = weak_from_this(), conn = c.get()] {
             conn->poked.store(true);
             if (auto s = server.lock()) s->poke();
-          });
+          },
+          limits_.max_pending_reply_bytes);
       c->address = absl::StrCat("same-host process ", pid);
       conns_.emplace(c->key, c);
       if (!spawn_thread([self = this, c](int64_t) { self->admit(c); })) conns_.erase(c->key);
@@ -972,6 +982,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       ready_.pop_front();
       auto it = conns_.find(key);
       if (it == conns_.end()) continue;
+      it->second->queued = false;
       absl::MutexLock conn_lock(&it->second->mu);
       // Another thread reads it and gives it back when done.
       if (it->second->reader != kNobody) continue;
@@ -1006,16 +1017,17 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     for (int i = 0; i < n; ++i) {
       if (events[i].data.u64 == kPokeKey) {
         poked = true;
-      } else {
-        ready_.push_back(events[i].data.u64);
+        continue;
       }
+      auto it = conns_.find(events[i].data.u64);
+      if (it != conns_.end()) queue_locked(it->second.get());
     }
     if (!poked) return;
     uint64_t v;
     ssize_t ignored = ::read(poke_fd_, &v, sizeof(v));
     (void)ignored;
     for (auto& [key, c] : conns_) {
-      if (c->poked.exchange(false)) ready_.push_back(key);
+      if (c->poked.exchange(false)) queue_locked(c.get());
     }
   }
 
@@ -1035,7 +1047,9 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     for (auto& c : idle) {
       absl::Status alive = c->conn->check_peer_alive();
       if (!alive.ok()) {
+        set_busy(c, me);  // ending may wait for writes to go out
         finish(c, alive, /*clean=*/false);
+        clear_busy(me);
         continue;
       }
       absl::MutexLock lock(&c->mu);
@@ -1057,7 +1071,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       if (lost || ++served >= kFairShare) {
         // Behind the others that have come meanwhile.
         if (!lost) wait_for_events(/*block=*/false);
-        requeue(c, /*wake=*/lost);
+        requeue(c, me, /*wake=*/lost);
         return !lost;
       }
     }
@@ -1070,7 +1084,10 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     bool want_out = false;
     absl::Status why = conn->flush_for_reader(&want_out);
     if (!why.ok()) return finish(c, why, /*clean=*/false);
-    const bool full = conn->backlog_bytes() > limits_.max_pending_reply_bytes;
+    // Tensors lent and not yet acknowledged do not pause reading (the
+    // acknowledgements come on this socket); the Conn lends no more than
+    // max_pending_reply_bytes and sends the rest inline, which queues here.
+    const bool full = conn->queued_bytes() > limits_.max_pending_reply_bytes;
     {
       absl::MutexLock lock(&c->mu);
       c->paused = full || c->unanswered >= limits_.max_pending_requests;
@@ -1174,11 +1191,15 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       ok = absl::InternalError("serving a request failed");
     }
     if (run_here) {
+      // One look: either the watchdog took the role during the run (and
+      // counted it as handed off), or from here on it sees no run to take.
       absl::MutexLock lock(&mu_);
       if (holder_ != me) {
-        --handed_off_;  // the watchdog counted this run as handed off
+        --handed_off_;
         absl::MutexLock conn_lock(&c->mu);
         *moved = c->reader != me;
+      } else {
+        clear_busy_locked();
       }
     }
     return ok;
@@ -1196,16 +1217,25 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     }
   }
 
-  // Gives `c` back to the queue of the role (poking the holder when it is
-  // another thread, which may sleep).
-  void requeue(const std::shared_ptr<ServerConn>& c, bool wake) {
+  // Gives `c`, which `me` reads, back to the queue of the role (poking the
+  // holder when it is another thread, which may sleep).
+  void requeue(const std::shared_ptr<ServerConn>& c, int64_t me, bool wake) {
     {
       absl::MutexLock lock(&mu_);
       absl::MutexLock conn_lock(&c->mu);
+      if (c->reader != me) return;
       c->reader = kNobody;
-      ready_.push_back(c->key);
+      queue_locked(c.get());
     }
     if (wake) poke();
+  }
+
+  // Puts `c` in ready_ unless it is there already: one entry per
+  // connection, whatever events and pokes it gets.
+  void queue_locked(ServerConn* c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (c->queued) return;
+    c->queued = true;
+    ready_.push_back(c->key);
   }
 
   // The role holder `me` is on a message of `c` from now (reading it; then
@@ -1222,7 +1252,9 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   }
   void clear_busy(int64_t me) {
     absl::MutexLock lock(&mu_);
-    if (holder_ != me) return;
+    if (holder_ == me) clear_busy_locked();
+  }
+  void clear_busy_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     busy_since_ = absl::InfiniteFuture();
     busy_conn_.reset();
     busy_running_ = false;
@@ -1285,11 +1317,14 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       ++handed_off_;
       absl::MutexLock conn_lock(&busy_conn_->mu);
       busy_conn_->reader = kNobody;
+      // First in the queue (moved there if it was queued already).
+      if (busy_conn_->queued) {
+        ready_.erase(std::find(ready_.begin(), ready_.end(), busy_conn_->key));
+      }
+      busy_conn_->queued = true;
       ready_.push_front(busy_conn_->key);
     }
-    busy_since_ = absl::InfiniteFuture();
-    busy_conn_.reset();
-    busy_running_ = false;
+    clear_busy_locked();
     holder_ = kNobody;
     role_free_ = true;
     if (idle_ == 0) spawn_thread([self = this](int64_t me) { self->reading_thread(me); });
@@ -1402,8 +1437,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   int64_t next_thread_ ABSL_GUARDED_BY(mu_) = 1;
   bool role_free_ ABSL_GUARDED_BY(mu_) = true;
   int64_t holder_ ABSL_GUARDED_BY(mu_) = kNobody;
-  // Connections for the holder to serve before it waits (each nobody's
-  // when queued; one may be queued twice).
+  // Connections for the holder to serve before it waits, each at most once
+  // (its `queued`).
   std::deque<uint64_t> ready_ ABSL_GUARDED_BY(mu_);
   absl::Time next_sweep_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // The message the holder is on, since when, and whether it runs it.

@@ -7,6 +7,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/full.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -745,6 +746,79 @@ TEST(SameHostTransportTest, ClosingAChannelThatAWaitingThreadReadsReturnsAtOnce)
     EXPECT_EQ(slow_replies.frames.size(), 2u);
   }
   to_slow->close(/*graceful=*/false);
+}
+
+
+// A reply larger than max_pending_reply_bytes is lent by address as any
+// other; the caller's acknowledgement of it is read, so the connection goes
+// on: the next calls on it are answered (a server that stopped reading
+// until lent bytes were acknowledged never read that acknowledgement).
+// Several large replies at once are lent while within the limit and sent
+// inline beyond it.
+TEST(SameHostTransportTest, RepliesLargerThanTheReplyLimitLeaveTheConnectionGoing) {
+  ServerLimits limits;
+  limits.max_pending_reply_bytes = 1 << 20;
+  Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
+  Replies replies;
+  Channel* ch = server.connect(1, &replies);
+  const at::Tensor big = at::arange(1 << 20, at::kFloat);  // 4 MiB
+  ASSERT_TRUE(ch->send(request(big, 1), SendOptions{}));
+  ASSERT_TRUE(replies.wait_for(1));
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 2), SendOptions{}));
+  ASSERT_TRUE(replies.wait_for(2)) << "the call after a large reply was not answered";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  for (uint64_t id = 3; id <= 6; ++id) {
+    ASSERT_TRUE(ch->send(request(big, id), SendOptions{true, id < 6}));
+  }
+  ASSERT_TRUE(replies.wait_for(6));
+  absl::MutexLock lock(&replies.mu);
+  for (size_t i = 2; i < 6; ++i) {
+    c10::IValue v = internal::decode_value(replies.frames[i].header.payload(), replies.frames[i]);
+    EXPECT_TRUE(at::equal(v.toTensor(), big)) << "reply " << i + 1;
+  }
+}
+
+// Requests that run about as long as inline_handoff, so that the watchdog
+// often takes the role just as one ends: every request of every caller is
+// answered once, with its own bytes, and the connections go on.
+TEST(SameHostTransportTest, RequestsAsLongAsTheHandoffAreEachAnsweredOnce) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Milliseconds(5);
+  std::atomic<int> runs{0};
+  Served server(limits, [&](std::shared_ptr<Responder> r, Frame f) {
+    ++runs;
+    absl::SleepFor(absl::Microseconds(4500 + 100 * (f.header.id() % 10)));
+    Echo::reply(r, std::move(f));
+  });
+  constexpr int kCallers = 3;
+  constexpr int kEach = 60;
+  Replies replies[kCallers];
+  std::vector<std::thread> callers;
+  std::atomic<bool> sent_all{true};
+  for (int w = 0; w < kCallers; ++w) {
+    Channel* ch = server.connect(w + 1, &replies[w]);
+    callers.emplace_back([&, ch, w] {
+      for (int i = 1; i <= kEach; ++i) {
+        if (!ch->send(request(at::full({4}, w * 1000 + i), i), SendOptions{})) sent_all = false;
+        if (!replies[w].wait_for(i)) return;
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_TRUE(sent_all.load());
+  EXPECT_EQ(runs.load(), kCallers * kEach);
+  for (int w = 0; w < kCallers; ++w) {
+    absl::MutexLock lock(&replies[w].mu);
+    ASSERT_EQ(replies[w].frames.size(), static_cast<size_t>(kEach)) << "caller " << w + 1;
+    EXPECT_FALSE(replies[w].ended) << replies[w].closed.message;
+    for (int i = 0; i < kEach; ++i) {
+      const Frame& f = replies[w].frames[i];
+      EXPECT_EQ(f.header.id(), static_cast<uint64_t>(i + 1));
+      c10::IValue v = internal::decode_value(f.header.payload(), f);
+      EXPECT_TRUE(at::equal(v.toTensor(), at::full({4}, w * 1000 + i + 1)));
+    }
+  }
 }
 
 }  // namespace

@@ -40,7 +40,9 @@ struct ServerLimits {
   // Per connection: requests read and not yet answered; reading pauses there.
   int max_pending_requests = 1024;
   // Per connection: bytes of replies waiting for the caller to read them;
-  // reading pauses above it.
+  // reading pauses above it. (The same-host transport lends reply tensors
+  // by address up to this many bytes unacknowledged, one at least, and
+  // sends the rest inline.)
   int64_t max_pending_reply_bytes = int64_t{64} << 20;
   // Open connections naming the same worker (a caller reopens a broken one).
   int max_streams_per_worker = 4;
