@@ -27,7 +27,7 @@
 // value is run in turn and becomes the table's x axis. --output_file_path
 // writes the JSON that `bazel run //benchmarks:plot -- FILE` charts.
 #include <ATen/Parallel.h>
-#include <ATen/ops/from_blob.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
@@ -226,8 +226,17 @@ class RlAgent {
                           absl::StrCat("select_action_batch: no observer ", observer_id));
     }
     // Outside the lock, as the seed: only this observer writes its row, and
-    // the batch's last request reads them all after taking the lock.
-    states_[row].copy_(state);
+    // the batch's last request reads them all after taking the lock. A float
+    // state of the row's shape is copied as bytes (no view and no operator
+    // per request); anything else goes through copy_, which converts or
+    // fails with the reason.
+    if (state.scalar_type() == at::kFloat && state.is_contiguous() &&
+        state.sizes() == states_.sizes().slice(1)) {
+      std::memcpy(states_.data_ptr<float>() + row * state.numel(), state.data_ptr<float>(),
+                  state.numel() * sizeof(float));
+    } else {
+      states_[row].copy_(state);
+    }
     {
       absl::MutexLock lock(&mu_);
       mine = future_actions_.then(
@@ -243,10 +252,13 @@ class RlAgent {
     if (policy != nullptr) {
       // No other request of this step can arrive before `full` completes.
       at::Tensor probs = policy->forward(states_);
-      // Plain integers: every observer's answer is an index, not a tensor op.
-      std::vector<int64_t> actions(probs.size(0));
-      for (int64_t r = 0; r < probs.size(0); ++r) actions[r] = sample_row(probs, r);
-      at::Tensor index = at::from_blob(actions.data(), {probs.size(0), 1}, at::kLong).clone();
+      // Plain integers: every observer's answer is an index, not a tensor op;
+      // the index tensor is written in place.
+      const int64_t rows = probs.size(0);
+      std::vector<int64_t> actions(rows);
+      at::Tensor index = at::empty({rows, 1}, at::kLong);
+      int64_t* const ix = index.data_ptr<int64_t>();
+      for (int64_t r = 0; r < rows; ++r) ix[r] = actions[r] = sample_row(probs, r);
       at::Tensor log_probs = probs.gather(1, index).log().t();
       full.set_result(std::move(actions));
       // The other requests' replies go out now, inside the timed region (as
@@ -322,7 +334,8 @@ class RlObserver {
       state = at::rand(state_size_);
       // A random 0/1 reward, drawn like the reference's random.randint(0, 1).
       thread_local std::mt19937_64 rng(std::random_device{}());
-      rewards[step].fill_(std::uniform_int_distribution<int64_t>(0, 1)(rng));
+      rewards.data_ptr<float>()[step] =
+          static_cast<float>(std::uniform_int_distribution<int64_t>(0, 1)(rng));
     }
     return {rewards, latency, throughput, valid};
   }
