@@ -30,6 +30,7 @@
 #include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
 #include "rpc/security.h"
+#include "rpc/transport/internal/cross_memory.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 #include "rpc/transport/internal/spin_poll.h"
 #include "rpc/transport/spin_budget.h"
@@ -84,31 +85,10 @@ char process_state(pid_t pid) {
   return stat[close + 2];
 }
 
-// Copies `n` bytes at `remote` in process `pid` to `dst`.
-absl::Status read_remote(pid_t pid, void* dst, uint64_t remote, uint64_t n) {
-  auto* out = static_cast<char*>(dst);
-  while (n > 0) {
-    iovec local{out, n};
-    iovec from{reinterpret_cast<void*>(remote), n};
-    ssize_t got = process_vm_readv(pid, &local, 1, &from, 1, 0);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      if (errno == ESRCH) return absl::UnavailableError("the peer process is gone");
-      return absl::DataLossError(absl::StrCat("cannot read the peer's tensor memory: ",
-                                              std::strerror(errno)));
-    }
-    if (got == 0) return absl::DataLossError("the peer's tensor memory ended early");
-    out += got;
-    remote += got;
-    n -= got;
-  }
-  return absl::OkStatus();
-}
-
 bool can_read_remote(pid_t pid, uint64_t probe) {
   if (pid <= 0 || probe == 0) return false;
   char got[sizeof(kProbe)];
-  return read_remote(pid, got, probe, sizeof(got)).ok() &&
+  return cross_memory::read_remote(pid, got, probe, sizeof(got)).ok() &&
          std::memcmp(got, kProbe, sizeof(got)) == 0;
 }
 
@@ -505,7 +485,7 @@ class Conn {
             if (remote_read > p.remote_bytes) {
               return absl::DataLossError("remote tensors exceed their claimed bytes");
             }
-            return read_remote(peer_pid_, dst, remote[next_remote++].address, n);
+            return cross_memory::read_remote(peer_pid_, dst, remote[next_remote++].address, n);
           }
           inline_read += n;
           if (inline_read > p.inline_bytes) {
