@@ -208,6 +208,12 @@ class Conn {
     return !broken_;
   }
 
+  // Whether writing found the peer's end closed.
+  bool peer_closed() const {
+    absl::MutexLock lock(&write_mu_);
+    return peer_closed_;
+  }
+
   // Bytes queued here, not yet taken by the socket.
   int64_t queued_bytes() const {
     absl::MutexLock lock(&write_mu_);
@@ -547,7 +553,13 @@ class Conn {
           return;
         }
         broken_ = true;
-        broken_why_ = absl::StrCat("writing the connection failed: ", std::strerror(errno));
+        // A peer that closed its end (it exited, or closed the channel
+        // while a reply was on its way) is an ordinary end, as a read
+        // that finds it closed.
+        peer_closed_ = errno == EPIPE || errno == ECONNRESET;
+        broken_why_ = peer_closed_ ? std::string("the peer closed the connection")
+                                   : absl::StrCat("writing the connection failed: ",
+                                                  std::strerror(errno));
         out_.clear();
         queued_bytes_ = 0;
         wake();
@@ -623,6 +635,7 @@ class Conn {
   bool shut_ ABSL_GUARDED_BY(write_mu_) = false;
   bool broken_ ABSL_GUARDED_BY(write_mu_) = false;
   std::string broken_why_ ABSL_GUARDED_BY(write_mu_);
+  bool peer_closed_ ABSL_GUARDED_BY(write_mu_) = false;  // broken by the peer's close
 };
 
 absl::Status read_preamble(Conn* conn, Preamble* p, bool* eof,
@@ -1242,7 +1255,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
 
   // Ends `c` (saying why to a caller that broke a rule) and forgets it.
   Next finish(const std::shared_ptr<ServerConn>& c, const absl::Status& why, bool clean) {
-    if (!clean && !why.ok() && !absl::IsCancelled(why)) {
+    if (!clean && !why.ok() && !absl::IsCancelled(why) && !c->conn->peer_closed()) {
       reject(c.get(), why);
       c->conn->send_control(kGoodbye, 0, 0, std::string(why.message()).substr(0, kMaxHandshakeBody));
     }

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "absl/synchronization/notification.h"
+#include "glog/logging.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 
 namespace ddprpc::rpc::transport {
@@ -819,6 +820,83 @@ TEST(SameHostTransportTest, RequestsAsLongAsTheHandoffAreEachAnsweredOnce) {
       EXPECT_TRUE(at::equal(v.toTensor(), at::full({4}, w * 1000 + i + 1)));
     }
   }
+}
+
+}  // namespace
+}  // namespace ddprpc::rpc::transport
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+// The warnings logged while it lives that contain `needle`.
+class WarningsAbout : public google::LogSink {
+ public:
+  explicit WarningsAbout(std::string needle) : needle_(std::move(needle)) {
+    google::AddLogSink(this);
+  }
+  ~WarningsAbout() override { google::RemoveLogSink(this); }
+  void send(google::LogSeverity severity, const char*, const char*, int, const struct ::tm*,
+            const char* message, size_t message_len) override {
+    const std::string m(message, message_len);
+    if (severity >= google::GLOG_WARNING && m.find(needle_) != std::string::npos) {
+      absl::MutexLock lock(&mu_);
+      seen_.push_back(m);
+    }
+  }
+  std::vector<std::string> seen() {
+    absl::MutexLock lock(&mu_);
+    return seen_;
+  }
+
+ private:
+  const std::string needle_;
+  absl::Mutex mu_;
+  std::vector<std::string> seen_ ABSL_GUARDED_BY(mu_);
+};
+
+// A caller that closes its end while its request runs (it exited, or
+// closed its channel) ends like one that closes between requests: the reply
+// that finds it gone ends the connection without a warning, and the server
+// goes on.
+TEST(SameHostTransportTest, ACallerThatClosesBeforeItsReplyEndsWithoutAWarning) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Minutes(10);  // the request runs on the reading thread
+  absl::Notification started, release;
+  Served server(limits, [&](std::shared_ptr<Responder> r, Frame f) {
+    if (!started.HasBeenNotified()) {
+      started.Notify();
+      release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    }
+    Echo::reply(r, std::move(f));
+  });
+  WarningsAbout warnings("ending the connection");
+  int fd = raw_connect(server.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 1);
+  Preamble p;
+  ASSERT_TRUE(recv_all(fd, &p, sizeof(p)));
+  ASSERT_EQ(p.kind, same_host::kWelcome);
+  std::string body(p.body, '\0');
+  ASSERT_TRUE(recv_all(fd, body.data(), body.size()));
+  const at::Tensor t = at::arange(4, at::kFloat);
+  const Frame f = request(t, 1);
+  const std::string head = internal::serialize_head(f);
+  Preamble fp;
+  fp.kind = same_host::kFrame;
+  fp.body = head.size();
+  fp.inline_bytes = 4 * sizeof(float);
+  send_all(fd, &fp, sizeof(fp));
+  send_all(fd, head.data(), head.size());
+  send_all(fd, t.data_ptr(), fp.inline_bytes);
+  ASSERT_TRUE(started.WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ::close(fd);
+  release.Notify();  // its reply now finds the caller gone
+  // The same reading thread then serves another caller.
+  Replies replies;
+  Channel* ch = server.connect(2, &replies);
+  ASSERT_TRUE(ch->send(request(at::arange(3, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(replies.wait_for(1));
+  EXPECT_TRUE(warnings.seen().empty()) << warnings.seen()[0];
 }
 
 }  // namespace
