@@ -249,6 +249,20 @@ void hello(int fd, int worker) {
   send_all(fd, &h, sizeof(h));
 }
 
+// A request as the protocol writes it: preamble, head, then (when
+// `with_tensor`) the tensor's bytes inline.
+std::string raw_request(const at::Tensor& t, uint64_t id, bool with_tensor = true) {
+  const std::string head = internal::serialize_head(request(t, id));
+  Preamble p;
+  p.kind = same_host::kFrame;
+  p.body = head.size();
+  p.inline_bytes = t.numel() * t.element_size();
+  std::string out(reinterpret_cast<const char*>(&p), sizeof(p));
+  out += head;
+  if (with_tensor) out.append(static_cast<const char*>(t.data_ptr()), p.inline_bytes);
+  return out;
+}
+
 // Every hostile connection ends; the server still echoes for a good one.
 TEST(SameHostTransportTest, HostileConnectionsEndAndTheServerGoesOn) {
   ServerLimits limits;
@@ -367,15 +381,7 @@ TEST(SameHostTransportTest, RequestsWrittenTogetherAreEachAnswered) {
   std::vector<at::Tensor> sent;
   for (size_t i = 0; i < floats.size(); ++i) {
     sent.push_back(at::arange(static_cast<int64_t>(i), static_cast<int64_t>(i) + floats[i], at::kFloat));
-    const Frame f = request(sent.back(), i + 1);
-    const std::string head = internal::serialize_head(f);
-    Preamble p;
-    p.kind = same_host::kFrame;
-    p.body = head.size();
-    p.inline_bytes = floats[i] * sizeof(float);
-    append(&p, sizeof(p));
-    burst += head;
-    append(sent.back().data_ptr(), p.inline_bytes);
+    burst += raw_request(sent.back(), i + 1);
   }
   ASSERT_EQ(send(fd, burst.data(), burst.size(), MSG_NOSIGNAL), static_cast<ssize_t>(burst.size()));
   Preamble p;
@@ -633,14 +639,8 @@ TEST(SameHostTransportTest, AFrameLeftHalfwayDoesNotStopTheOthers) {
   int fd = raw_connect(server.socket_name());
   ASSERT_GE(fd, 0);
   hello(fd, 3);
-  const Frame f = request(at::arange(64, at::kFloat), 1);
-  const std::string head = internal::serialize_head(f);
-  Preamble p;
-  p.kind = same_host::kFrame;
-  p.body = head.size();
-  p.inline_bytes = 64 * sizeof(float);
-  send_all(fd, &p, sizeof(p));
-  send_all(fd, head.data(), head.size());  // and none of its tensor bytes
+  const std::string half = raw_request(at::arange(64, at::kFloat), 1, /*with_tensor=*/false);
+  send_all(fd, half.data(), half.size());  // and none of its tensor bytes
   absl::SleepFor(absl::Milliseconds(50));
   Replies replies;
   Channel* ch = server.connect(1, &replies);
@@ -665,16 +665,7 @@ TEST(SameHostTransportTest, AFloodingCallerDoesNotStarveAnother) {
   int fd = raw_connect(server.socket_name());
   ASSERT_GE(fd, 0);
   hello(fd, 3);
-  const Frame f = request(at::arange(4, at::kFloat), 1);
-  const std::string head = internal::serialize_head(f);
-  std::string msg(sizeof(Preamble), '\0');
-  Preamble p;
-  p.kind = same_host::kFrame;
-  p.body = head.size();
-  p.inline_bytes = 4 * sizeof(float);
-  std::memcpy(msg.data(), &p, sizeof(p));
-  msg += head;
-  msg.append(static_cast<const char*>(f.tensors[0].data_ptr()), p.inline_bytes);
+  const std::string msg = raw_request(at::arange(4, at::kFloat), 1);
   constexpr int kFlood = 20000;
   std::string burst;
   for (int i = 0; i < 100; ++i) burst += msg;
@@ -878,16 +869,8 @@ TEST(SameHostTransportTest, ACallerThatClosesBeforeItsReplyEndsWithoutAWarning) 
   ASSERT_EQ(p.kind, same_host::kWelcome);
   std::string body(p.body, '\0');
   ASSERT_TRUE(recv_all(fd, body.data(), body.size()));
-  const at::Tensor t = at::arange(4, at::kFloat);
-  const Frame f = request(t, 1);
-  const std::string head = internal::serialize_head(f);
-  Preamble fp;
-  fp.kind = same_host::kFrame;
-  fp.body = head.size();
-  fp.inline_bytes = 4 * sizeof(float);
-  send_all(fd, &fp, sizeof(fp));
-  send_all(fd, head.data(), head.size());
-  send_all(fd, t.data_ptr(), fp.inline_bytes);
+  const std::string req = raw_request(at::arange(4, at::kFloat), 1);
+  send_all(fd, req.data(), req.size());
   ASSERT_TRUE(started.WaitForNotificationWithTimeout(absl::Seconds(20)));
   ::close(fd);
   release.Notify();  // its reply now finds the caller gone
