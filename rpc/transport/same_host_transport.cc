@@ -1312,7 +1312,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       busy_conn_->reader = kNobody;
       // First in the queue (moved there if it was queued already).
       if (busy_conn_->queued) {
-        ready_.erase(std::find(ready_.begin(), ready_.end(), busy_conn_->key));
+        auto at = std::find(ready_.begin(), ready_.end(), busy_conn_->key);
+        if (at != ready_.end()) ready_.erase(at);
       }
       busy_conn_->queued = true;
       ready_.push_front(busy_conn_->key);

@@ -17,7 +17,6 @@ namespace ddprpc::rpc::transport::cross_memory {
 namespace {
 
 std::atomic<int64_t> g_split_copies{0};
-std::atomic<int64_t> g_helper_chunks{0};
 
 absl::Status copy_whole(pid_t pid, char* out, uint64_t remote, uint64_t n) {
   while (n > 0) {
@@ -115,7 +114,7 @@ class CopyHelper {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(this, &CopyHelper::work_left));
       }
-      if (copy_chunk(/*helper=*/true)) g_helper_chunks.fetch_add(1, std::memory_order_relaxed);
+      copy_chunk(/*helper=*/true);
     }
   }
 
@@ -142,7 +141,5 @@ absl::Status read_remote(pid_t pid, void* dst, uint64_t remote, uint64_t n) {
 }
 
 int64_t split_copies() { return g_split_copies.load(std::memory_order_relaxed); }
-
-int64_t helper_chunks() { return g_helper_chunks.load(std::memory_order_relaxed); }
 
 }  // namespace ddprpc::rpc::transport::cross_memory

@@ -25,10 +25,8 @@ inline constexpr uint64_t kSplitCopyBytes = uint64_t{1} << 20;
 
 absl::Status read_remote(pid_t pid, void* dst, uint64_t remote, uint64_t n);
 
-// Reads shared with the helper thread, and the chunks it copied, since the
-// process started (tests and diagnostics).
+// Reads shared with the helper thread since the process started (tests).
 int64_t split_copies();
-int64_t helper_chunks();
 
 }  // namespace ddprpc::rpc::transport::cross_memory
 
