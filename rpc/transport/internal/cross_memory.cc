@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -53,7 +54,7 @@ class CopyHelper {
   // false, having copied nothing, when the helper is claimed by another
   // read or belongs to the process this one was forked from.
   bool try_share(pid_t pid, char* out, uint64_t remote, uint64_t n, absl::Status* status) {
-    if (getpid() != owner_) return false;
+    if (!started_ || getpid() != owner_) return false;
     {
       absl::MutexLock lock(&mu_);
       if (claimed_) return false;
@@ -80,7 +81,17 @@ class CopyHelper {
     uint64_t remote = 0, n = 0;
   };
 
-  CopyHelper() : owner_(getpid()) { std::thread([this] { loop(); }).detach(); }
+  // A thread that cannot be started leaves every read to its caller.
+  CopyHelper() : owner_(getpid()), started_(start()) {}
+
+  bool start() {
+    try {
+      std::thread([this] { loop(); }).detach();
+      return true;
+    } catch (const std::system_error&) {
+      return false;
+    }
+  }
 
   bool work_left() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return claimed_ && next_ < job_.n && status_.ok();
@@ -126,6 +137,8 @@ class CopyHelper {
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 0;  // offset of the next chunk to take
   bool helper_copying_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);  // the first chunk's failure
+  // Last: its thread starts once everything above is constructed.
+  const bool started_;
 };
 
 }  // namespace
