@@ -16,7 +16,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // y += x, n floats.
-__attribute__((target_clones("arch=haswell", "default"))) void add_row(
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void add_row(
     const float* __restrict x, float* __restrict y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }

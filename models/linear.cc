@@ -62,7 +62,7 @@ constexpr int64_t kMaxDirectBatch = 32;
 // Four rows of W at a time are scaled into each row of dx, which stays in
 // L1 for small b: W is read once, no copy of it is made. Cloned for AVX2 +
 // FMA, chosen at load time where the CPU has them.
-__attribute__((target_clones("arch=haswell", "default"))) void dy_times_w(
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void dy_times_w(
     const float* __restrict dy, const float* __restrict w, float* __restrict dx, int64_t b,
     int64_t out, int64_t in) {
   std::fill(dx, dx + b * in, 0.0f);

@@ -32,12 +32,12 @@ __attribute__((always_inline)) inline void add_loop(void* out_, const void* a_, 
 
 }  // namespace
 
-__attribute__((target_clones("arch=haswell", "default"))) void sum_float(void* out, const void* a,
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void sum_float(void* out, const void* a,
                                                                          const void* b, size_t n) {
   add_loop<float, FloatVec>(out, a, b, n);
 }
 
-__attribute__((target_clones("arch=haswell", "default"))) void sum_double(void* out, const void* a,
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void sum_double(void* out, const void* a,
                                                                           const void* b, size_t n) {
   add_loop<double, DoubleVec>(out, a, b, n);
 }
