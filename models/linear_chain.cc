@@ -183,7 +183,12 @@ class LinearChainSoftmax : public torch::autograd::Function<LinearChainSoftmax> 
     const int64_t actions = inputs[2 * n - 1].size(0);
     at::Tensor probs = at::empty({rows, actions}, x.options());
     softmax_rows(h, probs.data_ptr<float>(), rows, actions);
-    std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
+    // Backward needs x, the weights, acts and probs; of a bias only its
+    // size, which is its weight's first.
+    std::vector<at::Tensor> saved;
+    saved.reserve(n + 3);
+    saved.push_back(inputs[0]);
+    for (size_t l = 0; l < n; ++l) saved.push_back(inputs[1 + 2 * l]);
     saved.push_back(acts);
     saved.push_back(probs);
     ctx->save_for_backward(saved);
@@ -192,7 +197,7 @@ class LinearChainSoftmax : public torch::autograd::Function<LinearChainSoftmax> 
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const size_t n = (saved.size() - 3) / 2;
+    const size_t n = saved.size() - 3;
     const at::Tensor probs = saved.back();
     const at::Tensor acts = saved[saved.size() - 2];
     const at::Tensor g = grads[0].contiguous();
@@ -205,12 +210,12 @@ class LinearChainSoftmax : public torch::autograd::Function<LinearChainSoftmax> 
     const float* next = acts.data_ptr<float>();
     for (size_t l = 0; l < n; ++l) {
       outputs[l] = next;
-      next += rows * saved[1 + 2 * l].size(0);
+      next += rows * saved[1 + l].size(0);
     }
     const at::Tensor x = saved[0].contiguous();
     variable_list out(2 * n + 1);
     for (size_t l = n; l-- > 0;) {
-      const at::Tensor w = saved[1 + 2 * l].contiguous();
+      const at::Tensor w = saved[1 + l].contiguous();
       const float* const h = l == 0 ? x.data_ptr<float>() : outputs[l - 1];
       const int64_t in = w.size(1), outs = w.size(0);
       at::Tensor dw, db, dh;
