@@ -27,7 +27,6 @@
 // value is run in turn and becomes the table's x axis. --output_file_path
 // writes the JSON that `bazel run //benchmarks:plot -- FILE` charts.
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/rand.h>
 #include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
@@ -59,6 +58,7 @@
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
 #include "models/categorical.h"
+#include "models/chosen_log_probs.h"
 #include "models/linear.h"
 #include "models/linear_chain.h"
 #include "models/policy_compile.h"
@@ -204,7 +204,7 @@ class RlAgent {
     const auto start = Clock::now();
     at::Tensor probs = policy()->forward(state.to(at::kFloat).unsqueeze(0));
     const int64_t a = sample_row(probs, 0);
-    at::Tensor log_prob = probs.select(0, 0).select(0, a).log();
+    at::Tensor log_prob = models::chosen_log_probs(probs, {a});
     absl::MutexLock lock(&mu_);
     saved_log_probs_.push_back(log_prob);
     const double latency = seconds_since(start);
@@ -252,14 +252,12 @@ class RlAgent {
     if (policy != nullptr) {
       // No other request of this step can arrive before `full` completes.
       at::Tensor probs = policy->forward(states_);
-      // Plain integers: every observer's answer is an index, not a tensor op;
-      // the index tensor is written in place.
+      // Plain integers: every observer's answer is an index, not a tensor
+      // op; their log-probabilities (Categorical's log_prob) are one node.
       const int64_t rows = probs.size(0);
       std::vector<int64_t> actions(rows);
-      at::Tensor index = at::empty({rows, 1}, at::kLong);
-      int64_t* const ix = index.data_ptr<int64_t>();
-      for (int64_t r = 0; r < rows; ++r) ix[r] = actions[r] = sample_row(probs, r);
-      at::Tensor log_probs = probs.gather(1, index).log().t();
+      for (int64_t r = 0; r < rows; ++r) actions[r] = sample_row(probs, r);
+      at::Tensor log_probs = models::chosen_log_probs(probs, actions);
       full.set_result(std::move(actions));
       // The other requests' replies go out now, inside the timed region (as
       // PyTorch's set_result sends them); this request's own goes out when
