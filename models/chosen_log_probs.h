@@ -1,7 +1,7 @@
 // log(probs[r][actions[r]]) for every row r of a [rows, n] probability
 // matrix, as ONE autograd node: what Categorical(probs).log_prob(actions)
-// gives for a batch, without gather, log and a transpose (three ops, two
-// autograd nodes and a view) per batch. Backward gives probs the gradient
+// gives for a batch, without gather, log and a transpose (three ops, each
+// recorded by autograd) per batch. Backward gives probs the gradient
 // gather + log would: g[r] / probs[r][actions[r]] at the chosen entries,
 // zero elsewhere.
 #pragma once

@@ -180,9 +180,9 @@ class LinearChainSoftmax : public torch::autograd::Function<LinearChainSoftmax> 
       h = out;
       out += rows * w.size(0);
     }
-    const int64_t actions = inputs[2 * n - 1].size(0);
-    at::Tensor probs = at::empty({rows, actions}, x.options());
-    softmax_rows(h, probs.data_ptr<float>(), rows, actions);
+    const int64_t classes = inputs[2 * n - 1].size(0);  // the last layer's outputs
+    at::Tensor probs = at::empty({rows, classes}, x.options());
+    softmax_rows(h, probs.data_ptr<float>(), rows, classes);
     // Backward needs x, the weights, acts and probs; of a bias only its
     // size, which is its weight's first.
     std::vector<at::Tensor> saved;
