@@ -156,7 +156,7 @@ class Policy {
   }
   // x: [batch, state...] -> action probabilities [batch, out_features].
   at::Tensor forward(const at::Tensor& x) {
-    at::Tensor h = x.flatten(1);
+    at::Tensor h = x.dim() == 2 ? x : x.flatten(1);
     if (compiled_) return compiled_->forward(h);
     // Ours: small layers as one autograd node (linear_chain.h).
     if (kernel_ == models::DenseKernel::kXnnpack && models::linear_chain_fits(h, weights_, biases_)) {
@@ -196,6 +196,7 @@ class RlAgent {
     std::vector<int64_t> shape{batch_size};
     shape.insert(shape.end(), state_size.begin(), state_size.end());
     states_ = at::zeros(shape);
+    flat_states_ = states_.view({batch_size, in});
     saved_log_probs_.clear();
   }
 
@@ -251,7 +252,7 @@ class RlAgent {
     }
     if (policy != nullptr) {
       // No other request of this step can arrive before `full` completes.
-      at::Tensor probs = policy->forward(states_);
+      at::Tensor probs = policy->forward(flat_states_);
       // Plain integers: every observer's answer is an index, not a tensor
       // op; their log-probabilities (Categorical's log_prob) are one node.
       const int64_t rows = probs.size(0);
@@ -299,6 +300,7 @@ class RlAgent {
   int64_t batch_size_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;
   at::Tensor states_;  // [observers, state...], set by set_world before any request
+  at::Tensor flat_states_;  // states_ as [observers, prod(state)], the policy's input
   rpc::Future<std::vector<int64_t>> future_actions_ ABSL_GUARDED_BY(mu_);
   Clock::time_point batch_start_ ABSL_GUARDED_BY(mu_);
   std::vector<at::Tensor> saved_log_probs_ ABSL_GUARDED_BY(mu_);

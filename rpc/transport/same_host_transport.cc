@@ -1903,6 +1903,7 @@ class DriverRegistration {
 void poll_and_read(const std::vector<std::shared_ptr<SameHostChannel>>& reading,
                    absl::Duration wait) {
   std::vector<pollfd> fds;
+  fds.reserve(1 + 2 * reading.size());
   fds.push_back({t_driver_fd, POLLIN, 0});  // a reply handled elsewhere
   for (auto& ch : reading) {
     const bool out = ch->conn()->flush();

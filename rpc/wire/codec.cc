@@ -1,7 +1,7 @@
 #include "rpc/wire/codec.h"
 
 #include <ATen/ops/_sparse_coo_tensor_unsafe.h>
-#include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstring>
@@ -62,9 +62,14 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
     throw TypeMismatch(absl::StrCat("tensors of more than ", kMaxTensorDims,
                                     " dimensions cannot be sent"));
   }
-  at::Tensor data = tensor.detach();
-  if (!data.device().is_cpu()) data = data.cpu();
-  data = data.contiguous();
+  // Only its bytes travel. A CPU tensor laid out as they go is held as it
+  // is (no new tensor); any other is detached and copied into that layout.
+  at::Tensor data = tensor;
+  if (!data.device().is_cpu() || !data.is_contiguous()) {
+    data = tensor.detach();
+    if (!data.device().is_cpu()) data = data.cpu();
+    data = data.contiguous();
+  }
   meta->set_dtype(static_cast<int32_t>(data.scalar_type()));
   for (int64_t s : data.sizes()) meta->add_sizes(s);
   meta->set_nbytes(data.numel() * data.element_size());
@@ -473,8 +478,10 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
       continue;
     }
     const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
-    at::Tensor t = at::empty(std::vector<int64_t>(meta.sizes().begin(), meta.sizes().end()),
-                             at::TensorOptions().dtype(dtype));
+    // Straight from the CPU allocator: a factory op through the dispatcher
+    // costs more than the allocation for a small tensor.
+    at::Tensor t = at::detail::empty_cpu(
+        c10::IntArrayRef(meta.sizes().data(), static_cast<size_t>(meta.sizes().size())), dtype);
     if (meta.nbytes() > 0) {
       absl::Status filled = fill(i, t.data_ptr(), meta.nbytes());
       if (!filled.ok()) return filled;

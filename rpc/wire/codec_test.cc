@@ -58,6 +58,23 @@ TEST(CodecTest, TensorsKeepDtypeShapeValuesAndRequiresGrad) {
   EXPECT_FALSE(back[4].defined());
 }
 
+TEST(CodecTest, ContiguousViewsTravelFromTheirOffset) {
+  at::Tensor base = at::arange(24, at::kFloat).reshape({4, 6});
+  at::Tensor row = base[2];                 // contiguous, storage offset 12
+  at::Tensor rows = base.slice(0, 1, 3);    // contiguous, offset 6, 2 x 6
+  at::Tensor leaf = at::randn({3}).requires_grad_(true);
+  at::Tensor grown = leaf.mul(2).contiguous();  // contiguous, with a grad_fn
+  auto back = from_ivalue<std::vector<at::Tensor>>(
+      round_trip(to_ivalue(std::vector<at::Tensor>{row, rows, grown})));
+  ASSERT_EQ(back.size(), 3u);
+  EXPECT_TRUE(at::equal(back[0], row));
+  EXPECT_TRUE(at::equal(back[1], rows));
+  EXPECT_EQ(back[1].sizes(), rows.sizes());
+  EXPECT_TRUE(back[2].requires_grad());
+  EXPECT_EQ(back[2].grad_fn(), nullptr);  // a leaf on this side, not the sender's graph
+  EXPECT_TRUE(at::equal(back[2].detach(), grown.detach()));
+}
+
 TEST(CodecTest, SerializingDoesNotCopyTensorBytes) {
   at::Tensor t = at::randn({1 << 16});
   Frame out;
