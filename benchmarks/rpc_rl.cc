@@ -203,7 +203,7 @@ class RlAgent {
   // batch=false: one state through the policy; returns the sampled action.
   int64_t select_action(int64_t observer_id, at::Tensor state) {
     const auto start = Clock::now();
-    at::Tensor probs = policy()->forward(state.to(at::kFloat).unsqueeze(0));
+    at::Tensor probs = policy()->forward(state.to(at::kFloat).reshape({1, state.numel()}));
     const int64_t a = sample_row(probs, 0);
     at::Tensor log_prob = models::chosen_log_probs(probs, {a});
     absl::MutexLock lock(&mu_);
