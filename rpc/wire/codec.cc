@@ -62,13 +62,15 @@ void encode_tensor(const at::Tensor& tensor, wire::Value* out, Frame* frame) {
     throw TypeMismatch(absl::StrCat("tensors of more than ", kMaxTensorDims,
                                     " dimensions cannot be sent"));
   }
-  // Only its bytes travel. A CPU tensor laid out as they go is held as it
-  // is (no new tensor); any other is detached and copied into that layout.
+  // Only its bytes travel. A CPU tensor laid out as they go, whose bytes
+  // are its values, is held as it is (no new tensor); any other (a lazy
+  // conjugate or negative view among them) is detached and copied into
+  // that layout with its values.
   at::Tensor data = tensor;
-  if (!data.device().is_cpu() || !data.is_contiguous()) {
+  if (!data.device().is_cpu() || !data.is_contiguous() || data.is_conj() || data.is_neg()) {
     data = tensor.detach();
     if (!data.device().is_cpu()) data = data.cpu();
-    data = data.contiguous();
+    data = data.resolve_conj().resolve_neg().contiguous();
   }
   meta->set_dtype(static_cast<int32_t>(data.scalar_type()));
   for (int64_t s : data.sizes()) meta->add_sizes(s);

@@ -2,6 +2,8 @@
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
+#include <ATen/ops/_neg_view.h>
+#include <ATen/ops/imag.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/quantize_per_tensor.h>
 #include <ATen/ops/randn.h>
@@ -56,6 +58,24 @@ TEST(CodecTest, TensorsKeepDtypeShapeValuesAndRequiresGrad) {
   EXPECT_TRUE(back[3].requires_grad());
   EXPECT_TRUE(at::equal(back[3].detach(), g.detach()));
   EXPECT_FALSE(back[4].defined());
+}
+
+TEST(CodecTest, ConjugateAndNegativeViewsTravelAsTheirValues) {
+  at::Tensor z = at::randn({4}, at::kComplexFloat);
+  at::Tensor conj = z.conj();  // a lazy view: z's bytes with the conjugate bit set
+  ASSERT_TRUE(conj.is_conj());
+  at::Tensor strided_neg = at::imag(conj);  // a strided view with the negative bit set
+  ASSERT_TRUE(strided_neg.is_neg());
+  at::Tensor neg = at::_neg_view(at::randn({5}));  // contiguous, negative bit set
+  ASSERT_TRUE(neg.is_neg() && neg.is_contiguous());
+  auto back = from_ivalue<std::vector<at::Tensor>>(
+      round_trip(to_ivalue(std::vector<at::Tensor>{conj, strided_neg, neg})));
+  ASSERT_EQ(back.size(), 3u);
+  EXPECT_FALSE(back[0].is_conj());
+  EXPECT_TRUE(at::equal(back[0], conj.resolve_conj()));
+  EXPECT_TRUE(at::equal(back[1], strided_neg.resolve_neg()));
+  EXPECT_FALSE(back[2].is_neg());
+  EXPECT_TRUE(at::equal(back[2], neg.resolve_neg()));
 }
 
 TEST(CodecTest, ContiguousViewsTravelFromTheirOffset) {
