@@ -2,6 +2,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include <dlfcn.h>
 #include <gflags/gflags.h>
 #include <malloc.h>
 #include <unistd.h>
@@ -70,6 +71,19 @@ void keep_freed_memory() {
 }
 
 int cpu_count() { return static_cast<int>(std::thread::hardware_concurrency()); }
+
+std::string allocator_name() {
+  // gperftools' tc_version(&major, &minor, &patch), looked up so that a
+  // binary without tcmalloc links and says so.
+  using TcVersion = const char* (*)(int*, int*, const char**);
+  auto tc_version = reinterpret_cast<TcVersion>(dlsym(RTLD_DEFAULT, "tc_version"));
+  if (tc_version == nullptr) return "glibc malloc";
+  int major = 0;
+  int minor = 0;
+  const char* patch = nullptr;
+  tc_version(&major, &minor, &patch);
+  return absl::StrFormat("tcmalloc %d.%d%s", major, minor, patch != nullptr ? patch : "");
+}
 
 double percentile(std::vector<double> samples, double p) {
   if (samples.empty()) return 0;

@@ -21,12 +21,18 @@ bool allow_insecure();
 // RANK from the environment, or -1 when not launched as a worker.
 int env_rank();
 int cpu_count();
+// The allocator behind malloc in this process: "tcmalloc MAJOR.MINOR" when
+// gperftools' is linked in (//third_party:tcmalloc, as every benchmark
+// binary outside the sanitizer builds), else "glibc malloc".
+std::string allocator_name();
 // Keeps freed tensor memory in the process: glibc otherwise returns large
 // blocks to the kernel (munmap, or madvise when it trims a thread's arena)
 // and every later tensor of that size page-faults its memory in again.
 // Tensors of a training step (gradient buckets, embedding gradients) are
 // allocated and freed every step; on this VM the faults cost ~20% of a
-// ddp_rpc iteration. Call first thing in main().
+// ddp_rpc iteration. Call first thing in main(). Under tcmalloc it does
+// nothing (tcmalloc's mallopt is empty): tcmalloc keeps freed spans in its
+// page heap and hands few back at a time.
 void keep_freed_memory();
 // The percentile method of every figure we print, ours and PyTorch's side
 // alike: numpy.percentile's default (linear interpolation between the two

@@ -24,5 +24,10 @@ TEST(PercentileTest, MatchesNumpysLinearInterpolation) {
   EXPECT_EQ(percentile({4, 1, 3, 2}, 0.5), 2.5);
 }
 
+// This test binary does not link //third_party:tcmalloc: the lookup must
+// not name an allocator that is not there (the benchmarks' tests see the
+// other side).
+TEST(AllocatorNameTest, NamesGlibcWithoutTcmalloc) { EXPECT_EQ(allocator_name(), "glibc malloc"); }
+
 }  // namespace
 }  // namespace ddprpc::benchmarks

@@ -575,7 +575,8 @@ void print_info(const std::string& processes) {
                                                GLOO_VERSION_PATCH),
                                "libgloo0"));
   absl::PrintF("* %s; DDP backend: %s\n", cuda_versions(), FLAGS_backend);
-  absl::PrintF("* CPUs: %d; %s\n", bench::cpu_count(), processes);
+  absl::PrintF("* CPUs: %d; allocator: %s; %s\n", bench::cpu_count(), bench::allocator_name(),
+               processes);
   absl::PrintF(
       "* embedding tables: %d x %d each, fc_in = %d; %d measured + %d warm-up iterations of %d "
       "batches; SGD lr %g; seed %d%s\n",
@@ -627,6 +628,7 @@ void write_json(const Report& r) {
   config.key("seed").value(static_cast<double>(FLAGS_seed));
   config.key("check_convergence").value(FLAGS_check_convergence);
   config.key("backend").value(FLAGS_backend).key("cpus").value(bench::cpu_count());
+  config.key("allocator").value(bench::allocator_name());
   config.key("lookups").value(FLAGS_lookups).key("dense_kernel").value(FLAGS_dense_kernel);
   config.key("pairs").value(FLAGS_pairs).key("sparse").value(FLAGS_sparse);
   config.key("percentiles").value("numpy linear interpolation");

@@ -125,6 +125,14 @@ TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
   for (const char* info : {"libtorch 1.", "gRPC 1.", "Gloo 0.", "CPUs: "}) {
     EXPECT_NE(out.find(info), std::string::npos) << info << " missing from the Info header:\n" << out;
   }
+  // The binary runs on tcmalloc (//third_party:tcmalloc), except in the
+  // sanitizer builds, which keep their own allocator.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  const char* allocator = "allocator: glibc malloc";
+#else
+  const char* allocator = "allocator: tcmalloc 2.";
+#endif
+  EXPECT_NE(out.find(allocator), std::string::npos) << allocator << " missing:\n" << out;
 }
 
 // As under a multi-host launcher: each rank its own process, told its place

@@ -197,8 +197,8 @@ int coordinator(int argc, char** argv) {
   table.add({"rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",
              their_tput > 0 ? absl::StrFormat("%.0f calls/s", their_tput) : "-", "",
              their_tput > 0 ? absl::StrFormat("%.1fx", our_tput / their_tput) : "-"});
-  std::printf("\nrpc_pingpong: 2 workers on loopback, %d callee threads, %d CPUs\n",
-              FLAGS_num_worker_threads, bench::cpu_count());
+  std::printf("\nrpc_pingpong: 2 workers on loopback, %d callee threads, %d CPUs, %s\n",
+              FLAGS_num_worker_threads, bench::cpu_count(), bench::allocator_name().c_str());
   std::printf("%s", table.str().c_str());
   if (!pytorch_note.empty()) std::printf("%s\n", pytorch_note.c_str());
 
@@ -211,6 +211,7 @@ int coordinator(int argc, char** argv) {
   json.key("async_calls").value(FLAGS_async_calls);
   json.key("num_worker_threads").value(FLAGS_num_worker_threads);
   json.key("cpus").value(bench::cpu_count());
+  json.key("allocator").value(bench::allocator_name());
   json.end_object();
   for (const auto* side : {"ddprpc", "pytorch"}) {
     const auto& m = std::string(side) == "ddprpc" ? ours : theirs;

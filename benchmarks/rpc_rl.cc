@@ -681,13 +681,13 @@ int launcher(int argc, char** argv) {
   std::printf("master_addr : %s\nmaster_port : %s\nbatch : %s\nstate_size : %s\nnlayers : %s\n"
               "out_features : %s\nepisodes : %s\nepisode_steps : %s\noutput_file_path : %s\n"
               "x_axis_name : %s\ndense_kernel : %s\npairs : %d\n"
-              "percentiles : numpy's linear interpolation, both sides\n",
+              "percentiles : numpy's linear interpolation, both sides\nallocator : %s\n",
               FLAGS_master_addr.c_str(),
               FLAGS_master_port == 0 ? "(free port)" : absl::StrCat(FLAGS_master_port).c_str(),
               FLAGS_batch.c_str(), FLAGS_state_size.c_str(), FLAGS_nlayers.c_str(),
               FLAGS_out_features.c_str(), FLAGS_episodes.c_str(), FLAGS_episode_steps.c_str(),
               FLAGS_output_file_path.c_str(), x_name.empty() ? "(none)" : x_name.c_str(),
-              FLAGS_dense_kernel.c_str(), FLAGS_pairs);
+              FLAGS_dense_kernel.c_str(), FLAGS_pairs, bench::allocator_name().c_str());
   std::fflush(stdout);
 
   const std::string script = bench::source_path("benchmarks/reference/rpc_rl.py");
