@@ -9,6 +9,8 @@
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 
+#include <sched.h>
+
 #include <atomic>
 #include <map>
 #include <thread>
@@ -207,6 +209,34 @@ MULTIPROCESS_TEST(RpcTest, SyncAndAsyncAmongThreeWorkers, 3) {
   EXPECT_THROW(rpc::rpc_sync<int64_t>(wrong, "add_ints", 1, 2), rpc::RpcError);
   EXPECT_TRUE(rpc::shutdown());  // met every worker
   EXPECT_FALSE(rpc::shutdown());  // nothing left to shut down
+}
+
+// The scheduling policy of the thread that runs a request.
+int64_t handler_policy() { return sched_getscheduler(0); }
+DDPRPC_REGISTER_FUNCTION(handler_policy);
+
+// Requests run on the runtime's threads, SCHED_BATCH unless the worker
+// switched batch_scheduling off; the caller's own thread keeps its policy.
+MULTIPROCESS_TEST(RpcTest, RequestsRunOnBatchScheduledThreadsUnlessSwitchedOff, 3) {
+  rpc::RpcBackendOptions options;
+  options.batch_scheduling = mp::rank() != 2;
+  init(3, options);
+  if (mp::rank() == 0) {
+    for (int i = 0; i < 5; ++i) {
+      EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "handler_policy"), SCHED_BATCH);
+      EXPECT_EQ(rpc::rpc_sync<int64_t>("worker2", "handler_policy"), SCHED_OTHER);
+      // Several at once: some run on the worker pool.
+      std::vector<rpc::Future<int64_t>> on1, on2;
+      for (int j = 0; j < 4; ++j) {
+        on1.push_back(rpc::rpc_async<int64_t>("worker1", "handler_policy"));
+        on2.push_back(rpc::rpc_async<int64_t>("worker2", "handler_policy"));
+      }
+      for (auto& f : on1) EXPECT_EQ(f.value(), SCHED_BATCH);
+      for (auto& f : on2) EXPECT_EQ(f.value(), SCHED_OTHER);
+    }
+    EXPECT_EQ(sched_getscheduler(0), SCHED_OTHER);
+  }
+  rpc::shutdown();
 }
 
 // A call waited for within a SyncCallScope (as rpc_sync) has its reply read

@@ -17,6 +17,7 @@
 #include "rpc/errors.h"
 #include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
+#include "rpc/transport/thread_policy.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -448,7 +449,10 @@ class TransportServer::Service {
     if (threads_.empty()) {
       throw RpcError(ErrorCode::kInternal, "rpc transport: cannot start a polling thread");
     }
-    watchdog_ = std::thread([this] { watchdog_loop(); });
+    watchdog_ = std::thread([this] {
+      transport::apply_thread_policy();
+      watchdog_loop();
+    });
   }
 
   void stop() {
@@ -566,7 +570,10 @@ class TransportServer::Service {
   bool spawn_thread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     try {
       fault_point("transport.spawn_thread");
-      threads_.emplace_back([this] { poll_loop(); });
+      threads_.emplace_back([this] {
+        transport::apply_thread_policy();
+        poll_loop();
+      });
       return true;
     } catch (const std::exception& e) {
       LOG(ERROR) << "rpc transport: cannot start a polling thread: " << e.what();

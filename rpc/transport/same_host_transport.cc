@@ -34,6 +34,7 @@
 #include "rpc/transport/internal/same_host_protocol.h"
 #include "rpc/transport/internal/spin_poll.h"
 #include "rpc/transport/spin_budget.h"
+#include "rpc/transport/thread_policy.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -750,8 +751,14 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       absl::MutexLock lock(&s->mu_);
       s->spawn_thread([self = s.get()](int64_t me) { self->reading_thread(me); });
     }
-    s->acceptor_ = std::thread([self = s.get()] { self->accept_loop(); });
-    s->watchdog_ = std::thread([self = s.get()] { self->watchdog_loop(); });
+    s->acceptor_ = std::thread([self = s.get()] {
+      apply_thread_policy();
+      self->accept_loop();
+    });
+    s->watchdog_ = std::thread([self = s.get()] {
+      apply_thread_policy();
+      self->watchdog_loop();
+    });
     return s;
   }
 
@@ -879,6 +886,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     try {
       internal::fault_point("transport.spawn_thread");
       std::thread([self = shared_from_this(), me, body = std::move(body)] {
+        apply_thread_policy();
         body(me);
         absl::MutexLock lock(&self->mu_);
         --self->threads_;
@@ -1580,7 +1588,10 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       absl::MutexLock lock(&gate->mu);
       gate->channels.push_back(ch);
     }
-    std::thread([ch] { ch->background_loop(); }).detach();
+    std::thread([ch] {
+      apply_thread_policy();
+      ch->background_loop();
+    }).detach();
     return ch;
   }
 
