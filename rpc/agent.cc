@@ -19,10 +19,10 @@
 #include "rpc/internal/callee.h"
 #include "rpc/internal/fault.h"
 #include "rpc/internal/future_driver.h"
+#include "rpc/internal/thread_policy.h"
 #include "rpc/internal/thread_pool.h"
 #include "rpc/rendezvous/init_method.h"
 #include "rpc/transport/same_host_transport.h"
-#include "rpc/transport/thread_policy.h"
 #include "rpc/transport/transport.h"
 #include "rpc/wire/codec.h"
 
@@ -140,7 +140,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     throw RpcError(ErrorCode::kInvalidArgument, "num_worker_threads must be at least 1");
   }
   // Before any of this agent's threads starts (they apply it first thing).
-  transport::set_batch_scheduling(options_.batch_scheduling);
+  internal::set_batch_scheduling(options_.batch_scheduling);
   StoreAddress store_address;
   try {
     store_address = parse_init_method(options_.init_method);
@@ -246,7 +246,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     next_connection_check_ = absl::Now() + options_.keepalive_interval;
   }
   timer_ = std::thread([this] {
-    transport::apply_thread_policy();
+    internal::apply_thread_policy();
     timer_loop();
   });
   if (serve_now) start_serving();

@@ -116,12 +116,11 @@ struct RpcBackendOptions {
   // DDPRPC_SAME_HOST_TRANSPORT=0 turns it off too.
   bool same_host_transport = true;
   // The runtime's threads (stream readers, the worker pool, the timer) run
-  // as SCHED_BATCH (rpc/transport/thread_policy.h): a message that wakes
-  // one does not preempt the thread running on its core. On a host with
-  // more runnable threads than cores, a worker answering many callers at
-  // once (a batch, a fan-out) sends every reply before the callers it wakes
-  // take its core. Threads started from them inherit it. Per process;
-  // DDPRPC_SCHED_BATCH=0 turns it off too.
+  // as SCHED_BATCH: a message that wakes one does not preempt the thread
+  // running on its core. On a host with more runnable threads than cores,
+  // a worker answering many callers at once (a batch, a fan-out) sends
+  // every reply before the callers it wakes take its core. Threads started
+  // from them inherit it. Per process; DDPRPC_SCHED_BATCH=0 turns it off too.
   bool batch_scheduling = true;
 };
 

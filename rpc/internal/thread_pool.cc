@@ -3,7 +3,7 @@
 #include <exception>
 
 #include "glog/logging.h"
-#include "rpc/transport/thread_policy.h"
+#include "rpc/internal/thread_policy.h"
 
 namespace ddprpc::rpc::internal {
 
@@ -38,7 +38,7 @@ int ThreadPool::busy() const {
 }
 
 void ThreadPool::loop() {
-  transport::apply_thread_policy();
+  apply_thread_policy();
   while (true) {
     std::function<void()> task;
     {

@@ -17,7 +17,7 @@
 #include "rpc/errors.h"
 #include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
-#include "rpc/transport/thread_policy.h"
+#include "rpc/internal/thread_policy.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -450,7 +450,7 @@ class TransportServer::Service {
       throw RpcError(ErrorCode::kInternal, "rpc transport: cannot start a polling thread");
     }
     watchdog_ = std::thread([this] {
-      transport::apply_thread_policy();
+      apply_thread_policy();
       watchdog_loop();
     });
   }
@@ -571,7 +571,7 @@ class TransportServer::Service {
     try {
       fault_point("transport.spawn_thread");
       threads_.emplace_back([this] {
-        transport::apply_thread_policy();
+        apply_thread_policy();
         poll_loop();
       });
       return true;

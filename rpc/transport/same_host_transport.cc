@@ -29,12 +29,12 @@
 #include "glog/logging.h"
 #include "rpc/internal/auth.h"
 #include "rpc/internal/fault.h"
+#include "rpc/internal/thread_policy.h"
 #include "rpc/security.h"
 #include "rpc/transport/internal/cross_memory.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 #include "rpc/transport/internal/spin_poll.h"
 #include "rpc/transport/spin_budget.h"
-#include "rpc/transport/thread_policy.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -752,11 +752,11 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       s->spawn_thread([self = s.get()](int64_t me) { self->reading_thread(me); });
     }
     s->acceptor_ = std::thread([self = s.get()] {
-      apply_thread_policy();
+      internal::apply_thread_policy();
       self->accept_loop();
     });
     s->watchdog_ = std::thread([self = s.get()] {
-      apply_thread_policy();
+      internal::apply_thread_policy();
       self->watchdog_loop();
     });
     return s;
@@ -886,7 +886,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     try {
       internal::fault_point("transport.spawn_thread");
       std::thread([self = shared_from_this(), me, body = std::move(body)] {
-        apply_thread_policy();
+        internal::apply_thread_policy();
         body(me);
         absl::MutexLock lock(&self->mu_);
         --self->threads_;
@@ -1589,7 +1589,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       gate->channels.push_back(ch);
     }
     std::thread([ch] {
-      apply_thread_policy();
+      internal::apply_thread_policy();
       ch->background_loop();
     }).detach();
     return ch;

@@ -1,4 +1,4 @@
-#include "rpc/transport/thread_policy.h"
+#include "rpc/internal/thread_policy.h"
 
 #include <sched.h>
 
@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
-namespace ddprpc::rpc::transport {
+namespace ddprpc::rpc::internal {
 namespace {
 
 bool env_allows() {
@@ -32,4 +32,4 @@ void apply_thread_policy() {
   (void)sched_setscheduler(0, SCHED_BATCH, &param);
 }
 
-}  // namespace ddprpc::rpc::transport
+}  // namespace ddprpc::rpc::internal

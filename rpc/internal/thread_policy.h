@@ -18,7 +18,7 @@
 // leaves threads as they are.
 #pragma once
 
-namespace ddprpc::rpc::transport {
+namespace ddprpc::rpc::internal {
 
 inline constexpr char kSchedBatchEnv[] = "DDPRPC_SCHED_BATCH";
 
@@ -33,4 +33,4 @@ bool batch_scheduling();
 // thread stays as it was).
 void apply_thread_policy();
 
-}  // namespace ddprpc::rpc::transport
+}  // namespace ddprpc::rpc::internal

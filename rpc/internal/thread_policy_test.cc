@@ -1,4 +1,4 @@
-#include "rpc/transport/thread_policy.h"
+#include "rpc/internal/thread_policy.h"
 
 #include <sched.h>
 #include <stdlib.h>
@@ -7,7 +7,7 @@
 
 #include "gtest/gtest.h"
 
-namespace ddprpc::rpc::transport {
+namespace ddprpc::rpc::internal {
 namespace {
 
 // The policy of a new thread that applies the runtime's policy, and of a
@@ -59,4 +59,4 @@ TEST(ThreadPolicy, EnvironmentSwitchWins) {
 }
 
 }  // namespace
-}  // namespace ddprpc::rpc::transport
+}  // namespace ddprpc::rpc::internal
