@@ -27,8 +27,7 @@ bool batch_scheduling() { return setting().load(); }
 
 void apply_thread_policy() {
   if (!batch_scheduling()) return;
-  sched_param param{};
-  param.sched_priority = 0;
+  const sched_param param{};  // priority 0, the only one SCHED_BATCH takes
   (void)sched_setscheduler(0, SCHED_BATCH, &param);
 }
 
