@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "autograd/internal/functions.h"
+#include "autograd/internal/node_ptr.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
 #include "rpc/internal/fault.h"
@@ -34,6 +35,10 @@
 namespace ddprpc::dist_autograd {
 namespace {
 
+using internal::make_node;
+using internal::node_ptr;
+using internal::NodePtr;
+using internal::NodePtrOf;
 using internal::RecvRpcBackward;
 using internal::SendRpcBackward;
 using torch::autograd::Edge;
@@ -61,7 +66,7 @@ int creator_of(ContextId id) { return static_cast<int>(id >> 48); }
 // A send function and the worker its tensors went to (the only worker
 // that may send their gradients back).
 struct SendRecord {
-  std::shared_ptr<SendRpcBackward> fn;
+  NodePtrOf<SendRpcBackward> fn;
   int dest;
 };
 
@@ -76,13 +81,13 @@ struct ContextState {
   absl::Mutex mu;
   // State below is protected by mu.
   std::map<int64_t, SendRecord> sends ABSL_GUARDED_BY(mu);
-  std::vector<std::shared_ptr<Node>> recvs ABSL_GUARDED_BY(mu);
+  std::vector<NodePtr> recvs ABSL_GUARDED_BY(mu);
   std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> grads ABSL_GUARDED_BY(mu);
   std::set<int> workers ABSL_GUARDED_BY(mu);
   // Nodes the backward passes of this context ran, and whether one asked to
   // retain the graph: passes keep the saved tensors (see run_pass), which
   // the release frees unless so asked.
-  std::unordered_set<std::shared_ptr<Node>> visited ABSL_GUARDED_BY(mu);
+  std::unordered_set<NodePtr> visited ABSL_GUARDED_BY(mu);
   bool retain_graph ABSL_GUARDED_BY(mu) = false;
 };
 
@@ -365,7 +370,7 @@ void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::
   absl::MutexLock lock(&ctx->mu);
   ctx->workers.insert(dest);
   if (tensors.empty()) return;
-  auto send = std::make_shared<SendRpcBackward>();
+  auto send = make_node<SendRpcBackward>();
   send->set_next_edges(torch::autograd::collect_next_edges(tensors));
   for (const auto& t : tensors) send->add_input_metadata(t);
   const int64_t message = global_id(g_next_message);
@@ -400,7 +405,7 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
                         absl::StrCat("dist_autograd: context ", id, " has ", ctx->recvs.size(),
                                      " received messages already"));
   }
-  auto recv = std::make_shared<RecvRpcBackward>(src, message);
+  auto recv = make_node<RecvRpcBackward>(src, message);
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor& t = tensors[i];
     t.requires_grad_(false);  // a fresh leaf; its history is the recv function
@@ -650,14 +655,14 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
     Node* node = stack.back();
     stack.pop_back();
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      outputs.emplace_back(acc->shared_from_this(), 0);
+      outputs.emplace_back(node_ptr(acc), 0);
       leaves.push_back(acc);
       continue;
     }
     if (auto* recv = dynamic_cast<RecvRpcBackward*>(node)) {
       recvs.push_back(recv);
       for (uint32_t i = 0; i < recv->num_inputs(); ++i) {
-        recv_outputs.emplace_back(recv->shared_from_this(), i);
+        recv_outputs.emplace_back(node_ptr(recv), i);
       }
       continue;
     }
@@ -672,7 +677,7 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
   {
     absl::MutexLock lock(&ctx->mu);
     if (retain_graph) ctx->retain_graph = true;
-    for (Node* node : seen) ctx->visited.insert(node->shared_from_this());
+    for (Node* node : seen) ctx->visited.insert(node_ptr(node));
   }
   CurrentContext in_context(ctx->id);
   torch::autograd::variable_list results = torch::autograd::Engine::get_default_engine().execute(
@@ -706,8 +711,9 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
     // AccumulateGrad::apply, after any hooks of the node itself.
     at::Tensor grad = std::move(results[i]);
     if (!leaves[i]->pre_hooks().empty()) grad = after_pre_hooks(leaves[i], {std::move(grad)})[0];
-    if (grad.defined() && !torch::autograd::impl::hooks(leaves[i]->variable).empty()) {
-      grad = torch::autograd::AccumulateGrad::callHooks(leaves[i]->variable, std::move(grad));
+    for (const auto& hook : torch::autograd::impl::hooks(leaves[i]->variable)) {
+      if (!grad.defined()) break;
+      grad = (*hook)({std::move(grad)})[0];
     }
     param_grads.push_back(std::move(grad));
   }
@@ -766,7 +772,7 @@ rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vec
   const int from = call ? call->caller : -1;
   std::shared_ptr<ContextState> ctx = container().get(context_id);
   ctx->touch();
-  std::shared_ptr<SendRpcBackward> send;
+  NodePtrOf<SendRpcBackward> send;
   {
     absl::MutexLock lock(&ctx->mu);
     auto it = ctx->sends.find(message);
@@ -809,7 +815,7 @@ void release_context(ContextId id, int from) {
   std::shared_ptr<ContextState> ctx = container().erase(id);
   if (!ctx) return;
   std::set<int> workers;
-  std::unordered_set<std::shared_ptr<Node>> visited;
+  std::unordered_set<NodePtr> visited;
   {
     absl::MutexLock lock(&ctx->mu);
     workers = ctx->workers;

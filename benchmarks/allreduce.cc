@@ -1,7 +1,7 @@
 // allreduce: Gloo allreduce bus bandwidth of ddp::ProcessGroup for 4 KiB ..
 // 64 MiB float32 tensors over 2 and 4 local processes, next to
 // torch.distributed (gloo) measured in the same run
-// (benchmarks/reference/allreduce_gloo.py with /usr/bin/python3).
+// (benchmarks/reference/allreduce_gloo.py with --python).
 // Bus bandwidth = bytes * 2(n-1)/n / time, the median of several calls.
 //
 //   ./bazelw run //benchmarks:allreduce
@@ -24,7 +24,7 @@
 
 DEFINE_string(nprocs, "2,4", "comma-separated process counts");
 DEFINE_string(json, "allreduce.json", "where to write the figures");
-DEFINE_bool(pytorch, true, "also measure torch.distributed gloo (needs /usr/bin/python3 with torch)");
+DEFINE_bool(pytorch, true, "also measure torch.distributed gloo (needs the Python of --python, with torch)");
 
 namespace bench = ddprpc::benchmarks;
 namespace ddp = ddprpc::ddp;
@@ -99,6 +99,8 @@ std::string human(int64_t bytes) {
 int coordinator(int argc, char** argv) {
   bench::Json json;
   json.begin_object();
+  json.versions();
+  std::printf("%s\n", bench::versions().c_str());
   for (const std::string& nstr : std::vector<std::string>(absl::StrSplit(FLAGS_nprocs, ','))) {
     const int n = std::stoi(nstr);
     const std::string tmp = bench::temp_path(absl::StrCat("allreduce", n));
@@ -118,7 +120,7 @@ int coordinator(int argc, char** argv) {
       std::fprintf(stderr, "allreduce: torch.distributed gloo, %d processes\n", n);
       const std::string out = tmp + ".json";
       std::string log;
-      bench::run_command({"/usr/bin/python3", script, "--nprocs", absl::StrCat(n), "--port",
+      bench::run_command({bench::reference_python(), script, "--nprocs", absl::StrCat(n), "--port",
                           absl::StrCat(ddprpc::rpc::pick_free_port()), "--json", out},
                          &log);
       std::ifstream in(out);

@@ -91,7 +91,7 @@ DEFINE_int32(timeout_s, 300, "wall-clock limit of each configuration's processes
 DEFINE_int32(rpc_timeout_s, 60, "deadline of each RPC, in seconds (training and episodes get --timeout_s)");
 DEFINE_string(json, "batch_rpc.json", "where to write the figures");
 DEFINE_bool(pytorch, true,
-            "also run PyTorch's side (benchmarks/reference/batch_rpc.py, /usr/bin/python3: the "
+            "also run PyTorch's side (benchmarks/reference/batch_rpc.py with --python: the "
             "tutorial's async_execution parameter server and batch CartPole with the same model, "
             "data sizes, trainer counts and world sizes) and print the ratios");
 DEFINE_string(pytorch_script, "",
@@ -757,7 +757,7 @@ PytorchFigures run_pytorch(const std::string& mode) {
   const std::string json = bench::temp_path("batch_rpc_pytorch") + ".json";
   std::string output;
   const int rc = bench::run_command(
-      {"/usr/bin/python3", script, "--mode", mode, "--trainers", FLAGS_trainers, "--iters",
+      {bench::reference_python(), script, "--mode", mode, "--trainers", FLAGS_trainers, "--iters",
        absl::StrCat(FLAGS_iters), "--warmup", absl::StrCat(FLAGS_warmup), "--ps_lr",
        absl::StrCat(FLAGS_ps_lr), "--world_sizes", FLAGS_world_sizes, "--episodes",
        absl::StrCat(FLAGS_episodes), "--steps", absl::StrCat(FLAGS_steps), "--seed",
@@ -819,10 +819,12 @@ int coordinator(int argc, char** argv) {
   }
   std::printf("batch_rpc: %d CPUs, seed %d, %d RPC worker threads per process\n", bench::cpu_count(),
               FLAGS_seed, FLAGS_num_worker_threads);
+  std::printf("batch_rpc: %s\n", bench::versions().c_str());
   bench::Json json;
   json.begin_object();
   json.key("config").begin_object();
   json.key("cpus").value(bench::cpu_count()).key("seed").value(FLAGS_seed);
+  json.versions();
   json.key("num_worker_threads").value(FLAGS_num_worker_threads);
   json.key("ps_iters").value(FLAGS_iters).key("ps_warmup").value(FLAGS_warmup);
   json.key("ps_lr").value(FLAGS_ps_lr).key("episodes").value(FLAGS_episodes);

@@ -19,8 +19,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "ddprpc_libtorch_info.h"
 #include "rpc/security.h"
 
+DEFINE_string(python, "",
+              "the Python that runs PyTorch's side (default: the one whose libtorch this build "
+              "uses, ./bazelw's .venv)");
 DEFINE_string(auth_token_file, "",
               "file holding the job's secret, the same for every rank (or DDPRPC_AUTH_TOKEN, "
               "DDPRPC_AUTH_TOKEN_FILE); when this binary starts every rank itself, it makes one");
@@ -71,6 +75,35 @@ void keep_freed_memory() {
 }
 
 int cpu_count() { return static_cast<int>(std::thread::hardware_concurrency()); }
+
+std::string reference_python() {
+  if (!FLAGS_python.empty()) return FLAGS_python;
+  if (ddprpc_build::kPython[0] != '\0') return ddprpc_build::kPython;
+  return "python3";
+}
+
+std::string libtorch_version() {
+  return absl::StrCat("libtorch ", ddprpc_build::kLibtorchVersion,
+                      ddprpc_build::kLibtorchCuda ? " (CUDA)" : " (CPU)");
+}
+
+std::string pytorch_version() {
+  static const std::string* version = [] {
+    std::string out;
+    const int rc = run_command(
+        {reference_python(), "-W", "ignore", "-c", "import torch; print(torch.__version__)"}, &out);
+    while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+    const size_t nl = out.rfind('\n');
+    if (nl != std::string::npos) out = out.substr(nl + 1);
+    return new std::string(rc == 0 && !out.empty() ? out : "none");
+  }();
+  return *version;
+}
+
+std::string versions() {
+  return absl::StrCat(libtorch_version(), "; PyTorch's side: torch ", pytorch_version(), " (",
+                      reference_python(), ")");
+}
 
 std::string allocator_name() {
   // gperftools' tc_version(&major, &minor, &patch), looked up so that a
@@ -269,6 +302,11 @@ Json& Json::value(const std::string& s) {
   separate();
   write_string(s);
   return *this;
+}
+
+Json& Json::versions() {
+  return key("libtorch").value(libtorch_version()).key("pytorch").value(pytorch_version())
+      .key("python").value(reference_python());
 }
 
 void Json::write_string(const std::string& s) {

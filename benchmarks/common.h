@@ -25,6 +25,18 @@ int cpu_count();
 // gperftools' is linked in (//third_party:tcmalloc, as every benchmark
 // binary outside the sanitizer builds), else "glibc malloc".
 std::string allocator_name();
+// The Python that runs PyTorch's side of a benchmark: --python, else the
+// one whose PyTorch this build's libtorch came from (./bazelw: the
+// project's .venv), else python3 on PATH.
+std::string reference_python();
+// "libtorch 2.13.0 (CPU)": the libtorch this binary was built against.
+std::string libtorch_version();
+// torch.__version__ of reference_python(), e.g. "2.13.0+cpu"; "none" when
+// that Python cannot import torch. Asked once, then remembered.
+std::string pytorch_version();
+// "libtorch 2.13.0 (CPU); PyTorch's side: torch 2.13.0+cpu (PYTHON)", for
+// every benchmark's Info header.
+std::string versions();
 // Keeps freed tensor memory in the process: glibc otherwise returns large
 // blocks to the kernel (munmap, or madvise when it trims a thread's arena)
 // and every later tensor of that size page-faults its memory in again.
@@ -98,6 +110,8 @@ class Json {
   Json& value(int64_t v) { return value(static_cast<double>(v)); }
   Json& value(const std::string& s);
   Json& value(const char* s) { return value(std::string(s)); }
+  // "libtorch", "pytorch" and "python" keys with their values (versions()).
+  Json& versions();
   Json& value(bool b);
   const std::string& str() const { return out_; }
   bool write(const std::string& path) const;

@@ -117,7 +117,7 @@ DEFINE_string(json, "ddp_rpc.json",
               "where to write every figure and the configuration (relative to the directory "
               "bazel run started in)");
 DEFINE_bool(pytorch, true,
-            "also run PyTorch's reference (benchmarks/reference/ddp_rpc.py, /usr/bin/python3) on "
+            "also run PyTorch's reference (benchmarks/reference/ddp_rpc.py with --python) on "
             "the same tables and trainers and print the ratio (not with --check_convergence or "
             "a role started on its own)");
 DEFINE_int32(pytorch_iters, -1,
@@ -536,15 +536,6 @@ std::string run_or_empty(const std::vector<std::string>& argv) {
 // `name` and its version from the headers, with the Debian package's version
 // when dpkg knows it (Gloo's headers say 0.5.0 for years of commits; the
 // package names the commit).
-std::string library_version(const std::string& name, const std::string& header_version,
-                            const std::string& package) {
-  std::string version = absl::StrCat(name, " ", header_version);
-  const std::string installed =
-      run_or_empty({"dpkg-query", "--showformat=${Version}", "--show", package});
-  if (!installed.empty()) absl::StrAppend(&version, " (Debian ", package, " ", installed, ")");
-  return version;
-}
-
 std::string cuda_versions() {
 #ifdef DDPRPC_WITH_NCCL
   int nccl = 0, runtime = 0, driver = 0, gpus = 0;
@@ -568,12 +559,11 @@ std::string cuda_versions() {
 void print_info(const std::string& processes) {
   absl::PrintF("---------- Info ---------\n");
   absl::PrintF("* ddprpc: %s, %s; gRPC %s; %s\n",
-               library_version("libtorch", TORCH_VERSION, "libtorch-dev"),
+               bench::libtorch_version(),
                at::hasCUDA() ? "with CUDA" : "CPU only", grpc::Version(),
-               library_version("Gloo",
-                               absl::StrFormat("%d.%d.%d", GLOO_VERSION_MAJOR, GLOO_VERSION_MINOR,
-                                               GLOO_VERSION_PATCH),
-                               "libgloo0"));
+               absl::StrFormat("libtorch's Gloo (headers %d.%d.%d)", GLOO_VERSION_MAJOR,
+                               GLOO_VERSION_MINOR, GLOO_VERSION_PATCH));
+  absl::PrintF("* %s\n", bench::versions());
   absl::PrintF("* %s; DDP backend: %s\n", cuda_versions(), FLAGS_backend);
   absl::PrintF("* CPUs: %d; allocator: %s; %s\n", bench::cpu_count(), bench::allocator_name(),
                processes);
@@ -629,6 +619,7 @@ void write_json(const Report& r) {
   config.key("check_convergence").value(FLAGS_check_convergence);
   config.key("backend").value(FLAGS_backend).key("cpus").value(bench::cpu_count());
   config.key("allocator").value(bench::allocator_name());
+  config.versions();
   config.key("lookups").value(FLAGS_lookups).key("dense_kernel").value(FLAGS_dense_kernel);
   config.key("pairs").value(FLAGS_pairs).key("sparse").value(FLAGS_sparse);
   config.key("percentiles").value("numpy linear interpolation");
@@ -770,7 +761,7 @@ std::string run_pytorch_reference(const std::string& script, const std::string& 
   const std::string json = tmp + ".pytorch.json";
   std::string output;
   int rc = bench::run_command(
-      {"/usr/bin/python3", script, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
+      {bench::reference_python(), script, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
        absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
        absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(pytorch_iters()), "--warmup",
        absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--sparse",

@@ -54,7 +54,7 @@ DEFINE_string(json, "policy_compile.json",
               "run was started from)");
 DEFINE_bool(pytorch, true,
             "also measure eager PyTorch (benchmarks/reference/policy_eager.py with "
-            "/usr/bin/python3; skipped when that has no torch)");
+            "--python; skipped when that has no torch)");
 DEFINE_bool(omp_passive, true,
             "run with OMP_WAIT_POLICY=PASSIVE (the binary restarts itself with it) unless "
             "OMP_WAIT_POLICY is already set; false shows the spinning-pool collapse of the "
@@ -106,7 +106,7 @@ std::map<std::string, double> measure_pytorch() {
   const std::string json_path = bench::temp_path("policy_eager") + ".json";
   std::string log;
   const int rc = bench::run_command(
-      {"/usr/bin/python3", script, "--models", FLAGS_models, "--batches", FLAGS_batches, "--threads",
+      {bench::reference_python(), script, "--models", FLAGS_models, "--batches", FLAGS_batches, "--threads",
        FLAGS_threads, "--trials", absl::StrCat(FLAGS_trials), "--trial_ms", absl::StrCat(FLAGS_trial_ms),
        "--json", json_path},
       &log);
@@ -159,6 +159,8 @@ int main(int argc, char** argv) {
   bench::Table best_table({"model", "threads", "batch", "best backend/mode", "speedup", "default speedup"});
   bench::Json json;
   json.begin_object().key("omp_wait_policy").value(wait_policy ? wait_policy : "");
+  std::printf("policy_compile: %s\n", bench::versions().c_str());
+  json.versions();
   json.key("cpus").value(bench::cpu_count()).key("trials").value(FLAGS_trials).key("trial_ms").value(FLAGS_trial_ms);
   json.key("cells").begin_array();
   std::vector<std::string> skipped;

@@ -1,6 +1,6 @@
 // rpc_pingpong: round-trip latency and pipelined throughput of ddprpc's RPC
 // on loopback, next to PyTorch's own RPC measured in the same run
-// (benchmarks/reference/rpc_pingpong.py with /usr/bin/python3).
+// (benchmarks/reference/rpc_pingpong.py with --python).
 //
 //   ./bazelw run //benchmarks:rpc_pingpong
 //
@@ -38,7 +38,7 @@ DEFINE_string(json, "rpc_pingpong.json",
 DEFINE_string(pytorch_script, "",
               "PyTorch reference script; default: benchmarks/reference/rpc_pingpong.py from this "
               "binary's runfiles");
-DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs /usr/bin/python3 with torch)");
+DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs the Python of --python, with torch)");
 
 namespace rpc = ddprpc::rpc;
 namespace bench = ddprpc::benchmarks;
@@ -167,7 +167,7 @@ int coordinator(int argc, char** argv) {
     std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", script.c_str());
     const std::string json = bench::temp_path("pytorch_pingpong") + ".json";
     std::string output;
-    int rc = bench::run_command({"/usr/bin/python3", script, json}, &output);
+    int rc = bench::run_command({bench::reference_python(), script, json}, &output);
     std::ifstream in(json);
     std::stringstream text;
     text << in.rdbuf();
@@ -199,6 +199,7 @@ int coordinator(int argc, char** argv) {
              their_tput > 0 ? absl::StrFormat("%.1fx", our_tput / their_tput) : "-"});
   std::printf("\nrpc_pingpong: 2 workers on loopback, %d callee threads, %d CPUs, %s\n",
               FLAGS_num_worker_threads, bench::cpu_count(), bench::allocator_name().c_str());
+  std::printf("%s\n", bench::versions().c_str());
   std::printf("%s", table.str().c_str());
   if (!pytorch_note.empty()) std::printf("%s\n", pytorch_note.c_str());
 
@@ -212,6 +213,7 @@ int coordinator(int argc, char** argv) {
   json.key("num_worker_threads").value(FLAGS_num_worker_threads);
   json.key("cpus").value(bench::cpu_count());
   json.key("allocator").value(bench::allocator_name());
+  json.versions();
   json.end_object();
   for (const auto* side : {"ddprpc", "pytorch"}) {
     const auto& m = std::string(side) == "ddprpc" ? ours : theirs;

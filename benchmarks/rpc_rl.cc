@@ -79,7 +79,7 @@ DEFINE_string(episode_steps, "10", "requests every observer sends per episode");
 DEFINE_string(output_file_path, "benchmark_report.json",
               "JSON with the configuration and every figure (ours and PyTorch's)");
 DEFINE_bool(pytorch, true,
-            "also run PyTorch's benchmark (benchmarks/reference/rpc_rl.py with /usr/bin/python3) "
+            "also run PyTorch's benchmark (benchmarks/reference/rpc_rl.py with --python) "
             "on the same configuration and print both");
 DEFINE_string(dense_kernel, "xnnpack,aten",
               "kernels of the agent's policy layers, a comma list, one run of ddprpc each: "
@@ -497,6 +497,7 @@ int coordinator(const Config& c) {
   }
   bench::Json json;
   json.begin_object();
+  json.versions();
   json_metrics(json, samples);
   // The samples the percentiles come from.
   json.key("samples").begin_object();
@@ -630,7 +631,7 @@ std::vector<Figures> run_pytorch(const std::string& script, size_t xs, bench::Js
   const std::string tmp = bench::temp_path("rpc_rl_pytorch") + ".json";
   std::string output;
   const int rc = bench::run_command(
-      {"/usr/bin/python3", script, "--world_size", FLAGS_world_size, "--batch", FLAGS_batch,
+      {bench::reference_python(), script, "--world_size", FLAGS_world_size, "--batch", FLAGS_batch,
        "--state_size", FLAGS_state_size, "--nlayers", FLAGS_nlayers, "--out_features",
        FLAGS_out_features, "--episodes", FLAGS_episodes, "--episode_steps", FLAGS_episode_steps,
        "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
@@ -688,6 +689,7 @@ int launcher(int argc, char** argv) {
               FLAGS_out_features.c_str(), FLAGS_episodes.c_str(), FLAGS_episode_steps.c_str(),
               FLAGS_output_file_path.c_str(), x_name.empty() ? "(none)" : x_name.c_str(),
               FLAGS_dense_kernel.c_str(), FLAGS_pairs, bench::allocator_name().c_str());
+  std::printf("versions : %s\n", bench::versions().c_str());
   std::fflush(stdout);
 
   const std::string script = bench::source_path("benchmarks/reference/rpc_rl.py");

@@ -65,29 +65,23 @@ class GlooStore : public gloo::rendezvous::Store {
 // group sizes only); larger ones use the ring.
 constexpr int64_t kBcubeMaxBytes = 1 << 20;
 
-internal::Reduction reduction_of(ReduceOp op) {
+// bool tensors reduce as bytes of 0 or 1: a sum is their maximum (a
+// logical or, as in PyTorch's Gloo group).
+internal::Reduction reduction_of(ReduceOp op, at::ScalarType type) {
   return op == ReduceOp::kMin   ? internal::Reduction::kMin
          : op == ReduceOp::kMax ? internal::Reduction::kMax
+         : type == at::kBool    ? internal::Reduction::kMax
                                 : internal::Reduction::kSum;  // kAvg divides afterwards
 }
 
 template <typename T>
-void reduce_fn(ReduceOp op, gloo::AllreduceOptions& opts) {
-  opts.setReduceFunction(internal::reduce_fn<T>(reduction_of(op)));
+void reduce_fn(ReduceOp op, at::ScalarType type, gloo::AllreduceOptions& opts) {
+  opts.setReduceFunction(internal::reduce_fn<T>(reduction_of(op, type)));
 }
 
 template <typename F>
 void dispatch_dtype(const at::Tensor& t, F f) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return f(float{});
-    case at::kDouble: return f(double{});
-    case at::kLong: return f(int64_t{});
-    case at::kInt: return f(int32_t{});
-    case at::kHalf: return f(gloo::float16{});
-    default:
-      throw std::invalid_argument(std::string("ProcessGroupGloo: unsupported dtype ") +
-                                  c10::toString(t.scalar_type()));
-  }
+  internal::dispatch_dtype(t.scalar_type(), "ProcessGroupGloo", f);
 }
 
 void check_tensor(const at::Tensor& t) {
@@ -112,7 +106,7 @@ class ProcessGroupGloo : public ProcessGroup {
     int64_t limit = local_sync_max_bytes();
     gloo::AllreduceOptions opts(context_);
     opts.setOutput(&limit, 1);
-    reduce_fn<int64_t>(ReduceOp::kMin, opts);
+    reduce_fn<int64_t>(ReduceOp::kMin, at::kLong, opts);
     gloo::allreduce(opts);
     sync_max_bytes_ = limit;
     if (size_ > 1) {
@@ -195,7 +189,7 @@ class ProcessGroupGloo : public ProcessGroup {
   // An allreduce, on the thread that runs the group's operations.
   void run_allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
     if (tensors.empty()) return;
-    const internal::Reduction reduction = reduction_of(op);
+    const internal::Reduction reduction = reduction_of(op, tensors[0].scalar_type());
     if (use_shm(tensors)) {
       std::vector<at::Tensor> dense;
       for (auto& t : tensors) dense.push_back(t.contiguous());
@@ -244,7 +238,7 @@ class ProcessGroupGloo : public ProcessGroup {
   std::shared_ptr<gloo::rendezvous::Context> connect(std::shared_ptr<rpc::Store> store,
                                                      const std::string& prefix,
                                                      std::shared_ptr<gloo::transport::Device> device) {
-    GlooStore gloo_store(std::move(store), prefix);
+    auto gloo_store = std::make_shared<GlooStore>(std::move(store), prefix);
     auto context = std::make_shared<gloo::rendezvous::Context>(rank_, size_);
     context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(options_.timeout)));
     try {
@@ -263,7 +257,7 @@ class ProcessGroupGloo : public ProcessGroup {
       using T = decltype(zero);
       gloo::AllreduceOptions opts(context_);
       opts.setOutput(static_cast<T*>(buffer.data_ptr()), buffer.numel());
-      reduce_fn<T>(op, opts);
+      reduce_fn<T>(op, buffer.scalar_type(), opts);
       // BCUBE takes log2(n) steps instead of the ring's 2(n-1) and wins on
       // small, latency-bound buffers; on large ones Gloo's segmented ring
       // (torch.distributed's choice) is up to 4x faster (//benchmarks:allreduce,
@@ -335,7 +329,7 @@ class ProcessGroupGloo : public ProcessGroup {
     entry.staging = at::empty({numel}, tensors[0].options());
     dispatch_dtype(entry.staging, [&](auto zero) {
       using T = decltype(zero);
-      const gloo::ReductionFunction<T>* fn = internal::reduction_function<T>(reduction_of(op));
+      const gloo::ReductionFunction<T>* fn = internal::reduction_function<T>(reduction_of(op, dtype));
       entry.algorithm = std::make_unique<gloo::AllreduceHalvingDoubling<T>>(
           sync_context_, std::vector<T*>{static_cast<T*>(entry.staging.data_ptr())},
           static_cast<int>(numel), fn);

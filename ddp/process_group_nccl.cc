@@ -51,6 +51,10 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kLong: return ncclInt64;
     case at::kInt: return ncclInt32;
     case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kByte: return ncclUint8;
+    case at::kChar: return ncclInt8;
+    case at::kBool: return ncclUint8;  // 0 or 1 per byte; a sum is reduced as a max
     default:
       throw std::invalid_argument(std::string("ProcessGroupNccl: unsupported dtype ") +
                                   c10::toString(t.scalar_type()));
@@ -97,6 +101,8 @@ class ProcessGroupNccl : public ProcessGroup {
     return enqueue("allreduce", [this, tensors, op]() mutable {
       for (auto& t : tensors) {
         ncclRedOp_t nop = op == ReduceOp::kMin ? ncclMin : op == ReduceOp::kMax ? ncclMax : ncclSum;
+        // bool: a sum is a logical or (as in the Gloo group), a max of 0/1 bytes.
+        if (t.scalar_type() == at::kBool && nop == ncclSum) nop = ncclMax;
         staged(t, [&](void* dev) {
           check(ncclAllReduce(dev, dev, t.numel(), nccl_type(t), nop, comm_, stream_), "ncclAllReduce");
         });

@@ -6,6 +6,8 @@
 #include <ATen/ops/cat.h>
 #include <torch/nn/modules/activation.h>
 
+#include <variant>
+
 namespace ddprpc::models {
 
 EmbeddingTable::EmbeddingTable(int64_t num_embeddings, int64_t embedding_dim)
@@ -15,7 +17,7 @@ at::Tensor EmbeddingTable::forward(at::Tensor indices, at::Tensor offsets) {
   const torch::nn::EmbeddingBagOptions& o = table_->options;
   // Dense gradients of a plain sum: one fused node (embedding_bag.h).
   if (!o.sparse() && !o.max_norm() && !o.padding_idx() && !o.include_last_offset() &&
-      c10::get_if<torch::enumtype::kSum>(&o.mode()) != nullptr) {
+      std::holds_alternative<torch::enumtype::kSum>(o.mode())) {
     return embedding_bag_sum_dense(table_->weight, indices, offsets);
   }
   return table_->forward(indices, offsets);

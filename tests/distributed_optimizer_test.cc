@@ -1,5 +1,6 @@
 // Every optimizer DistributedOptimizer offers, against torch.optim's own
-// (PyTorch 1.13, /usr/bin/python3) on the same parameters and gradients:
+// (the PyTorch whose libtorch the build uses) on the same parameters and
+// gradients:
 // three steps with gradients that change sign; a parameter that never gets
 // a gradient stays as it was.
 #include <ATen/TensorOperators.h>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "ddprpc_libtorch_info.h"
 #include "autograd/dist_autograd.h"
 #include "gtest/gtest.h"
 #include "optim/distributed_optimizer.h"
@@ -73,7 +75,7 @@ std::map<std::string, std::vector<double>> torch_results() {
   std::fputs(script.c_str(), f);
   std::fclose(f);
   std::map<std::string, std::vector<double>> out;
-  FILE* p = ::popen(("/usr/bin/python3 " + path + " 2>&1").c_str(), "r");
+  FILE* p = ::popen((std::string(ddprpc_build::kPython) + " " + path + " 2>&1").c_str(), "r");
   if (p == nullptr) return out;
   char line[512];
   std::string all;
@@ -92,9 +94,10 @@ std::map<std::string, std::vector<double>> torch_results() {
 }
 
 MULTIPROCESS_TEST(DistributedOptimizerTest, EveryKindMatchesTorchOptim, 2) {
-  if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0) {
-    GTEST_SKIP() << "no PyTorch at /usr/bin/python3";
-  }
+  // The build's libtorch came from this Python's PyTorch, so it has one:
+  // a failure here is a broken environment, not a reason to skip.
+  ASSERT_EQ(std::system((std::string(ddprpc_build::kPython) + " -c 'import torch'").c_str()), 0)
+      << "no PyTorch at " << ddprpc_build::kPython;
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   if (mp::rank() == 0) {
     const auto expected = torch_results();

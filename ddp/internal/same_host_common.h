@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <gloo/algorithm.h>
 #include <gloo/allgather.h>
@@ -25,11 +26,14 @@ enum class Reduction { kSum, kMin, kMax };
 // The element loops run on the calling thread: ATen's kernels would start
 // an intra-op team per piece, and with several ranks on few cores its
 // spinning threads cost more than the reduction. Gloo's own loops
-// (gloo/math.h) serve every dtype but half: built without AVX, as
-// Debian's is, they assign through gloo::float16's operator=, which skips
-// the store when the new bits equal the half encoding of the old bits read
-// as an integer (its operator!= compares with rhs.x), so some results keep
-// the destination's previous value. Half goes through c10::Half and float.
+// (gloo/math.h) serve every dtype but the 16-bit floats: built without AVX,
+// they assign through gloo::float16's operator=, which skips the store when
+// the new bits equal the half encoding of the old bits read as an integer
+// (its operator!= compares with rhs.x), so some results keep the
+// destination's previous value. Half and bfloat16 go through c10::Half and
+// c10::BFloat16, reduced in float. bool goes as bytes of 0 or 1 (uint8_t):
+// its min is a logical and, its max a logical or, and the group reduces a
+// bool sum as a max.
 
 // out[i] = op(a[i], b[i]) for n elements; out may be a or b.
 using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
@@ -39,38 +43,48 @@ using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
 void sum_float(void* out, const void* a, const void* b, size_t n);
 void sum_double(void* out, const void* a, const void* b, size_t n);
 
-template <typename Op>
-void half_loop(void* out, const void* a, const void* b, size_t n) {
-  static_assert(sizeof(c10::Half) == sizeof(gloo::float16));
-  auto* o = static_cast<c10::Half*>(out);
-  const auto* x = static_cast<const c10::Half*>(a);
-  const auto* y = static_cast<const c10::Half*>(b);
+// The element type a 16-bit float is reduced as: gloo::float16 (the type
+// Gloo's templates are instantiated with for half) is stored as c10::Half.
+template <typename T>
+using Storage16 = std::conditional_t<std::is_same_v<T, gloo::float16>, c10::Half, T>;
+
+template <typename T>
+inline constexpr bool kIsFloat16 =
+    std::is_same_v<T, gloo::float16> || std::is_same_v<T, c10::BFloat16>;
+
+template <typename S, typename Op>
+void float16_loop(void* out, const void* a, const void* b, size_t n) {
+  static_assert(sizeof(S) == 2);
+  auto* o = static_cast<S*>(out);
+  const auto* x = static_cast<const S*>(a);
+  const auto* y = static_cast<const S*>(b);
   for (size_t i = 0; i < n; ++i) {
-    o[i] = c10::Half(Op()(static_cast<float>(x[i]), static_cast<float>(y[i])));
+    o[i] = S(Op()(static_cast<float>(x[i]), static_cast<float>(y[i])));
   }
 }
-struct HalfSum {
+struct FloatSum {
   float operator()(float a, float b) const { return a + b; }
 };
-struct HalfMin {
+struct FloatMin {
   float operator()(float a, float b) const { return b < a ? b : a; }
 };
-struct HalfMax {
+struct FloatMax {
   float operator()(float a, float b) const { return a < b ? b : a; }
 };
 
 // In place, as gloo::ReductionFunction takes them: x[i] = op(x[i], y[i]).
-template <typename Op>
-void half_in_place(gloo::float16* x, const gloo::float16* y, size_t n) {
-  half_loop<Op>(x, x, y, n);
+template <typename T, typename Op>
+void float16_in_place(T* x, const T* y, size_t n) {
+  float16_loop<Storage16<T>, Op>(x, x, y, n);
 }
 
 template <typename T>
 ReduceFn reduce_fn(Reduction op) {
-  if constexpr (std::is_same_v<T, gloo::float16>) {
-    if (op == Reduction::kMin) return &half_loop<HalfMin>;
-    if (op == Reduction::kMax) return &half_loop<HalfMax>;
-    return &half_loop<HalfSum>;
+  if constexpr (kIsFloat16<T>) {
+    using S = Storage16<T>;
+    if (op == Reduction::kMin) return &float16_loop<S, FloatMin>;
+    if (op == Reduction::kMax) return &float16_loop<S, FloatMax>;
+    return &float16_loop<S, FloatSum>;
   } else {
     if (op == Reduction::kMin) return &gloo::min<T>;
     if (op == Reduction::kMax) return &gloo::max<T>;
@@ -81,13 +95,16 @@ ReduceFn reduce_fn(Reduction op) {
 }
 
 // The reduction Gloo's bound algorithms (gloo::AllreduceHalvingDoubling)
-// apply, with the half loops above for half.
+// apply, with the loops above for the 16-bit floats.
 template <typename T>
 const gloo::ReductionFunction<T>* reduction_function(Reduction op) {
-  if constexpr (std::is_same_v<T, gloo::float16>) {
-    static const auto* sum = new gloo::ReductionFunction<T>(gloo::SUM, &half_in_place<HalfSum>);
-    static const auto* min = new gloo::ReductionFunction<T>(gloo::MIN, &half_in_place<HalfMin>);
-    static const auto* max = new gloo::ReductionFunction<T>(gloo::MAX, &half_in_place<HalfMax>);
+  if constexpr (kIsFloat16<T>) {
+    static const auto* sum =
+        new gloo::ReductionFunction<T>(gloo::SUM, &float16_in_place<T, FloatSum>);
+    static const auto* min =
+        new gloo::ReductionFunction<T>(gloo::MIN, &float16_in_place<T, FloatMin>);
+    static const auto* max =
+        new gloo::ReductionFunction<T>(gloo::MAX, &float16_in_place<T, FloatMax>);
     return op == Reduction::kMin ? min : op == Reduction::kMax ? max : sum;
   } else {
     return op == Reduction::kMin   ? gloo::ReductionFunction<T>::min
@@ -96,19 +113,31 @@ const gloo::ReductionFunction<T>* reduction_function(Reduction op) {
   }
 }
 
-// Throws std::invalid_argument for a dtype other than float, double,
-// int64, int32 and half.
-inline ReduceFn reduce_fn(at::ScalarType type, Reduction op) {
+// Calls f with a value of the element type Gloo's templates take for the
+// dtype of `type`; throws std::invalid_argument naming `who` and the dtype
+// for any other (complex, quantized, float8, ...).
+template <typename F>
+decltype(auto) dispatch_dtype(at::ScalarType type, const char* who, F&& f) {
   switch (type) {
-    case at::kFloat: return reduce_fn<float>(op);
-    case at::kDouble: return reduce_fn<double>(op);
-    case at::kLong: return reduce_fn<int64_t>(op);
-    case at::kInt: return reduce_fn<int32_t>(op);
-    case at::kHalf: return reduce_fn<gloo::float16>(op);
+    case at::kFloat: return f(float{});
+    case at::kDouble: return f(double{});
+    case at::kLong: return f(int64_t{});
+    case at::kInt: return f(int32_t{});
+    case at::kHalf: return f(gloo::float16{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kBool:  // bytes of 0 or 1
+    case at::kByte: return f(uint8_t{});
+    case at::kChar: return f(int8_t{});
     default:
-      throw std::invalid_argument(std::string("same-host allreduce: unsupported dtype ") +
+      throw std::invalid_argument(std::string(who) + ": unsupported dtype " +
                                   c10::toString(type));
   }
+}
+
+// Throws std::invalid_argument for a dtype dispatch_dtype does not take.
+inline ReduceFn reduce_fn(at::ScalarType type, Reduction op) {
+  return dispatch_dtype(type, "same-host allreduce",
+                        [op](auto zero) { return reduce_fn<decltype(zero)>(op); });
 }
 
 // Collective over `context`: every rank's `mine` (the same length on

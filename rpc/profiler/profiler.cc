@@ -139,8 +139,8 @@ thread_local ThreadState t_state;
 // innermost running operator.
 class MemoryReporter : public c10::MemoryReportingInfoBase {
  public:
-  void reportMemoryUsage(void* ptr, int64_t alloc_size, int64_t total_allocated,
-                         int64_t total_reserved, c10::Device device) override {
+  void reportMemoryUsage(void* ptr, int64_t alloc_size, size_t total_allocated,
+                         size_t total_reserved, c10::Device device) override {
     OpContext* op = t_state.open;
     if (op && op->recorder->options.profile_memory) op->self_bytes += alloc_size;
   }
