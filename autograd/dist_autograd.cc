@@ -707,14 +707,12 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
   for (size_t i = 0; i < leaves.size(); ++i) {
     params.push_back(leaves[i]->variable);
     // Moved out of `results`, so that a gradient no other tensor refers to
-    // has a use count of 1 (below). The leaf's tensor hooks run as in
-    // AccumulateGrad::apply, after any hooks of the node itself.
+    // has a use count of 1 (below). libtorch's engine ran the leaf's tensor
+    // hooks (AccumulateGrad's tensor pre-hooks) before it captured the
+    // gradient; the node's own pre-hooks run here, as AccumulateGrad::apply
+    // would have seen them.
     at::Tensor grad = std::move(results[i]);
     if (!leaves[i]->pre_hooks().empty()) grad = after_pre_hooks(leaves[i], {std::move(grad)})[0];
-    for (const auto& hook : torch::autograd::impl::hooks(leaves[i]->variable)) {
-      if (!grad.defined()) break;
-      grad = (*hook)({std::move(grad)})[0];
-    }
     param_grads.push_back(std::move(grad));
   }
   results.clear();

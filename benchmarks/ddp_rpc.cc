@@ -83,11 +83,12 @@ DEFINE_string(lookups, "concurrent",
               "how a trainer's forward reaches the parameter servers: concurrent (rpc_async to "
               "every server, then wait for all) or sequential (rpc_sync one after another, the "
               "order of PyTorch's original benchmark); PyTorch's reference runs the same");
-DEFINE_string(dense_kernel, "xnnpack,aten",
+DEFINE_string(dense_kernel, "",
               "kernels of the dense layers, a comma list, one run of ddprpc each: xnnpack (ours) "
               "or aten (libtorch's Linear, the kernel PyTorch's side runs). Against PyTorch, "
               "aten gives the ratio of the runtimes alone and xnnpack the ratio of the product. "
-              "A rank started on its own uses the first");
+              "Default: xnnpack,aten where libtorch has XNNPACK, else aten (PyTorch's x86 wheels "
+              "have none). A rank started on its own uses the first");
 DEFINE_string(backend, "gloo",
               "DDP collective backend among trainers: gloo (CPU) or nccl (GPU; needs a CUDA build "
               "and a visible GPU)");
@@ -920,6 +921,7 @@ void check_flags() {
   if (FLAGS_lookups != "concurrent" && FLAGS_lookups != "sequential") {
     usage_error("--lookups must be concurrent or sequential");
   }
+  if (FLAGS_dense_kernel.empty()) FLAGS_dense_kernel = models::default_dense_kernels();
   dense_kernels();  // exits on a name it does not know
   if (FLAGS_pairs < 1) usage_error("--pairs must be at least 1");
   if (FLAGS_pytorch_iters == 0 || FLAGS_pytorch_iters < -1 || FLAGS_pytorch_warmup < -1) {

@@ -81,11 +81,12 @@ DEFINE_string(output_file_path, "benchmark_report.json",
 DEFINE_bool(pytorch, true,
             "also run PyTorch's benchmark (benchmarks/reference/rpc_rl.py with --python) "
             "on the same configuration and print both");
-DEFINE_string(dense_kernel, "xnnpack,aten",
+DEFINE_string(dense_kernel, "",
               "kernels of the agent's policy layers, a comma list, one run of ddprpc each: "
               "xnnpack (ours) or aten (libtorch's Linear, the kernel PyTorch's side runs). "
               "Against PyTorch, aten gives the ratio of the runtimes alone and xnnpack the "
-              "ratio of the product");
+              "ratio of the product. Default: xnnpack,aten where libtorch has XNNPACK, else "
+              "aten (PyTorch's x86 wheels have none)");
 DEFINE_string(compile, "",
               "BACKEND[/MODE]: the agent's policy compiled by //models:policy_compile "
               "(torchscript/script|freeze|optimize, xnnpack/default, nnc/interp) instead of "
@@ -800,6 +801,7 @@ int launcher(int argc, char** argv) {
 int rank_main(int argc, char** argv) {
   ddprpc::benchmarks::keep_freed_memory();
   ddprpc::benchmarks::parse_flags(&argc, &argv, "benchmarks/rpc_rl");
+  if (FLAGS_dense_kernel.empty()) FLAGS_dense_kernel = ddprpc::models::default_dense_kernels();
   if (ddprpc::benchmarks::env_rank() >= 0) {
     ddprpc::Config c;
     const std::string error = ddprpc::parse_config("", "", &c);

@@ -119,7 +119,7 @@ TEST(RpcRlBenchmarkTest, NonBatchAnswersEveryRequest) { run(false, "--dense_kern
 // The agent's policy compiled (//models:policy_compile), both modes.
 TEST(RpcRlBenchmarkTest, CompiledPolicyAnswersEveryRequest) {
   run(true, "--compile=torchscript/freeze", "compiled:torchscript/freeze");
-  run(false, "--compile=xnnpack", "compiled:xnnpack");
+  run(false, "--compile=torchscript/optimize", "compiled:torchscript/optimize");
 }
 
 TEST(RpcRlBenchmarkTest, RejectsTwoListFlags) {

@@ -235,6 +235,8 @@ struct PackedWeightCache {
 
 }  // namespace internal
 
+std::string default_dense_kernels() { return xnnpack_linear_available() ? "xnnpack,aten" : "aten"; }
+
 const char* dense_kernel_name(DenseKernel kernel) {
   return kernel == DenseKernel::kAten ? "aten" : "xnnpack";
 }

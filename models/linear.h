@@ -41,8 +41,14 @@ bool parse_dense_kernel(std::string_view name, DenseKernel* out);
 // why, if a name is unknown or none is given.
 bool parse_dense_kernels(std::string_view csv, std::vector<DenseKernel>* out, std::string* error);
 
-// True when this libtorch has XNNPACK's prepacked linear and it runs here.
+// True when this libtorch has XNNPACK's prepacked linear and it runs here
+// (Debian's libtorch 1.13 has; PyTorch's x86 wheels of 2.x have not).
 bool xnnpack_linear_available();
+
+// The kernels a benchmark compares by default: "xnnpack,aten" where
+// XNNPACK is available, else "aten" (the xnnpack kernel would run
+// at::linear too).
+std::string default_dense_kernels();
 
 // y = x W^T + b for x [batch, in], W [out, in], b [out] (b may be undefined),
 // differentiable in all three; falls back to at::linear (see above).

@@ -1,3 +1,4 @@
+#include "models/linear.h"
 #include "models/policy_compile.h"
 
 #include <ATen/Parallel.h>
@@ -182,6 +183,11 @@ torch::jit::Module optimize(torch::jit::Module m, const std::string& backend,
     m = torch::jit::freeze(m, other_methods);
     m = torch::jit::optimize_for_inference(m, other_methods);
   } else if (backend == "xnnpack") {
+    // optimizeForMobile asserts inside libtorch when it has no XNNPACK.
+    if (!xnnpack_linear_available()) {
+      throw std::runtime_error(
+          "this libtorch was built without XNNPACK (PyTorch's x86 wheels of 2.x are)");
+    }
     m = torch::jit::optimizeForMobile(m, /*optimization_blocklist=*/{}, other_methods);
   } else if (backend == "nnc") {
     m = torch::jit::freeze(m, other_methods);
@@ -351,7 +357,7 @@ bool parse_compile_spec(const std::string& spec, CompileOptions* options, std::s
 }
 
 std::pair<std::string, std::string> default_backend(PolicyKind kind) {
-  if (kind == PolicyKind::kMlp) return {"xnnpack", "default"};
+  if (kind == PolicyKind::kMlp && xnnpack_linear_available()) return {"xnnpack", "default"};
   return {"torchscript", "optimize"};
 }
 
@@ -382,7 +388,7 @@ CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& opt
 CompiledLinearSoftmax compile_linear_softmax(
     const std::vector<std::pair<at::Tensor, at::Tensor>>& layers, const CompileOptions& options) {
   const std::string model = absl::StrCat(layers.size(), "-layer linear + softmax policy");
-  const auto [backend, mode] = resolve(options, {"xnnpack", "default"}, model);
+  const auto [backend, mode] = resolve(options, default_backend(PolicyKind::kMlp), model);
   const std::string what = absl::StrCat("backend '", backend, "' (mode '", mode, "') on the ", model);
   if (layers.empty()) throw std::runtime_error(what + " failed: no layers");
   return compile_or_throw(what, [&] {

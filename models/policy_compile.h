@@ -112,14 +112,16 @@ CompiledPolicy compile_policy(const PpoPolicy& policy, const CompileOptions& opt
 CompiledPolicy compile_policy(const PpoPolicy& policy, const std::string& backend,
                               const std::string& mode);
 
-// With no backend given: xnnpack/default. Throws std::runtime_error as
-// compile_policy does.
+// With no backend given: the MLP's default (default_backend). Throws
+// std::runtime_error as compile_policy does.
 CompiledLinearSoftmax compile_linear_softmax(
     const std::vector<std::pair<at::Tensor, at::Tensor>>& layers, const CompileOptions& options);
 
-// The default backend/mode for a policy kind: xnnpack/default for the MLP,
-// torchscript/optimize for the CNN (XNNPACK's convolutions lose to oneDNN's
-// at larger batches).
+// The default backend/mode for a policy kind: xnnpack/default for the MLP
+// where libtorch has XNNPACK, torchscript/optimize otherwise and for the
+// CNN (XNNPACK's convolutions lose to oneDNN's at larger batches).
+// Compiling with xnnpack on a libtorch without it (PyTorch's x86 wheels of
+// 2.x) throws, naming the backend and the model.
 std::pair<std::string, std::string> default_backend(PolicyKind kind);
 
 }  // namespace ddprpc::models

@@ -26,9 +26,10 @@ cc_library(
     linkopts = [
         "-L{root}/lib",
         "-Wl,-rpath,{root}/lib",
-        # Kernels register themselves at load: keep every library linked.
-        "-Wl,--no-as-needed",
-    ] + {libs} + ["-Wl,--as-needed", "-lpthread"],
+        # Kernels register themselves at load: keep every library linked,
+        # and leave the linker's mode as it was for the libraries after.
+        "-Wl,--push-state,--no-as-needed",
+    ] + {libs} + ["-Wl,--pop-state", "-lpthread"],
     visibility = ["//visibility:public"],
 )
 
@@ -69,6 +70,23 @@ def _torch_from_python(ctx, python):
     lines = res.stdout.strip().split("\n")
     return lines[-2].strip()
 
+# "2.13.0" from libtorch's headers: torch/headeronly/version.h (2.9 and
+# later) or torch/csrc/api/include/torch/version.h, as TORCH_VERSION_MAJOR,
+# _MINOR and _PATCH.
+def _torch_version(ctx, root):
+    parts = {}
+    for header in ["torch/headeronly/version.h", "torch/csrc/api/include/torch/version.h"]:
+        path = ctx.path(root + "/include/" + header)
+        if not path.exists:
+            continue
+        for line in ctx.read(path).split("\n"):
+            words = [w for w in line.replace("\t", " ").split(" ") if w]
+            if len(words) == 3 and words[0] == "#define" and words[1].startswith("TORCH_VERSION_"):
+                parts.setdefault(words[1][len("TORCH_VERSION_"):], words[2])
+    if not all([k in parts for k in ["MAJOR", "MINOR", "PATCH"]]):
+        return "unknown"
+    return "%s.%s.%s" % (parts["MAJOR"], parts["MINOR"], parts["PATCH"])
+
 def _libtorch_impl(ctx):
     root = ctx.os.environ.get("DDPRPC_LIBTORCH", "")
     python = ctx.os.environ.get("DDPRPC_PYTHON", "")
@@ -83,12 +101,7 @@ def _libtorch_impl(ctx):
             fail("%s is not a libtorch tree: %s/%s is missing" % (root, root, need))
     for d in _TORCH_INCLUDE_DIRS:
         ctx.symlink(root + "/include/" + d, "include/" + d)
-    version = "unknown"
-    version_h = ctx.path(root + "/include/torch/csrc/api/include/torch/version.h")
-    if version_h.exists:
-        for line in ctx.read(version_h).split("\n"):
-            if line.startswith("#define TORCH_VERSION ") and '"' in line:
-                version = line.split('"')[1]
+    version = _torch_version(ctx, root)
     libs = ["-ltorch", "-ltorch_cpu", "-lc10"]
     cuda = ctx.path(root + "/lib/libtorch_cuda.so").exists
     defines = []
