@@ -346,6 +346,32 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
         EXPECT_TRUE(at::allclose(avg, (v0 + v1 + v2).to(at::kDouble) / 3)) << n;
       }
     }
+    // bfloat16, bool, uint8 and int8 on values whose sums every one of them
+    // holds exactly (bool: a sum and a max are an or, a min an and).
+    for (int64_t n : {int64_t{1}, int64_t{1000}, ShmAllreduce::kMaxBytes / 2,
+                      ShmAllreduce::kMaxBytes + 1}) {
+      for (at::ScalarType type : {at::kBFloat16, at::kBool, at::kByte, at::kChar}) {
+        auto small_values = [&](int64_t rank) { return at::remainder(values(n, at::kLong, rank), 5); };
+        const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(type));
+        small += bytes <= ShmAllreduce::kMaxBytes ? 3 : 0;
+        at::Tensor sum = small_values(r).to(type), mx = sum.clone(), mn = sum.clone();
+        pg.allreduce({sum}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+        pg.allreduce({mx}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+        pg.allreduce({mn}, ddp::ReduceOp::kMin)->wait(absl::Seconds(60));
+        at::Tensor v0 = small_values(0), v1 = small_values(1), v2 = small_values(2);
+        EXPECT_TRUE(at::equal(sum, (v0 + v1 + v2).to(type))) << n << " elements of " << type;
+        EXPECT_TRUE(at::equal(mx, at::maximum(at::maximum(v0, v1), v2).to(type))) << n << type;
+        EXPECT_TRUE(at::equal(mn, at::minimum(at::minimum(v0, v1), v2).to(type))) << n << type;
+      }
+    }
+    at::Tensor bavg = at::remainder(values(1000, at::kLong, r), 5).to(at::kBFloat16);
+    pg.allreduce({bavg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+    small += 1;
+    EXPECT_TRUE(at::allclose(bavg.to(at::kFloat),
+                             (at::remainder(values(1000, at::kLong, 0), 5) +
+                              at::remainder(values(1000, at::kLong, 1), 5) +
+                              at::remainder(values(1000, at::kLong, 2), 5)).to(at::kFloat) / 3,
+                             1e-2, 1e-2));
     // Fractions: every rank ends with the same bits.
     auto fractions = [](int64_t rank) {
       return at::sin(at::arange(4099, at::kFloat) * (rank + 1)) * 1e3 + 1.0 / (rank + 3);
@@ -383,7 +409,9 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
   {
     auto pg = ddp::make_gloo_group(store, "shm/", mp::rank(), 3);
     const auto [runs, small] = check(*pg);
-    EXPECT_EQ(small, 98);  // 1 MiB fits, 1 MiB + 2 bytes does not
+    // 1 MiB fits, 1 MiB + 2 bytes does not: 98 of float, double, long, int
+    // and half, 37 of bfloat16, bool, uint8 and int8.
+    EXPECT_EQ(small, 135);
     EXPECT_EQ(runs, fast ? small : 0);
     // What it tells a caller with separate tensors (DDP's buckets).
     EXPECT_EQ(pg->reduces_lists_in_place(ShmAllreduce::kMaxBytes), fast);
@@ -667,6 +695,45 @@ MULTIPROCESS_TEST(DdpTest, GradientSinkReceivesTheAveragesInsteadOfGrad, 2) {
   for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
   model->forward(x).sum().backward();
   EXPECT_TRUE(at::allclose(params[0].grad(), received[0]));
+}
+
+// A bfloat16 model (the dtype most GPU training uses): DDP averages its
+// bfloat16 gradients across the ranks into .grad.
+MULTIPROCESS_TEST(DdpTest, Bfloat16ModelGradientsAreAveraged, 2) {
+  auto pg = group();
+  at::manual_seed(mp::rank());  // DDP makes rank 0's parameters everyone's
+  auto model = make_model();
+  model->to(at::kBFloat16);
+  ddp::DistributedDataParallel ddp_model(model.ptr(), pg);
+  const auto params = model->parameters();
+  const double r = mp::rank();
+  at::Tensor x = at::full({2, 6}, r + 1, at::kBFloat16);
+  // Each rank's local gradients, from the same (broadcast) parameters.
+  std::vector<at::Tensor> local, expected;
+  {
+    auto plain = make_model();
+    plain->to(at::kBFloat16);
+    for (size_t k = 0; k < params.size(); ++k) {
+      plain->parameters()[k].set_data(params[k].detach().clone());
+    }
+    plain->forward(x).sum().backward();
+    for (auto& p : plain->parameters()) {
+      local.push_back(p.grad().clone());
+      at::Tensor g = p.grad().clone();
+      pg->allreduce({g}, ddp::ReduceOp::kAvg)->wait();
+      expected.push_back(g);
+    }
+  }
+  model->forward(x).sum().backward();
+  for (size_t k = 0; k < params.size(); ++k) {
+    ASSERT_TRUE(params[k].grad().defined()) << "parameter " << k;
+    EXPECT_EQ(params[k].grad().scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::allclose(params[k].grad().to(at::kFloat), expected[k].to(at::kFloat), 1e-2,
+                             1e-2))
+        << "parameter " << k;
+  }
+  // The ranks' inputs differ, so the first layer's average is not its local gradient.
+  EXPECT_FALSE(at::allclose(local[0].to(at::kFloat), expected[0].to(at::kFloat), 1e-2, 1e-2));
 }
 
 }  // namespace

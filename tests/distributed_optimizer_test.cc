@@ -54,14 +54,15 @@ std::string list(const std::vector<double>& v) {
   return out.str() + "]";
 }
 
-// kind -> the parameter after three steps, from torch.optim; empty when
-// PyTorch cannot be run here.
-std::map<std::string, std::vector<double>> torch_results() {
+// kind -> the parameter after three steps, from torch.optim, with
+// parameters of `dtype` ("float32", "bfloat16"); empty when PyTorch cannot
+// be run here.
+std::map<std::string, std::vector<double>> torch_results(const std::string& dtype) {
   std::string script = "import torch\n";
   for (const Case& c : kCases) {
     const std::string cls = c.theirs.substr(0, c.theirs.find(','));
     const std::string kwargs = c.theirs.find(',') == std::string::npos ? "" : c.theirs.substr(c.theirs.find(','));
-    script += "p = torch.tensor(" + list(kStart) + ", requires_grad=True)\n";
+    script += "p = torch.tensor(" + list(kStart) + ", dtype=torch." + dtype + ", requires_grad=True)\n";
     script += "q = torch.tensor([1.0, 2.0], requires_grad=True)\n";
     script += "o = torch.optim." + cls + "([p, q]" + kwargs + ")\n";
     for (const auto& g : kGrads) {
@@ -70,7 +71,7 @@ std::map<std::string, std::vector<double>> torch_results() {
     script += "assert q.tolist() == [1.0, 2.0]\n";
     script += "print('" + c.kind + "', *['%.9g' % x for x in p.tolist()])\n";
   }
-  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/optimizers.py";
+  const std::string path = std::string(std::getenv("TEST_TMPDIR")) + "/optimizers_" + dtype + ".py";
   FILE* f = std::fopen(path.c_str(), "w");
   std::fputs(script.c_str(), f);
   std::fclose(f);
@@ -93,22 +94,24 @@ std::map<std::string, std::vector<double>> torch_results() {
   return out;
 }
 
-MULTIPROCESS_TEST(DistributedOptimizerTest, EveryKindMatchesTorchOptim, 2) {
+// Every kind on parameters of `dtype`, against torch.optim on the same.
+void every_kind_matches_torch_optim(at::ScalarType dtype, double rtol, double atol) {
   // The build's libtorch came from this Python's PyTorch, so it has one:
   // a failure here is a broken environment, not a reason to skip.
   ASSERT_EQ(std::system((std::string(ddprpc_build::kPython) + " -c 'import torch'").c_str()), 0)
       << "no PyTorch at " << ddprpc_build::kPython;
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
   if (mp::rank() == 0) {
-    const auto expected = torch_results();
+    const auto expected = torch_results(dtype == at::kBFloat16 ? "bfloat16" : "float32");
     ASSERT_EQ(expected.size(), kCases.size());
     for (const Case& c : kCases) {
       SCOPED_TRACE(c.kind);
       // The parameters live on worker1; the gradients come from worker0's
       // backward through an RPC.
-      rpc::RRef<at::Tensor> p = rpc::remote<at::Tensor>("worker1", "make_param", kStart);
-      rpc::RRef<at::Tensor> untouched = rpc::remote<at::Tensor>("worker1", "make_param",
-                                                                std::vector<double>{1.0, 2.0});
+      const int64_t type = static_cast<int64_t>(dtype);
+      rpc::RRef<at::Tensor> p = rpc::remote<at::Tensor>("worker1", "make_param", kStart, type);
+      rpc::RRef<at::Tensor> untouched = rpc::remote<at::Tensor>(
+          "worker1", "make_param", std::vector<double>{1.0, 2.0}, type);
       optim::DistributedOptimizer opt(c.kind, c.ours, {p, untouched});
       for (const auto& g : kGrads) {
         dist_autograd::Context context;
@@ -117,19 +120,32 @@ MULTIPROCESS_TEST(DistributedOptimizerTest, EveryKindMatchesTorchOptim, 2) {
         opt.step(context.id());
       }
       const at::Tensor got = p.to_here();
+      EXPECT_EQ(got.scalar_type(), dtype);
       const at::Tensor want = at::tensor(expected.at(c.kind), at::kFloat);
-      EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-6)) << "ours " << got << "\ntorch.optim " << want;
-      EXPECT_TRUE(untouched.to_here().equal(at::tensor(std::vector<double>{1.0, 2.0}, at::kFloat)));
+      EXPECT_TRUE(at::allclose(got.to(at::kFloat), want, rtol, atol))
+          << "ours " << got << "\ntorch.optim " << want;
+      EXPECT_TRUE(
+          untouched.to_here().equal(at::tensor(std::vector<double>{1.0, 2.0}, at::kFloat).to(dtype)));
     }
   }
   rpc::shutdown();
 }
 
+MULTIPROCESS_TEST(DistributedOptimizerTest, EveryKindMatchesTorchOptim, 2) {
+  every_kind_matches_torch_optim(at::kFloat, 1e-5, 1e-6);
+}
+
+// bfloat16 parameters keep their dtype and step as torch.optim's do, to
+// bfloat16's precision (8 bits of mantissa).
+MULTIPROCESS_TEST(DistributedOptimizerTest, EveryKindMatchesTorchOptimInBfloat16, 2) {
+  every_kind_matches_torch_optim(at::kBFloat16, 2e-2, 2e-2);
+}
+
 }  // namespace
 
 namespace {
-at::Tensor make_param(std::vector<double> values) {
-  return at::tensor(values, at::kFloat).requires_grad_(true);
+at::Tensor make_param(std::vector<double> values, int64_t dtype) {
+  return at::tensor(values, at::kFloat).to(static_cast<at::ScalarType>(dtype)).requires_grad_(true);
 }
 DDPRPC_REGISTER_FUNCTION(make_param);
 at::Tensor times(rpc::RRef<at::Tensor> param, at::Tensor factor) { return param.local_value() * factor; }

@@ -135,26 +135,51 @@ def ddprpc_system_deps():
 
     _local_cuda(name = "local_cuda")
 
+def _nccl_root(ctx):
+    """A directory with include/nccl.h and lib/libnccl.so*, or None."""
+    if ctx.path("/usr/local/cuda/include/nccl.h").exists:
+        return "/usr/local/cuda"
+    python = ctx.os.environ.get("DDPRPC_PYTHON", "")
+    if not python:
+        return None
+
+    # A CUDA build of PyTorch from PyPI brings NCCL as the nvidia-nccl package.
+    res = ctx.execute([
+        python,
+        "-c",
+        "import os, nvidia.nccl as m; print(list(m.__path__)[0])",
+    ], timeout = 60)
+    root = res.stdout.strip()
+    if res.return_code != 0 or not root or not ctx.path(root + "/include/nccl.h").exists:
+        return None
+    return root
+
 def _local_cuda_impl(ctx):
-    cuda = ctx.path("/usr/local/cuda")
-    has_nccl = cuda.get_child("include").get_child("nccl.h").exists
+    nccl = _nccl_root(ctx)
+    has_cudart = ctx.path("/usr/local/cuda/include/cuda_runtime.h").exists
+    has_nccl = nccl != None and has_cudart
     if has_nccl:
         ctx.symlink("/usr/local/cuda/include", "include")
+        if nccl != "/usr/local/cuda":
+            ctx.symlink(nccl + "/include", "nccl_include")
         build = """
+# NCCL from {nccl}, the CUDA runtime from /usr/local/cuda.
 cc_library(
     name = "nccl",
-    hdrs = glob(["include/**/*.h", "include/**/*.hpp"]),
-    includes = ["include"],
+    hdrs = glob(["include/**/*.h", "include/**/*.hpp", "nccl_include/**/*.h"]),
+    includes = ["nccl_include", "include"],
     defines = ["DDPRPC_WITH_NCCL=1"],
     linkopts = [
+        "-L{nccl_lib}",
+        "-Wl,-rpath,{nccl_lib}",
         "-L/usr/local/cuda/lib64",
         "-Wl,-rpath,/usr/local/cuda/lib64",
-        "-lnccl",
+        "-l:libnccl.so.2",
         "-lcudart",
     ],
     visibility = ["//visibility:public"],
 )
-"""
+""".format(nccl = nccl, nccl_lib = nccl + ("/lib64" if nccl == "/usr/local/cuda" else "/lib"))
     else:
         build = """
 cc_library(
@@ -165,9 +190,11 @@ cc_library(
     ctx.file("BUILD.bazel", build)
     ctx.file("defs.bzl", "HAS_NCCL = %s\n" % has_nccl)
 
-# CUDA runtime + NCCL from /usr/local/cuda when it is installed; an empty
-# library (and HAS_NCCL = False) otherwise.
+# NCCL (from /usr/local/cuda, or the nvidia-nccl package beside
+# DDPRPC_PYTHON's CUDA PyTorch) and the CUDA runtime of /usr/local/cuda when
+# both are there; an empty library (and HAS_NCCL = False) otherwise.
 _local_cuda = repository_rule(
     implementation = _local_cuda_impl,
+    environ = ["DDPRPC_PYTHON"],
     local = True,
 )

@@ -1,5 +1,6 @@
 #include "rpc/wire/codec.h"
 
+#include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/_neg_view.h>
@@ -58,6 +59,25 @@ TEST(CodecTest, TensorsKeepDtypeShapeValuesAndRequiresGrad) {
   EXPECT_TRUE(back[3].requires_grad());
   EXPECT_TRUE(at::equal(back[3].detach(), g.detach()));
   EXPECT_FALSE(back[4].defined());
+}
+
+// The dtypes of mixed-precision training and of masks and quantized
+// buffers keep their dtype and bits.
+TEST(CodecTest, ReducedPrecisionAndByteDtypesKeepTheirBits) {
+  const at::Tensor base = at::randn({6, 5});
+  for (at::ScalarType type : {at::kBFloat16, at::kHalf, at::kByte, at::kChar, at::kBool}) {
+    SCOPED_TRACE(c10::toString(type));
+    at::Tensor t = (base * 50).to(type);
+    at::Tensor view = t.t();  // and a non-contiguous view of it
+    auto back = from_ivalue<std::vector<at::Tensor>>(
+        round_trip(to_ivalue(std::vector<at::Tensor>{t, view})));
+    ASSERT_EQ(back.size(), 2u);
+    EXPECT_EQ(back[0].scalar_type(), type);
+    EXPECT_EQ(back[1].scalar_type(), type);
+    EXPECT_TRUE(at::equal(back[0], t));
+    EXPECT_TRUE(at::equal(back[1], view));
+    EXPECT_EQ(back[1].sizes(), view.sizes());
+  }
 }
 
 TEST(CodecTest, ConjugateAndNegativeViewsTravelAsTheirValues) {
