@@ -204,6 +204,10 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   limits.keepalive_interval = options_.keepalive_interval;
   limits.keepalive_timeout = options_.keepalive_timeout;
   limits.inline_handoff = options_.inline_request_handoff;
+  limits.max_unauthenticated_connections = options_.max_unauthenticated_connections;
+  limits.max_unauthenticated_per_peer = options_.max_unauthenticated_per_peer;
+  limits.handshake_timeout = options_.handshake_timeout;
+  limits.allow_other_uids = options_.allow_other_uids;
   limits.max_buffered_bytes = options_.max_receive_buffer_bytes;
   if (limits.max_buffered_bytes <= 0) {
     const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);

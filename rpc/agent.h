@@ -96,6 +96,15 @@ struct RpcBackendOptions {
   // without a token or TLS, unless allow_insecure (then it warns).
   Security security;
   bool allow_insecure = false;
+  // Connections that have not proven the token yet (docs/security.md): at
+  // most this many at once on each of this worker's servers, all together
+  // and per peer (the oldest give way to new ones), each ended after
+  // handshake_timeout. Processes of other users of this host may use the
+  // same-host socket only with allow_other_uids.
+  int max_unauthenticated_connections = 64;
+  int max_unauthenticated_per_peer = 16;
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  bool allow_other_uids = false;
   // Bytes of received messages this worker buffers for all peers together;
   // 0: four times max_message_bytes, at least 256 MiB. gRPC checks a
   // message's size only once all of it has arrived, so this is what bounds

@@ -9,7 +9,14 @@
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <gtest/gtest.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <pwd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -19,6 +26,7 @@
 #include <thread>
 #include <string>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "glog/logging.h"
 #include "rpc/transport/internal/same_host_protocol.h"
@@ -880,6 +888,243 @@ TEST(SameHostTransportTest, ACallerThatClosesBeforeItsReplyEndsWithoutAWarning) 
   ASSERT_TRUE(ch->send(request(at::arange(3, at::kFloat), 1), SendOptions{}));
   ASSERT_TRUE(replies.wait_for(1));
   EXPECT_TRUE(warnings.seen().empty()) << warnings.seen()[0];
+}
+
+// ---- strangers: other users, silent connections, descriptors running out
+
+int count_entries(const char* dir) {
+  DIR* d = opendir(dir);
+  if (!d) return -1;
+  int n = 0;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(d);
+  return n;
+}
+
+// The abstract address of a server's socket, made before a fork: the child
+// then only makes system calls.
+struct RawAddress {
+  explicit RawAddress(const std::string& name) {
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+  }
+  int connect_blocking() const {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+      ::close(fd);
+      return -1;
+    }
+    return fd;
+  }
+  sockaddr_un addr{};
+  socklen_t len = 0;
+};
+
+// Whether the server has closed `fd` (its end shows, nothing read stays).
+bool server_closed_now(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  char c;
+  return recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK) == 0;
+}
+
+// A process of another user (uid `nobody`) that connects and says a valid
+// hello: 0 when the server closed without a byte, 1 when it welcomed it,
+// 2 when it refused it with a welcome, 3 otherwise.
+int hello_as_another_user(const RawAddress& address) {
+  const passwd* nobody = getpwnam("nobody");
+  if (!nobody) return -1;
+  const uid_t uid = nobody->pw_uid;
+  const gid_t gid = nobody->pw_gid;
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(20);
+    if (setgroups(0, nullptr) != 0 || setgid(gid) != 0 || setuid(uid) != 0) _exit(4);
+    const int fd = address.connect_blocking();
+    if (fd < 0) _exit(5);
+    Preamble p;
+    p.kind = same_host::kHello;
+    p.body = sizeof(HelloBody);
+    HelloBody h;
+    h.worker = 1;
+    if (send(fd, &p, sizeof(p), MSG_NOSIGNAL) < 0) _exit(0);
+    if (send(fd, &h, sizeof(h), MSG_NOSIGNAL) < 0) _exit(0);
+    Preamble w;
+    const ssize_t n = recv(fd, &w, sizeof(w), MSG_WAITALL);
+    if (n == 0 || (n < 0 && errno == ECONNRESET)) _exit(0);
+    if (n != sizeof(w) || w.kind != same_host::kWelcome) _exit(3);
+    same_host::WelcomeBody body;
+    if (recv(fd, &body, sizeof(body), MSG_WAITALL) != sizeof(body)) _exit(3);
+    _exit(body.code == 0 ? 1 : 2);
+  }
+  int status = 0;
+  if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// A process of another uid is refused as it connects, before its hello is
+// read, unless the server allows other uids.
+TEST(SameHostTransportTest, AnotherUserIsRefusedBeforeItsHelloUnlessAllowed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another user";
+  {
+    Echo echo;
+    EXPECT_EQ(hello_as_another_user(RawAddress(echo.socket_name())), 0)
+        << "a process of another uid was not closed at once";
+    // The job's own processes still get in.
+    Replies replies;
+    auto ch = connect_as_worker1(&echo, &replies);
+    ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{});
+    EXPECT_TRUE(replies.wait_for(1));
+    ch->close(false);
+  }
+  ServerLimits allow;
+  allow.allow_other_uids = true;
+  Echo echo(Security{}, allow);
+  EXPECT_EQ(hello_as_another_user(RawAddress(echo.socket_name())), 1);
+}
+
+// Connections that never say hello take no thread each, and past the caps
+// the oldest of them are closed: the job's own connection still gets in
+// and is served within a second.
+TEST(SameHostTransportTest, SilentConnectionsTakeNoThreadAndCannotKeepTheJobOut) {
+  ServerLimits limits;
+  limits.max_unauthenticated_connections = 8;
+  limits.max_unauthenticated_per_peer = 4;
+  Echo echo(Security{}, limits);
+  const RawAddress address(echo.socket_name());
+  const int threads_before = count_entries("/proc/self/task");
+  std::vector<int> silent;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = address.connect_blocking();
+    ASSERT_GE(fd, 0);
+    silent.push_back(fd);
+  }
+  // The server takes them all, then holds no more than its cap.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  int still_open = 0;
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    still_open = 0;
+    for (int fd : silent) still_open += server_closed_now(fd) ? 0 : 1;
+  } while (still_open > limits.max_unauthenticated_per_peer && absl::Now() < deadline);
+  EXPECT_LE(still_open, limits.max_unauthenticated_per_peer);
+  EXPECT_LT(count_entries("/proc/self/task") - threads_before, 8)
+      << "silent connections cost a thread each";
+  const absl::Time start = absl::Now();
+  Replies replies;
+  auto ch = connect_as_worker1(&echo, &replies);
+  ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{});
+  EXPECT_TRUE(replies.wait_for(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  ch->close(false);
+  for (int fd : silent) ::close(fd);
+}
+
+// A caller of another process floods the server's socket while the
+// server's process has few descriptors left: connections it cannot take
+// fail alone; the job's open channel (whose liveness checks read /proc)
+// keeps being served, each call within a second; once the flood ends a new
+// channel is served again.
+TEST(SameHostTransportTest, RunningOutOfDescriptorsFailsOnlyTheNewConnections) {
+  ServerLimits limits;
+  limits.max_unauthenticated_connections = 1 << 20;  // descriptors run out first
+  limits.max_unauthenticated_per_peer = 1 << 20;
+  limits.keepalive_interval = absl::Milliseconds(20);  // the server looks at /proc often
+  Echo echo(Security{}, limits);
+  PeerOptions options;
+  options.self = 1;
+  options.same_host_endpoint = echo.endpoint();
+  options.keepalive_interval = absl::Milliseconds(20);  // looks at /proc often
+  Replies replies;
+  auto ch = echo.transport()->connect(echo.address(), options, replies.on_frame(),
+                                      replies.on_close());
+  uint64_t id = 0;
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), ++id), SendOptions{}));
+  ASSERT_TRUE(replies.wait_for(id));
+
+  const RawAddress address(echo.socket_name());
+  int ready[2], release[2];
+  ASSERT_EQ(pipe2(ready, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(release, O_CLOEXEC), 0);
+  rlimit old_limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old_limit), 0);
+  rlimit low = old_limit;
+  low.rlim_cur = count_entries("/proc/self/fd") + 32;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto restore = absl::MakeCleanup([&] { setrlimit(RLIMIT_NOFILE, &old_limit); });
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(30);
+    ::close(release[1]);
+    ::close(ready[0]);
+    setrlimit(RLIMIT_NOFILE, &old_limit);
+    int opened = 0;
+    for (int i = 0; i < 400; ++i) opened += address.connect_blocking() >= 0 ? 1 : 0;
+    char c = static_cast<char>(opened > 0);
+    ssize_t ignored = write(ready[1], &c, 1);
+    (void)ignored;
+    ignored = read(release[0], &c, 1);  // until the parent closes it
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ::close(ready[1]);
+  ::close(release[0]);
+  auto end_child = absl::MakeCleanup([&] {
+    if (release[1] >= 0) ::close(release[1]);
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  });
+  char opened = 0;
+  ASSERT_EQ(read(ready[0], &opened, 1), 1);
+  EXPECT_EQ(opened, 1);
+  const absl::Time full_by = absl::Now() + absl::Seconds(5);
+  while (count_entries("/proc/self/fd") >= 0 && absl::Now() < full_by) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(count_entries("/proc/self/fd"), -1) << "the server's process has descriptors left";
+  // Calls on the open channel, for a while, each within a second.
+  const absl::Time until = absl::Now() + absl::Milliseconds(600);
+  while (absl::Now() < until) {
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), ++id), SendOptions{}))
+        << "the channel ended during the flood";
+    ASSERT_TRUE(replies.wait_for(id));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    absl::SleepFor(absl::Milliseconds(30));
+    ch->check_connection();  // what the agent does for idle channels
+  }
+  {
+    absl::MutexLock lock(&replies.mu);
+    EXPECT_FALSE(replies.ended) << replies.closed.message;
+  }
+  // The flood ends: its connections close and a new channel is served.
+  ::close(release[1]);
+  release[1] = -1;
+  ::close(ready[0]);
+  const absl::Time start = absl::Now();
+  std::unique_ptr<Replies> again;
+  std::shared_ptr<Channel> fresh;
+  bool served = false;
+  while (!served && absl::Now() - start < absl::Seconds(5)) {
+    if (fresh) fresh->close(false);
+    again = std::make_unique<Replies>();
+    fresh = echo.transport()->connect(echo.address(), options, again->on_frame(),
+                                      again->on_close());
+    served = fresh && fresh->send(request(at::arange(4, at::kFloat), 1), SendOptions{}) &&
+             again->wait_for(1);
+    if (!served) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(served);
+  const absl::Duration recovery = absl::Now() - start;
+  LOG(INFO) << "a new channel was served " << recovery << " after the flood ended";
+  EXPECT_LT(recovery, absl::Seconds(1));
+  EXPECT_EQ(echo.last_address().rfind("same-host", 0), 0u) << echo.last_address();
+  fresh->close(false);
+  ch->close(false);
 }
 
 }  // namespace

@@ -58,6 +58,19 @@ struct ServerLimits {
   // Bytes the transport may buffer for all connections together: what
   // bounds the memory of a message that claims to be huge.
   int64_t max_buffered_bytes = int64_t{8} << 30;
+  // Connections that have not proven themselves yet (their handshake runs):
+  // at most this many at once, all together and per peer (the peer's uid on
+  // the same-host socket). A new one beyond either count pushes out the
+  // oldest such connection (of that peer first), so silent connections
+  // cannot keep the job's own out. A handshake not done within
+  // handshake_timeout ends its connection.
+  int max_unauthenticated_connections = 64;
+  int max_unauthenticated_per_peer = 16;
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // Same-host socket: processes of another uid than this one's are refused
+  // as soon as they connect (the kernel names the uid: SO_PEERCRED), before
+  // anything they send is read, unless this is set.
+  bool allow_other_uids = false;
 };
 
 // How a Channel connects.
