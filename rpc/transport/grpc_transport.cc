@@ -682,8 +682,8 @@ class TransportServer::Service {
         !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id) ||
         id < 0 || id >= limits_.world_size) {
       return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                          absl::StrCat("a stream must name a worker id in [0, ", limits_.world_size,
-                                       ") in its '", kWorkerMetadataKey, "' metadata"));
+                          absl::StrCat("a stream must name a worker of this job in its '",
+                                       kWorkerMetadataKey, "' metadata"));
     }
     if (auth_) {
       grpc::Status proven = auth_->check(metadata, "rpc", id);
@@ -691,9 +691,10 @@ class TransportServer::Service {
     }
     absl::MutexLock lock(&mu_);
     if (streams_of_worker_[id] >= limits_.max_streams_per_worker) {
+      LOG(WARNING) << "rpc transport: worker " << id << " has " << streams_of_worker_[id]
+                   << " streams open already; refusing another";
       return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("worker ", id, " has ", streams_of_worker_[id],
-                                       " streams open already"));
+                          "too many streams name this worker");
     }
     ++streams_of_worker_[id];
     s->set_identity(id, address);
@@ -908,6 +909,13 @@ std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
   builder.SetResourceQuota(quota);
   // One stream per connection is what callers open.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, limits.max_streams_per_worker);
+  // Strangers: a connection finishes its TLS handshake within
+  // handshake_timeout; a stream proves the token from its metadata before
+  // anything it sends is read (bind_identity), and what gRPC buffers
+  // meanwhile counts against the quota above. (The minimal stack has no
+  // idle or age filter: a connection that opens no stream costs a
+  // descriptor until its peer closes it or stops answering keepalives.)
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, millis(limits.handshake_timeout));
   // Liveness both ways: this end pings its callers, and takes their pings
   // (one per keepalive_interval) without calling them abusive.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, millis(limits.keepalive_interval));

@@ -29,6 +29,9 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "glog/logging.h"
+#include "rpc/testing/raw_http2.h"
+#include "rpc/testing/raw_peer.h"
+#include "rpc/transport/grpc_transport.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 
 namespace ddprpc::rpc::transport {
@@ -1124,6 +1127,114 @@ TEST(SameHostTransportTest, RunningOutOfDescriptorsFailsOnlyTheNewConnections) {
   EXPECT_LT(recovery, absl::Seconds(1));
   EXPECT_EQ(echo.last_address().rfind("same-host", 0), 0u) << echo.last_address();
   fresh->close(false);
+  ch->close(false);
+}
+
+// ---- strangers on the gRPC port
+
+int port_of(const std::string& address) { return std::stoi(address.substr(address.rfind(':') + 1)); }
+
+// Streams without the job's proof from a stranger's connections for
+// `duration`, each connection keeping `streams` of them open (the server
+// ends them; they are opened again), each sending the start of a message.
+// Returns the bytes the server's windows let through.
+size_t stranger_flood(int port, int connections, int streams, absl::Duration duration) {
+  std::vector<std::unique_ptr<testing::RawHttp2>> conns;
+  for (int i = 0; i < connections; ++i) {
+    auto c = std::make_unique<testing::RawHttp2>();
+    if (c->connect(port)) conns.push_back(std::move(c));
+  }
+  const absl::Time deadline = absl::Now() + duration;
+  while (absl::Now() < deadline) {
+    for (auto& c : conns) {
+      if (c->closed()) {
+        c = std::make_unique<testing::RawHttp2>();
+        if (!c->connect(port)) continue;
+      }
+      while (c->open_streams() < streams) {
+        c->send_partial_message(c->open_call("/ddprpc.Transport/Stream", {{rpc::internal::kWorkerMetadataKey, "1"}}),
+                                64 << 20, 16 << 20);
+      }
+      c->pump(absl::Milliseconds(1));
+    }
+  }
+  size_t sent = 0;
+  for (auto& c : conns) sent += c->sent_body_bytes();
+  return sent;
+}
+
+// On the gRPC port, a stream without the job's proof ends as its metadata
+// arrives, before the server reads what it sends; after a flood of such
+// streams, which leaves the worker's memory within bounds, a channel of
+// the job is served within a second.
+TEST(SameHostTransportTest, StrangersOnTheGrpcPortEndBeforeTheyAreReadAndThePortServesAgain) {
+  Security job;
+  job.token = "the job's secret";
+  ServerLimits limits;
+  limits.max_buffered_bytes = 32 << 20;
+  Echo echo(job, limits);
+  const int port = port_of(echo.address());
+  {
+    testing::RawHttp2 raw;
+    ASSERT_TRUE(raw.connect(port));
+    const uint32_t call = raw.open_call("/ddprpc.Transport/Stream", {{rpc::internal::kWorkerMetadataKey, "1"}});
+    raw.send_partial_message(call, 64 << 20, 16 << 20);
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (!raw.ended(call) && !raw.closed() && absl::Now() < deadline) {
+      raw.pump(absl::Milliseconds(20));
+    }
+    EXPECT_TRUE(raw.ended(call) || raw.closed()) << "the stranger's stream is still open";
+    LOG(INFO) << "a stranger's stream got " << raw.sent_body_bytes() << " bytes through";
+    EXPECT_LE(raw.sent_body_bytes(), size_t{1} << 20);
+  }
+  int sent_pipe[2];
+  ASSERT_EQ(pipe2(sent_pipe, O_CLOEXEC), 0);
+  const int64_t before = testing::resident_bytes();
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(30);
+    ::close(sent_pipe[0]);
+    const uint64_t sent = stranger_flood(port, 32, 4, absl::Seconds(2));
+    ssize_t ignored = write(sent_pipe[1], &sent, sizeof(sent));
+    (void)ignored;
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ::close(sent_pipe[1]);
+  int64_t peak = before;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (waitpid(child, nullptr, WNOHANG) == 0) {
+    peak = std::max(peak, testing::resident_bytes());
+    if (absl::Now() > until) {
+      kill(child, SIGKILL);
+      waitpid(child, nullptr, 0);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  uint64_t sent = 0;
+  EXPECT_EQ(read(sent_pipe[0], &sent, sizeof(sent)), static_cast<ssize_t>(sizeof(sent)));
+  ::close(sent_pipe[0]);
+  LOG(INFO) << "stranger flood on the gRPC port: " << (sent >> 20)
+            << " MiB got through; the worker's memory grew by " << ((peak - before) >> 20)
+            << " MiB at most";
+  EXPECT_LT(peak - before, int64_t{64} << 20);
+  const absl::Time start = absl::Now();
+  PeerOptions options;
+  options.self = 1;
+  options.security = job;
+  Replies replies;
+  auto ch = echo.transport()->connect(echo.address(), options, replies.on_frame(),
+                                      replies.on_close());
+  ASSERT_TRUE(ch);
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  echo.transport()->drive([&] {
+    absl::MutexLock lock(&replies.mu);
+    return !replies.frames.empty() || replies.ended;
+  }, absl::Now() + absl::Seconds(20));
+  EXPECT_TRUE(replies.wait_for(1));
+  LOG(INFO) << "the gRPC port served a channel " << absl::Now() - start << " after the flood";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
   ch->close(false);
 }
 
