@@ -198,6 +198,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   callee_ = std::make_unique<internal::Callee>(std::move(callee));
   transport::ServerLimits limits;
   limits.world_size = world_size;
+  limits.self = rank_;
   limits.max_message_bytes = options_.max_message_bytes;
   limits.max_pending_requests = options_.max_pending_requests_per_stream;
   limits.max_pending_reply_bytes = options_.max_pending_reply_bytes;
@@ -460,6 +461,7 @@ transport::PeerOptions RpcAgent::peer_options(int to) const {
     options.same_host_endpoint = same_host_endpoints_[to];
   }
   options.self = rank_;
+  options.peer = to;
   options.max_message_bytes = options_.max_message_bytes;
   options.keepalive_interval = options_.keepalive_interval;
   options.keepalive_timeout = options_.keepalive_timeout;

@@ -83,7 +83,7 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
     if (method == kUnknown) {
       status = grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no such store method");
     } else if (auth_) {
-      status = auth_->check(ctx->client_metadata(), "store", -1);
+      status = auth_->check(ctx->client_metadata(), {"store", "grpc", -1, -1});
     }
     if (!status.ok()) {
       LOG_EVERY_N(WARNING, 100) << "rendezvous store: refused a call from " << ctx->peer() << ": "
@@ -364,7 +364,7 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
                          const rendezvous::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
   rendezvous::Store::Stub stub(channel);
   grpc::ClientContext ctx;
-  if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, "store", -1));
+  if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, {"store", "grpc", -1, -1}));
   ctx.set_wait_for_ready(!fail_fast);  // at rendezvous the server may not be up yet
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(1)));
   rendezvous::StoreResponse resp;

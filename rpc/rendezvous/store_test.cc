@@ -205,7 +205,7 @@ TEST(StoreTest, PartialMessageFloodsAreBoundedAndTheStoreServesAgain) {
     std::vector<std::string> proofs;
     if (member) {
       for (int i = 0; i < kConnections * kStreams; ++i) {
-        proofs.push_back(internal::auth_proof(job.token, "store", -1));
+        proofs.push_back(internal::auth_proof(job.token, {"store", "grpc", -1, -1}));
       }
     }
     int sent_pipe[2];

@@ -686,7 +686,7 @@ class TransportServer::Service {
                                        kWorkerMetadataKey, "' metadata"));
     }
     if (auth_) {
-      grpc::Status proven = auth_->check(metadata, "rpc", id);
+      grpc::Status proven = auth_->check(metadata, {"rpc", "grpc", id, limits_.self});
       if (!proven.ok()) return proven;
     }
     absl::MutexLock lock(&mu_);
@@ -1117,7 +1117,8 @@ std::shared_ptr<PeerStream> PeerStream::open(const std::string& address,
       new PeerStream(address, options, queue, std::move(on_frame), std::move(on_close)));
   s->ctx_.AddMetadata(kWorkerMetadataKey, absl::StrCat(options.self));
   if (options.security.authenticated()) {
-    s->ctx_.AddMetadata(kAuthMetadataKey, auth_proof(options.security.token, "rpc", options.self));
+    s->ctx_.AddMetadata(kAuthMetadataKey, auth_proof(options.security.token,
+                                                      {"rpc", "grpc", options.self, options.peer}));
   }
   grpc::GenericStub stub(s->channel_);
   s->call_ = stub.PrepareCall(&s->ctx_, kStreamMethod, queue->cq());

@@ -1058,8 +1058,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       detail = absl::StrCat("worker ", hello.worker, " is not in [0, ", limits_.world_size, ")");
     } else if (auth_) {
       grpc::Status proven = auth_->check_proof(
-          absl::string_view(h->body.data() + sizeof(hello), hello.proof_size), "rpc",
-          hello.worker);
+          absl::string_view(h->body.data() + sizeof(hello), hello.proof_size),
+          {"rpc", "same-host", hello.worker, limits_.self});
       if (!proven.ok()) verdict = absl::UnauthenticatedError(proven.error_message());
     } else if (security_.encrypted() && h->uid != getuid()) {
       verdict = absl::UnauthenticatedError(
@@ -1759,7 +1759,8 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
     HelloBody hello;
     hello.worker = options.self;
     const std::string proof = options.security.authenticated()
-                                  ? internal::auth_proof(options.security.token, "rpc", options.self)
+                                  ? internal::auth_proof(options.security.token,
+                                                         {"rpc", "same-host", options.self, options.peer})
                                   : std::string();
     hello.proof_size = static_cast<uint32_t>(proof.size());
     hello.probe = reinterpret_cast<uint64_t>(kProbe);

@@ -35,6 +35,9 @@ using internal::Frame;
 // What one peer may make the server hold.
 struct ServerLimits {
   int world_size = 1;  // connections name a worker id in [0, world_size)
+  // The id of the worker this server belongs to (-1: none): proofs of the
+  // token must name it as their destination.
+  int self = -1;
   // Larger frames end their connection (RESOURCE_EXHAUSTED).
   int64_t max_message_bytes = int64_t{1} << 31;
   // Per connection: requests read and not yet answered; reading pauses there.
@@ -76,6 +79,7 @@ struct ServerLimits {
 // How a Channel connects.
 struct PeerOptions {
   int self = 0;  // this worker's id, proven to the peer with the job's token
+  int peer = -1;  // the id of the worker connected to, named by the proof
   // Replies larger than this end the channel.
   int64_t max_message_bytes = int64_t{1} << 31;
   // A ping goes to the peer after this much silence; unanswered for
