@@ -478,8 +478,12 @@ class Conn {
   absl::Status read_frame(const Preamble& p, Frame* frame) {
     uint64_t total = p.body;
     if (__builtin_add_overflow(total, p.inline_bytes, &total) ||
-        __builtin_add_overflow(total, p.remote_bytes, &total) ||
-        total > static_cast<uint64_t>(max_message_bytes_)) {
+        __builtin_add_overflow(total, p.remote_bytes, &total)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a frame claims more than 2^64 bytes (its head, inline and remote bytes overflow); "
+          "max_message_bytes is ", max_message_bytes_));
+    }
+    if (total > static_cast<uint64_t>(max_message_bytes_)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "a frame of ", total, " bytes exceeds max_message_bytes (", max_message_bytes_, ")"));
     }
@@ -1066,18 +1070,44 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
           "a same-host connection of another user to a job without a token");
     }
     std::shared_ptr<ServerConn> c;
+    std::shared_ptr<ServerConn> replaced;
     if (verdict.ok()) {
       absl::MutexLock lock(&mu_);
       if (stopping_) {
         verdict = absl::UnavailableError("the server is shutting down");
-      } else if (streams_of_worker_[hello.worker] >= limits_.max_streams_per_worker) {
-        verdict = absl::ResourceExhaustedError("too many connections name this worker");
-        detail = absl::StrCat("worker ", hello.worker, " has ", streams_of_worker_[hello.worker],
-                              " connections open already");
       } else {
-        ++streams_of_worker_[hello.worker];
-        c = std::make_shared<ServerConn>(next_key_++, h->uid);
+        if (streams_of_worker_[hello.worker] >= std::max(limits_.max_streams_per_worker, 1)) {
+          // The newest proven connection of a worker wins: its oldest gives
+          // way, so connections left behind (or taken by another holder of
+          // the token) cannot keep the worker out.
+          for (auto& [key, other] : conns_) {
+            if (other->caller == hello.worker) {
+              replaced = other;
+              break;  // keys grow: the first is the oldest
+            }
+          }
+          if (replaced) {
+            conns_.erase(replaced->key);
+            --streams_of_worker_[hello.worker];
+          }
+        }
+        if (streams_of_worker_[hello.worker] >= std::max(limits_.max_streams_per_worker, 1)) {
+          verdict = absl::ResourceExhaustedError("too many connections name this worker");
+          detail = absl::StrCat("worker ", hello.worker, " has ",
+                                streams_of_worker_[hello.worker], " connections open already");
+        } else {
+          ++streams_of_worker_[hello.worker];
+          c = std::make_shared<ServerConn>(next_key_++, h->uid);
+        }
       }
+    }
+    if (replaced) {
+      LOG(WARNING) << "rpc same-host transport: a newer connection of worker " << hello.worker
+                   << " replaces " << replaced->address;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, replaced->conn->fd(), nullptr);
+      replaced->conn->send_control(kGoodbye, 0, 0,
+                                   "replaced by a newer connection of the same worker");
+      replaced->conn->shutdown_after_flush(absl::Milliseconds(100));
     }
     WelcomeBody welcome;
     welcome.code = static_cast<int32_t>(verdict.code());

@@ -1238,5 +1238,64 @@ TEST(SameHostTransportTest, StrangersOnTheGrpcPortEndBeforeTheyAreReadAndThePort
   ch->close(false);
 }
 
+// ---- members
+
+// With its slots full, a worker's newest connection replaces its oldest:
+// connections left behind, or opened by another holder of the token in its
+// name, cannot keep the worker out.
+TEST(SameHostTransportTest, AWorkersNewestConnectionReplacesItsOldest) {
+  ServerLimits limits;
+  limits.max_streams_per_worker = 1;
+  Echo echo(Security{}, limits);
+  Replies first;
+  auto a = connect_as_worker1(&echo, &first);
+  ASSERT_TRUE(a->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(first.wait_for(1));
+  Replies second;
+  auto b = connect_as_worker1(&echo, &second);
+  ASSERT_TRUE(b->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  EXPECT_TRUE(second.wait_for(1)) << "the newer connection was refused";
+  // An idle channel learns of its end when the agent checks it.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (!a->broken() && absl::Now() < until) {
+    a->check_connection();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(first.wait_end()) << "the older connection is still open";
+  {
+    absl::MutexLock lock(&first.mu);
+    EXPECT_NE(first.closed.message.find("replaced"), std::string::npos) << first.closed.message;
+  }
+  b->close(false);
+  a->close(false);
+}
+
+// A frame whose sizes add up past 2^64 is refused as such, not as a frame
+// of the few bytes its sum wraps to.
+TEST(SameHostTransportTest, AFrameWhoseSizesOverflowSaysSo) {
+  Echo echo;
+  int fd = raw_connect(echo.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 1);
+  Preamble p;
+  ASSERT_TRUE(recv_all(fd, &p, sizeof(p)));
+  ASSERT_EQ(p.kind, same_host::kWelcome);
+  std::string welcome(p.body, '\0');
+  ASSERT_TRUE(recv_all(fd, welcome.data(), welcome.size()));
+  Preamble frame;
+  frame.kind = same_host::kFrame;
+  frame.body = 16;
+  frame.inline_bytes = ~uint64_t{0} - 4;  // with the body: 11 bytes, once wrapped
+  send_all(fd, &frame, sizeof(frame));
+  Preamble goodbye;
+  ASSERT_TRUE(recv_all(fd, &goodbye, sizeof(goodbye)));
+  ASSERT_EQ(goodbye.kind, same_host::kGoodbye);
+  std::string why(goodbye.body, '\0');
+  ASSERT_TRUE(recv_all(fd, why.data(), why.size()));
+  EXPECT_NE(why.find("2^64"), std::string::npos) << why;
+  EXPECT_EQ(why.find("a frame of 11 bytes"), std::string::npos) << why;
+  ::close(fd);
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc::transport
