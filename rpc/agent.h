@@ -110,6 +110,9 @@ struct RpcBackendOptions {
   // message's size only once all of it has arrived, so this is what bounds
   // one that claims to be huge: past it gRPC cancels streams (its choice;
   // calls on them fail with kUnavailable and the next ones reconnect).
+  // On the same-host transport it bounds the bytes of the frames being
+  // read, all peers together (one peer: max_message_bytes); a frame past
+  // either ends its connection (kResourceExhausted).
   int64_t max_receive_buffer_bytes = 0;
   // A request that the thread reading this worker's streams runs itself
   // (its caller had no other call to this worker in flight) and that runs

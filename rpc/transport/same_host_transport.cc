@@ -852,7 +852,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
         offload_(std::move(offload)),
         epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
         poke_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
-        streams_of_worker_(std::max(limits.world_size, 1), 0) {}
+        streams_of_worker_(std::max(limits.world_size, 1), 0),
+        buffered_of_worker_(std::max(limits.world_size, 1), 0) {}
 
   static constexpr int kMaxHandedOff = 64;
   // The watchdog parks after this long without a message, and looks at
@@ -1427,7 +1428,19 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   absl::Status on_frame(const std::shared_ptr<ServerConn>& c, const Preamble& p, int64_t me,
                         bool* moved) {
     Frame frame;
-    absl::Status ok = c->conn->read_frame(p, &frame);
+    // What the frame claims counts against the receive budgets while it is
+    // read (a claim past 64 bits or max_message_bytes is refused by
+    // read_frame before anything is allocated).
+    uint64_t claim = p.body;
+    if (__builtin_add_overflow(claim, p.inline_bytes, &claim) ||
+        __builtin_add_overflow(claim, p.remote_bytes, &claim)) {
+      claim = 0;
+    }
+    claim = std::min<uint64_t>(claim, static_cast<uint64_t>(limits_.max_message_bytes) + 1);
+    absl::Status ok = reserve_receive(c->caller, static_cast<int64_t>(claim));
+    if (!ok.ok()) return ok;
+    ok = c->conn->read_frame(p, &frame);
+    release_receive(c->caller, static_cast<int64_t>(claim));
     if (!ok.ok()) return ok;
     if (p.num_remote > 0) c->conn->send_control(kAck, 0, p.seq);
     ok = check_(c->caller, frame);
@@ -1469,6 +1482,34 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       }
     }
     return ok;
+  }
+
+  // Counts `bytes` of a frame of worker `caller` being read against the
+  // budgets of that worker and of all; ResourceExhausted past either.
+  absl::Status reserve_receive(int caller, int64_t bytes) {
+    const int64_t per_peer = limits_.max_buffered_bytes_per_peer > 0
+                                 ? limits_.max_buffered_bytes_per_peer
+                                 : limits_.max_message_bytes;
+    absl::MutexLock lock(&budget_mu_);
+    if (buffered_ + bytes > limits_.max_buffered_bytes ||
+        buffered_of_worker_[caller] + bytes > per_peer) {
+      LOG_EVERY_N(WARNING, 100) << "rpc same-host transport: a frame of " << bytes
+                                << " bytes from worker " << caller << " would pass the receive "
+                                << "budget (" << buffered_of_worker_[caller] << " of " << per_peer
+                                << " for the worker, " << buffered_ << " of "
+                                << limits_.max_buffered_bytes << " in all)";
+      return absl::ResourceExhaustedError(
+          "a frame would pass the receiver's budget of bytes being received "
+          "(max_buffered_bytes, max_buffered_bytes_per_peer)");
+    }
+    buffered_ += bytes;
+    buffered_of_worker_[caller] += bytes;
+    return absl::OkStatus();
+  }
+  void release_receive(int caller, int64_t bytes) {
+    absl::MutexLock lock(&budget_mu_);
+    buffered_ -= bytes;
+    buffered_of_worker_[caller] -= bytes;
   }
 
   // Re-arms `c` (nobody reads it now) for `events`, once.
@@ -1662,6 +1703,10 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   bool busy_running_ ABSL_GUARDED_BY(mu_) = false;
   // Requests that still run on threads that lost the role to the watchdog.
   int handed_off_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of frames being read (see reserve_receive).
+  absl::Mutex budget_mu_;
+  int64_t buffered_ ABSL_GUARDED_BY(budget_mu_) = 0;
+  std::vector<int64_t> buffered_of_worker_ ABSL_GUARDED_BY(budget_mu_);
   // Set by every message; each look of the watchdog clears it.
   std::atomic<bool> messages_since_look_{false};
   // Written under mu_ (read without it by note_inline_run).

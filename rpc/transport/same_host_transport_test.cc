@@ -1297,5 +1297,75 @@ TEST(SameHostTransportTest, AFrameWhoseSizesOverflowSaysSo) {
   ::close(fd);
 }
 
+// Reads a hello's welcome; true if the server admitted the connection.
+bool welcomed(int fd) {
+  Preamble p;
+  if (!recv_all(fd, &p, sizeof(p)) || p.kind != same_host::kWelcome) return false;
+  std::string body(p.body, '\0');
+  if (!recv_all(fd, body.data(), body.size())) return false;
+  same_host::WelcomeBody w;
+  std::memcpy(&w, body.data(), sizeof(w));
+  return w.code == 0;
+}
+
+// The next message: a goodbye's text, or "reply" for a frame.
+std::string next_message(int fd) {
+  Preamble p;
+  if (!recv_all(fd, &p, sizeof(p))) return "closed";
+  if (p.kind == same_host::kGoodbye) {
+    std::string why(p.body, '\0');
+    return recv_all(fd, why.data(), why.size()) ? why : "closed";
+  }
+  return p.kind == same_host::kFrame ? "reply" : "other";
+}
+
+// What the frames being read may hold is bounded per worker and in all: a
+// frame claiming more than the rest of either budget ends its connection
+// before it is allocated, while one within them is served.
+TEST(SameHostTransportTest, FramesBeingReadStayWithinThePeerAndTotalBudgets) {
+  ServerLimits limits;
+  limits.max_message_bytes = 8 << 20;
+  limits.max_buffered_bytes = 1 << 20;
+  limits.max_buffered_bytes_per_peer = 768 << 10;
+  Echo echo(Security{}, limits);
+  const at::Tensor big = at::full({(900 << 10) / 4}, 1.0f);    // past the peer's budget
+  const at::Tensor half = at::full({(600 << 10) / 4}, 2.0f);  // within it
+  {
+    int fd = raw_connect(echo.socket_name());
+    hello(fd, 1);
+    ASSERT_TRUE(welcomed(fd));
+    const std::string req = raw_request(big, 1);
+    send_all(fd, req.data(), req.size());
+    const std::string why = next_message(fd);
+    EXPECT_NE(why.find("budget"), std::string::npos) << why;
+    ::close(fd);
+  }
+  // Worker 1 leaves a frame halfway; worker 0's frame would pass the total.
+  int stalled = raw_connect(echo.socket_name());
+  hello(stalled, 1);
+  ASSERT_TRUE(welcomed(stalled));
+  const std::string first = raw_request(half, 1);
+  send_all(stalled, first.data(), first.size() / 2);
+  absl::SleepFor(absl::Milliseconds(100));  // read as far as it goes
+  int other = raw_connect(echo.socket_name());
+  hello(other, 0);
+  ASSERT_TRUE(welcomed(other));
+  const std::string second = raw_request(half, 2);
+  send_all(other, second.data(), second.size());
+  const std::string why = next_message(other);
+  EXPECT_NE(why.find("budget"), std::string::npos) << why;
+  ::close(other);
+  // The stalled frame, once whole, is served; so is a later one of worker 0.
+  send_all(stalled, first.data() + first.size() / 2, first.size() - first.size() / 2);
+  EXPECT_EQ(next_message(stalled), "reply");
+  ::close(stalled);
+  int later = raw_connect(echo.socket_name());
+  hello(later, 0);
+  ASSERT_TRUE(welcomed(later));
+  send_all(later, second.data(), second.size());
+  EXPECT_EQ(next_message(later), "reply");
+  ::close(later);
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc::transport

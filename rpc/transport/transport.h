@@ -61,6 +61,12 @@ struct ServerLimits {
   // Bytes the transport may buffer for all connections together: what
   // bounds the memory of a message that claims to be huge.
   int64_t max_buffered_bytes = int64_t{8} << 30;
+  // The same, for the frames of one worker (all its connections); 0:
+  // max_message_bytes. (The same-host transport counts a frame's bytes,
+  // inline or copied from the sender's memory, from when its preamble is
+  // read until it is whole; a frame that would pass either bound ends its
+  // connection, RESOURCE_EXHAUSTED.)
+  int64_t max_buffered_bytes_per_peer = 0;
   // Connections that have not proven themselves yet (their handshake runs):
   // at most this many at once, all together and per peer (the peer's uid on
   // the same-host socket). A new one beyond either count pushes out the
