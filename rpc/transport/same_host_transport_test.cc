@@ -29,6 +29,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "glog/logging.h"
+#include "rpc/internal/auth.h"
 #include "rpc/testing/raw_http2.h"
 #include "rpc/testing/raw_peer.h"
 #include "rpc/transport/grpc_transport.h"
@@ -1117,8 +1118,10 @@ TEST(SameHostTransportTest, RunningOutOfDescriptorsFailsOnlyTheNewConnections) {
     again = std::make_unique<Replies>();
     fresh = echo.transport()->connect(echo.address(), options, again->on_frame(),
                                       again->on_close());
+    // Served, and over the socket (a connection made while descriptors are
+    // still short goes over gRPC instead).
     served = fresh && fresh->send(request(at::arange(4, at::kFloat), 1), SendOptions{}) &&
-             again->wait_for(1);
+             again->wait_for(1) && echo.last_address().rfind("same-host", 0) == 0;
     if (!served) absl::SleepFor(absl::Milliseconds(10));
   }
   ASSERT_TRUE(served);
@@ -1396,6 +1399,50 @@ TEST(SameHostTransportTest, AWorkersNewestGrpcStreamReplacesItsOldest) {
   EXPECT_TRUE(a->broken());
   b->close(false);
   a->close(false);
+}
+
+// A refused hello learns nothing usable: not the address of the server's
+// probe, not whether the server could read its memory, no worker ids or
+// counts; an admitted one gets the probe.
+TEST(SameHostTransportTest, ARefusalCarriesNothingUsable) {
+  Security job;
+  job.token = "the job's secret";
+  Echo echo(job);
+  auto welcome_of = [&](int worker, std::string* message) {
+    int fd = raw_connect(echo.socket_name());
+    Preamble p;
+    p.kind = same_host::kHello;
+    const std::string proof =
+        rpc::internal::auth_proof(job.token, {"rpc", "same-host", worker, -1});
+    p.body = sizeof(HelloBody) + proof.size();
+    HelloBody h;
+    h.worker = worker;
+    h.proof_size = proof.size();
+    h.probe = 16;  // any address: the server may try to read it
+    send_all(fd, &p, sizeof(p));
+    send_all(fd, &h, sizeof(h));
+    send_all(fd, proof.data(), proof.size());
+    same_host::WelcomeBody w;
+    Preamble got;
+    EXPECT_TRUE(recv_all(fd, &got, sizeof(got)));
+    std::string body(got.body, '\0');
+    EXPECT_TRUE(recv_all(fd, body.data(), body.size()));
+    std::memcpy(&w, body.data(), sizeof(w));
+    *message = body.substr(sizeof(w));
+    ::close(fd);
+    return w;
+  };
+  std::string message;
+  for (int worker : {7, -3}) {  // no such worker (world size 2)
+    const same_host::WelcomeBody refused = welcome_of(worker, &message);
+    EXPECT_NE(refused.code, 0);
+    EXPECT_EQ(refused.probe, 0u) << "a refusal gave the probe's address";
+    EXPECT_EQ(refused.cross_memory, 0u);
+    EXPECT_EQ(message.find_first_of("0123456789"), std::string::npos) << message;
+  }
+  const same_host::WelcomeBody admitted = welcome_of(1, &message);
+  EXPECT_EQ(admitted.code, 0) << message;
+  EXPECT_NE(admitted.probe, 0u);
 }
 
 }  // namespace
