@@ -131,7 +131,7 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
           run();  // finishes the call: `this` may be gone after
           service->leave();
         }).detach();
-      } catch (const std::exception& e) {
+      } catch (const std::exception&) {
         service_->leave();
         Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "no thread for the request"));
       }
@@ -207,6 +207,10 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
     call->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
   }
   // Cancels the calls whose message has been read for kStoreReadTimeout.
+  // Holding mu_ across TryCancel keeps each call alive (its read cannot end
+  // meanwhile) and cannot deadlock: gRPC runs the reactions of a call it
+  // cancels on its own threads, never inside TryCancel (these reactors are
+  // not inlineable).
   void reap_slow_reads() {
     absl::MutexLock lock(&mu_);
     while (!reaper_stop_) {

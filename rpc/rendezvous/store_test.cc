@@ -251,5 +251,39 @@ TEST(StoreTest, PartialMessageFloodsAreBoundedAndTheStoreServesAgain) {
   }
 }
 
+// Members whose messages never finish hold the store's reading slots for
+// 10 s at most: calls queued behind them are then read and answered.
+TEST(StoreTest, UnfinishedMessagesGiveTheirReadingSlotsBack) {
+  Security job;
+  job.token = "the job's secret";
+  auto server = StoreServer::start("127.0.0.1", 0, job);
+  testing::RawHttp2 member;
+  ASSERT_TRUE(member.connect(server->port()));
+  std::vector<uint32_t> stalled;
+  for (int i = 0; i < 8; ++i) {  // every reading slot
+    stalled.push_back(member.open_call(
+        kSetMethod,
+        {{internal::kAuthMetadataKey, internal::auth_proof(job.token, {"store", "grpc", -1, -1})}}));
+    member.send_partial_message(stalled.back(), 1 << 20, 1000);
+  }
+  member.pump(absl::Milliseconds(200));
+  const absl::Time start = absl::Now();
+  std::atomic<bool> done{false};
+  std::thread client([&] {
+    Store store("127.0.0.1", server->port(), absl::Seconds(30), job);
+    store.set("queued", "1");
+    done = true;
+  });
+  // Queued behind the stalled calls, then read once they are cancelled.
+  while (!done && absl::Now() - start < absl::Seconds(25)) member.pump(absl::Milliseconds(50));
+  client.join();
+  EXPECT_TRUE(done.load());
+  const absl::Duration waited = absl::Now() - start;
+  LOG(INFO) << "a call queued behind 8 unfinished messages was answered after " << waited;
+  EXPECT_GT(waited, absl::Seconds(5)) << "the stalled calls did not hold the reading slots";
+  EXPECT_LT(waited, absl::Seconds(15));
+  for (uint32_t id : stalled) EXPECT_TRUE(member.ended(id) || member.closed()) << id;
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc
