@@ -663,7 +663,12 @@ class TransportServer::Service {
         accept_next();
         grpc::Status bound = bind_identity(s);
         if (!bound.ok()) {
-          reject(s, bound);
+          // Strangers may open streams as fast as they like: their
+          // refusals are logged one in 100.
+          LOG_EVERY_N(WARNING, 100) << "rpc transport: refusing a stream from "
+                                    << s->context()->peer() << ": " << bound.error_message();
+          s->fail(bound);
+          settle(s);
           return true;
         }
         s->read_next();
