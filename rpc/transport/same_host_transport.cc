@@ -923,12 +923,27 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       }
       if (fds[0].revents) break;
       // Hellos that have come are taken before new connections, which may
-      // push the oldest handshakes out.
+      // push the oldest handshakes out. Nothing thrown here (no memory)
+      // leaves the thread: the connection at hand is dropped.
       for (size_t i = 2; i < fds.size(); ++i) {
-        if (fds[i].revents) read_handshake(open[i - 2].get());
+        if (!fds[i].revents) continue;
+        Handshake* h = open[i - 2].get();
+        try {
+          read_handshake(h);
+        } catch (const std::exception& e) {
+          LOG_EVERY_N(ERROR, 100) << "rpc same-host transport: a handshake failed: " << e.what();
+          drop(h, "its handshake failed");
+        }
       }
       forget_done(&open);
-      if (fds[1].revents & POLLIN) accept_some(&open, &listen_after);
+      if (fds[1].revents & POLLIN) {
+        try {
+          accept_some(&open, &listen_after);
+        } catch (const std::exception& e) {
+          LOG_EVERY_N(ERROR, 100) << "rpc same-host transport: accepting failed: " << e.what();
+          listen_after = absl::Now() + absl::Milliseconds(10);
+        }
+      }
     }
     for (auto& h : open) ::close(h->fd);
   }
