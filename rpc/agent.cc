@@ -198,12 +198,17 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   callee_ = std::make_unique<internal::Callee>(std::move(callee));
   transport::ServerLimits limits;
   limits.world_size = world_size;
+  limits.self = rank_;
   limits.max_message_bytes = options_.max_message_bytes;
   limits.max_pending_requests = options_.max_pending_requests_per_stream;
   limits.max_pending_reply_bytes = options_.max_pending_reply_bytes;
   limits.keepalive_interval = options_.keepalive_interval;
   limits.keepalive_timeout = options_.keepalive_timeout;
   limits.inline_handoff = options_.inline_request_handoff;
+  limits.max_unauthenticated_connections = options_.max_unauthenticated_connections;
+  limits.max_unauthenticated_per_peer = options_.max_unauthenticated_per_peer;
+  limits.handshake_timeout = options_.handshake_timeout;
+  limits.allow_other_uids = options_.allow_other_uids;
   limits.max_buffered_bytes = options_.max_receive_buffer_bytes;
   if (limits.max_buffered_bytes <= 0) {
     const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);
@@ -456,6 +461,7 @@ transport::PeerOptions RpcAgent::peer_options(int to) const {
     options.same_host_endpoint = same_host_endpoints_[to];
   }
   options.self = rank_;
+  options.peer = to;
   options.max_message_bytes = options_.max_message_bytes;
   options.keepalive_interval = options_.keepalive_interval;
   options.keepalive_timeout = options_.keepalive_timeout;

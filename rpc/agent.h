@@ -96,11 +96,23 @@ struct RpcBackendOptions {
   // without a token or TLS, unless allow_insecure (then it warns).
   Security security;
   bool allow_insecure = false;
+  // Connections that have not proven the token yet (docs/security.md): at
+  // most this many at once on each of this worker's servers, all together
+  // and per peer (the oldest give way to new ones), each ended after
+  // handshake_timeout. Processes of other users of this host may use the
+  // same-host socket only with allow_other_uids.
+  int max_unauthenticated_connections = 64;
+  int max_unauthenticated_per_peer = 16;
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  bool allow_other_uids = false;
   // Bytes of received messages this worker buffers for all peers together;
   // 0: four times max_message_bytes, at least 256 MiB. gRPC checks a
   // message's size only once all of it has arrived, so this is what bounds
   // one that claims to be huge: past it gRPC cancels streams (its choice;
   // calls on them fail with kUnavailable and the next ones reconnect).
+  // On the same-host transport it bounds the bytes of the frames being
+  // read, all peers together (one peer: max_message_bytes); a frame past
+  // either ends its connection (kResourceExhausted).
   int64_t max_receive_buffer_bytes = 0;
   // A request that the thread reading this worker's streams runs itself
   // (its caller had no other call to this worker in flight) and that runs

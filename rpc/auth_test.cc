@@ -70,16 +70,23 @@ MULTIPROCESS_TEST(AuthTest, OnlyTheJobsWorkersGetIn, 2) {
   auto agent = rpc::current_agent();
   if (mp::rank() == 0) {
     const std::string victim = rpc::get_worker_info("worker1").address;
+    const int to = rpc::get_worker_info("worker1").id;
     {
-      RawStream stream(victim, 0);  // as the job's worker 0 would
+      RawStream stream(victim, to, 0);  // as the job's worker 0 would
       expect_stream(stream, grpc::StatusCode::OK);
     }
     {
-      RawStream stream(victim, 0, absl::Seconds(20), "", RawStream::Auth::kNone);
+      RawStream stream(victim, to, 0, absl::Seconds(20), "", RawStream::Auth::kNone);
       expect_stream(stream, grpc::StatusCode::UNAUTHENTICATED, "no proof of the job's token");
     }
     {
-      RawStream stream(victim, 0, absl::Seconds(20), "", RawStream::Auth::kWrongToken);
+      RawStream stream(victim, to, 0, absl::Seconds(20), "", RawStream::Auth::kWrongToken);
+      expect_stream(stream, grpc::StatusCode::UNAUTHENTICATED, "wrong job token");
+    }
+    {
+      // A proof the job's worker 0 made for another destination (here
+      // itself) does not open a stream to worker 1.
+      RawStream stream(victim, mp::rank(), 0);
       expect_stream(stream, grpc::StatusCode::UNAUTHENTICATED, "wrong job token");
     }
     expect_serves();
@@ -115,7 +122,8 @@ MULTIPROCESS_TEST(AuthTest, OnlyTheJobsWorkersGetIn, 2) {
       other_ca.pem_private_key = read("OTHER_TLS_KEY");
       for (auto credentials : {grpc::InsecureChannelCredentials(), grpc::SslCredentials(no_cert),
                                grpc::SslCredentials(other_ca)}) {
-        RawStream stream(victim, 0, absl::Seconds(10), "", RawStream::Auth::kJobToken, credentials);
+        RawStream stream(victim, to, 0, absl::Seconds(10), "", RawStream::Auth::kJobToken,
+                         credentials);
         expect_stream(stream, grpc::StatusCode::UNAVAILABLE);
       }
       expect_serves();
@@ -135,16 +143,29 @@ TEST(AuthCheckerTest, RefusesReplaysOldProofsAndOtherPurposes) {
     m.emplace(grpc::string_ref(key), grpc::string_ref(value));
     return m;
   };
-  const std::string proof = rpc::internal::auth_proof("secret", "rpc", 3);
-  EXPECT_TRUE(checker.check(metadata(proof), "rpc", 3).ok());
-  EXPECT_EQ(checker.check(metadata(proof), "rpc", 3).error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  // Bound to the worker and the purpose it was made for.
-  EXPECT_FALSE(checker.check(metadata(rpc::internal::auth_proof("secret", "rpc", 3)), "rpc", 4).ok());
-  EXPECT_FALSE(checker.check(metadata(rpc::internal::auth_proof("secret", "store", -1)), "rpc", -1).ok());
+  using rpc::internal::ProofScope;
+  const ProofScope scope{"rpc", "grpc", 3, 1};
+  const std::string proof = rpc::internal::auth_proof("secret", scope);
+  EXPECT_TRUE(checker.check(metadata(proof), scope).ok());
+  EXPECT_EQ(checker.check(metadata(proof), scope).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // One set of nonces per process: another server (another transport's,
+  // the store's) refuses a proof one of them accepted.
+  rpc::internal::AuthChecker other("secret");
+  EXPECT_EQ(other.check(metadata(proof), scope).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  // Bound to everything it was made for: the purpose, the transport, the
+  // worker that opens it and the one it is opened to.
+  for (const ProofScope& elsewhere :
+       {ProofScope{"store", "grpc", 3, 1}, ProofScope{"rpc", "same-host", 3, 1},
+        ProofScope{"rpc", "grpc", 4, 1}, ProofScope{"rpc", "grpc", 3, 2},
+        ProofScope{"rpc", "grpc", 3, -1}}) {
+    EXPECT_FALSE(checker.check(metadata(rpc::internal::auth_proof("secret", scope)), elsewhere).ok())
+        << elsewhere.purpose << " " << elsewhere.transport << " " << elsewhere.from << " -> "
+        << elsewhere.to;
+  }
   // Out of the time window, and malformed.
   const std::string old = "1000.00112233445566778899aabbccddeeff." + std::string(64, 'a');
-  EXPECT_NE(checker.check(metadata(old), "rpc", 3).error_message().find("too old"), std::string::npos);
-  EXPECT_FALSE(checker.check(metadata("garbage"), "rpc", 3).ok());
+  EXPECT_NE(checker.check(metadata(old), scope).error_message().find("too old"), std::string::npos);
+  EXPECT_FALSE(checker.check(metadata("garbage"), scope).ok());
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -82,6 +83,12 @@ struct FutureState {
   std::optional<typename Stored<T>::type> value;
   std::exception_ptr error;
   std::vector<Callback> callbacks ABSL_GUARDED_BY(mu);
+  // The completing thread still runs callbacks: those added meanwhile by
+  // other threads queue behind them (so that a callback added after
+  // completion sees what the earlier ones did, e.g. then()'s futures
+  // completed).
+  bool running_callbacks ABSL_GUARDED_BY(mu) = false;
+  std::thread::id completing_thread ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace internal
@@ -180,11 +187,14 @@ class Future {
     return state_->driver;
   }
 
-  // Runs `callback(*this)` once the future completes.
+  // Runs `callback(*this)` once the future completes, after the callbacks
+  // added before it (on the completing thread, or at once on this one when
+  // that thread is done with them).
   void add_done_callback(std::function<void(const Future<T>&)> callback) const {
     {
       absl::MutexLock lock(&state_->mu);
-      if (!state_->done) {
+      if (!state_->done || (state_->running_callbacks &&
+                            state_->completing_thread != std::this_thread::get_id())) {
         state_->callbacks.push_back(std::move(callback));
         return;
       }
@@ -289,8 +299,21 @@ class Future {
       state_->done = true;
       callbacks.swap(state_->callbacks);
       driver.swap(state_->driver);
+      state_->running_callbacks = true;
+      state_->completing_thread = std::this_thread::get_id();
     }
-    for (auto& cb : callbacks) run_callback(cb);
+    // Callbacks in the order they were added, including those that other
+    // threads add while these run.
+    for (;;) {
+      for (auto& cb : callbacks) run_callback(cb);
+      callbacks.clear();
+      absl::MutexLock lock(&state_->mu);
+      if (state_->callbacks.empty()) {
+        state_->running_callbacks = false;
+        break;
+      }
+      callbacks.swap(state_->callbacks);
+    }
     return true;
   }
 

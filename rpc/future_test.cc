@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 
 namespace ddprpc::rpc {
@@ -226,6 +227,36 @@ TEST(FutureTest, SendCompletedRepliesRunsWhatTheHandlerHoldsNow) {
     held.add([&] { order.push_back(3); });
   }
   EXPECT_EQ(order, std::vector<int>({1, 2, 3}));
+}
+
+// A future chained with then() has completed by the time wait_all on the
+// future it came from returns, even when wait_all starts while the
+// completing thread still runs then()'s callback (as WaitAllScope::wait
+// waits on the calls' raw futures, whose typed futures hang off them).
+TEST(FutureTest, ThenFuturesHaveCompletedWhenWaitAllOnTheirSourceReturns) {
+  Future<int> raw;
+  absl::Notification in_callback;
+  Future<int> typed = raw.then([&](const Future<int>& f) {
+    in_callback.Notify();
+    absl::SleepFor(absl::Milliseconds(100));  // a slow conversion
+    return f.value() * 2;
+  });
+  std::thread completer([&] { raw.set_result(21); });
+  in_callback.WaitForNotification();
+  ASSERT_TRUE(raw.completed());
+  wait_all(std::vector<Future<int>>{raw});
+  EXPECT_TRUE(typed.completed()) << "wait_all returned before then()'s future completed";
+  EXPECT_EQ(typed.value(), 42);
+  completer.join();
+  // A callback that adds another to its own future runs it at once.
+  Future<int> self;
+  bool inner_ran = false;
+  self.add_done_callback([&](const Future<int>& f) {
+    f.add_done_callback([&](const Future<int>&) { inner_ran = true; });
+    EXPECT_TRUE(inner_ran);
+  });
+  self.set_result(1);
+  EXPECT_TRUE(inner_ran);
 }
 
 }  // namespace

@@ -81,6 +81,8 @@ int64_t fault_count(std::string point) { return rpc::internal::fault_count(point
 DDPRPC_REGISTER_FUNCTION(fault_count);
 
 std::string address_of(const std::string& worker) { return rpc::get_worker_info(worker).address; }
+// The worker these tests attack.
+int victim_id() { return rpc::get_worker_info("worker1").id; }
 
 // The job's own calls still work.
 void expect_serves(const std::string& worker) {
@@ -93,7 +95,7 @@ void expect_serves(const std::string& worker) {
 void expect_stream_ended(const std::string& address, std::optional<int> as,
                          const std::string& bytes, grpc::StatusCode code,
                          const std::string& needle, const std::string& as_text = "") {
-  RawStream stream(address, as, absl::Seconds(20), as_text);
+  RawStream stream(address, victim_id(), as, absl::Seconds(20), as_text);
   stream.write_bytes(bytes);
   grpc::Status status = stream.finish();
   EXPECT_EQ(status.error_code(), code) << needle << ": " << status.error_message();
@@ -114,7 +116,7 @@ MULTIPROCESS_TEST(HostileInputTest, MalformedFramesEndOnlyTheirStream, 2) {
 
     // A well-formed request on a raw stream is answered.
     {
-      RawStream stream(victim, 0);
+      RawStream stream(victim, victim_id(), 0);
       ASSERT_TRUE(stream.write_frame(add_request(0), body));
       auto reply = stream.read();
       ASSERT_TRUE(reply.has_value());
@@ -194,7 +196,7 @@ MULTIPROCESS_TEST(HostileInputTest, ManyTensorEntriesAreBoundedAndCheap, 2) {
                         grpc::StatusCode::INVALID_ARGUMENT, "tensors");
     EXPECT_LT(absl::Now() - start, absl::Seconds(5));
     start = absl::Now();
-    RawStream stream(victim, 0);
+    RawStream stream(victim, victim_id(), 0);
     ASSERT_TRUE(stream.write_frame(many(rpc::internal::kMaxTensorsPerFrame)));
     auto reply = stream.read();
     ASSERT_TRUE(reply.has_value());
@@ -230,7 +232,7 @@ MULTIPROCESS_TEST(HostileInputTest, OversizedMessagesAreRefusedByTheReceiver, 2)
       return rpc::testing::raw_frame(h, std::string(bytes, 'x'));
     };
     for (int i = 0; i < 4; ++i) {
-      RawStream stream(victim, 0);
+      RawStream stream(victim, victim_id(), 0);
       stream.write_bytes(oversized(16 << 20));
       grpc::Status status = stream.finish();
       EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
@@ -238,7 +240,7 @@ MULTIPROCESS_TEST(HostileInputTest, OversizedMessagesAreRefusedByTheReceiver, 2)
           << status.error_message();
     }
     {
-      RawStream stream(victim, 0, absl::Seconds(60));
+      RawStream stream(victim, victim_id(), 0, absl::Seconds(60));
       stream.write_bytes(oversized(int64_t{1} << 30));
       grpc::Status status = stream.finish();
       EXPECT_FALSE(status.ok());
@@ -279,7 +281,7 @@ MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3)
     {
       // 2,000 requests for 1 MiB replies (2 GiB if all were kept), never read.
       std::optional<RawStream> flood;
-      flood.emplace(victim, 0, absl::Seconds(60));
+      flood.emplace(victim, victim_id(), 0, absl::Seconds(60));
       std::atomic<bool> done{false};
       std::thread writer([&] {
         for (int i = 0; i < 2000 && !done; ++i) {
@@ -302,7 +304,7 @@ MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3)
     }
     // Requests that all wait for one of two threads: the queue holds 16.
     {
-      RawStream flood(victim, 0, absl::Seconds(60));
+      RawStream flood(victim, victim_id(), 0, absl::Seconds(60));
       for (int i = 0; i < 60; ++i) {
         auto frame = rpc::testing::request_frame(0, i + 1, "sleep_ms", {c10::IValue(int64_t{200})});
         frame.header.set_more_in_flight(true);  // offloaded to the pool
@@ -350,7 +352,7 @@ MULTIPROCESS_TEST(HostileInputTest, ForgedRRefMessagesAreRefused, 3) {
     int64_t w, l;
     ASSERT_TRUE(absl::SimpleAtoi(id[0], &w) && absl::SimpleAtoi(id[1], &l));
     auto call = [&](const std::string& function, std::vector<c10::IValue> args) {
-      RawStream stream(victim, 0);
+      RawStream stream(victim, victim_id(), 0);
       EXPECT_TRUE(stream.write_bytes(
           rpc::testing::frame_bytes(rpc::testing::request_frame(0, 7, function, std::move(args)))));
       auto reply = stream.read();

@@ -283,7 +283,8 @@ MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
 // keeps serving everyone else (hostile_input_test has the other cases).
 MULTIPROCESS_TEST(RpcErrorsTest, MalformedBytesEndOnlyTheirStream, 1) {
   rpc::init_rpc("solo", 0, 1);
-  rpc::testing::RawStream stream(rpc::get_worker_info().address, 0, absl::Seconds(10));
+  rpc::testing::RawStream stream(rpc::get_worker_info().address, rpc::get_worker_info().id, 0,
+                                 absl::Seconds(10));
   stream.write_bytes(std::string("\x10\x00\x00\x00not a frame at all", 22));
   EXPECT_FALSE(stream.read().has_value());
   grpc::Status status = stream.finish();

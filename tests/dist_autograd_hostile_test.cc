@@ -48,7 +48,7 @@ DDPRPC_REGISTER_FUNCTION(sleep_ms);
 
 // Sends one request as worker `as` to `to` and returns the reply.
 rpc::internal::Frame raw_call(const std::string& to, int as, rpc::internal::Frame request) {
-  rpc::testing::RawStream stream(rpc::get_worker_info(to).address, as);
+  rpc::testing::RawStream stream(rpc::get_worker_info(to).address, rpc::get_worker_info(to).id, as);
   EXPECT_TRUE(stream.write_bytes(rpc::testing::frame_bytes(request)));
   auto reply = stream.read();
   EXPECT_TRUE(reply.has_value());

@@ -5,14 +5,18 @@
 #include <openssl/rand.h>
 
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "rpc/errors.h"
 
@@ -96,9 +100,21 @@ std::string mac(const std::string& token, const std::string& message) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(out), len));
 }
 
-std::string signed_message(const std::string& purpose, int worker, const std::string& ms,
+std::string signed_message(const ProofScope& scope, const std::string& ms,
                            const std::string& nonce) {
-  return absl::StrCat("ddprpc/1|", purpose, "|", worker, "|", ms, "|", nonce);
+  return absl::StrCat("ddprpc/2|client-to-server|", scope.purpose, "|", scope.transport, "|",
+                      scope.from, "|", scope.to, "|", ms, "|", nonce);
+}
+
+// The nonces of the proofs this process accepted (see AuthChecker).
+struct Nonces {
+  absl::Mutex mu;
+  absl::flat_hash_set<std::string> seen ABSL_GUARDED_BY(mu);
+  std::deque<std::pair<absl::Time, std::string>> order ABSL_GUARDED_BY(mu);  // oldest first
+};
+Nonces& process_nonces() {
+  static auto* nonces = new Nonces();  // never destroyed: checkers may outlive main
+  return *nonces;
 }
 
 grpc::Status refused(const std::string& why) {
@@ -107,21 +123,20 @@ grpc::Status refused(const std::string& why) {
 
 }  // namespace
 
-std::string auth_proof(const std::string& token, const std::string& purpose, int worker) {
+std::string auth_proof(const std::string& token, const ProofScope& scope) {
   const std::string ms = absl::StrCat(absl::ToUnixMillis(absl::Now()));
   const std::string nonce = random_hex(16);
-  return absl::StrCat(ms, ".", nonce, ".", mac(token, signed_message(purpose, worker, ms, nonce)));
+  return absl::StrCat(ms, ".", nonce, ".", mac(token, signed_message(scope, ms, nonce)));
 }
 
 grpc::Status AuthChecker::check(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
-                                const std::string& purpose, int worker) {
+                                const ProofScope& scope) {
   auto it = metadata.find(kAuthMetadataKey);
   if (it == metadata.end()) return refused("no proof of the job's token (ddprpc-auth metadata)");
-  return check_proof(absl::string_view(it->second.data(), it->second.size()), purpose, worker);
+  return check_proof(absl::string_view(it->second.data(), it->second.size()), scope);
 }
 
-grpc::Status AuthChecker::check_proof(absl::string_view proof, const std::string& purpose,
-                                      int worker) {
+grpc::Status AuthChecker::check_proof(absl::string_view proof, const ProofScope& scope) {
   std::vector<absl::string_view> parts = absl::StrSplit(proof, '.');
   int64_t ms = 0;
   if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &ms) || parts[1].size() != 32 ||
@@ -134,19 +149,21 @@ grpc::Status AuthChecker::check_proof(absl::string_view proof, const std::string
     return refused("the proof of the job's token is too old or from the future (clock skew?)");
   }
   const std::string expected =
-      mac(token_, signed_message(purpose, worker, std::string(parts[0]), std::string(parts[1])));
+      mac(token_, signed_message(scope, std::string(parts[0]), std::string(parts[1])));
   if (CRYPTO_memcmp(expected.data(), parts[2].data(), expected.size()) != 0) {
     return refused("wrong job token");
   }
   std::string nonce(parts[1]);
-  absl::MutexLock lock(&mu_);
+  Nonces& nonces = process_nonces();
+  absl::MutexLock lock(&nonces.mu);
   // Nonces past the window cannot come back (their time is refused).
-  while (!order_.empty() && (order_.front().first < now - 2 * kWindow || order_.size() >= kMaxRemembered)) {
-    seen_.erase(order_.front().second);
-    order_.pop_front();
+  while (!nonces.order.empty() && (nonces.order.front().first < now - 2 * kWindow ||
+                                   nonces.order.size() >= kMaxRemembered)) {
+    nonces.seen.erase(nonces.order.front().second);
+    nonces.order.pop_front();
   }
-  if (!seen_.insert(nonce).second) return refused("a proof of the job's token was replayed");
-  order_.emplace_back(now, std::move(nonce));
+  if (!nonces.seen.insert(nonce).second) return refused("a proof of the job's token was replayed");
+  nonces.order.emplace_back(now, std::move(nonce));
   return grpc::Status::OK;
 }
 

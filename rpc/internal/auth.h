@@ -23,34 +23,41 @@
 namespace ddprpc::rpc::internal {
 
 // Initial metadata carrying the proof: "<unix ms>.<nonce>.<mac>", the mac
-// being HMAC-SHA256(token, "ddprpc/1|<purpose>|<worker>|<unix ms>|<nonce>").
+// being HMAC-SHA256(token, "ddprpc/2|client-to-server|<purpose>|<transport>|
+// <from>|<to>|<unix ms>|<nonce>").
 inline constexpr char kAuthMetadataKey[] = "ddprpc-auth";
 
-// The proof that a client opening `purpose` ("rpc", "store") as `worker`
-// (-1: no worker) knows `token`.
-std::string auth_proof(const std::string& token, const std::string& purpose, int worker);
+// What a proof opens, all of it signed: a proof made for one server,
+// transport or purpose is refused by every other.
+struct ProofScope {
+  std::string purpose;    // "rpc" or "store"
+  std::string transport;  // "grpc" or "same-host"
+  int from = -1;          // the worker that opens it (-1: none)
+  int to = -1;            // the worker it is opened to (-1: the store, or a server that has no id)
+};
+
+// The proof that a client opening `scope` knows `token`.
+std::string auth_proof(const std::string& token, const ProofScope& scope);
 
 // Checks proofs against one token. Thread-safe.
 class AuthChecker {
  public:
   // Proofs older or newer than this (clock skew) are refused.
   static constexpr absl::Duration kWindow = absl::Minutes(5);
-  // Nonces remembered (each proof is accepted once).
+  // Nonces remembered (each proof is accepted once), for the whole
+  // process: every checker (each server of every transport, the store)
+  // shares one set, so a proof accepted by one is refused by all.
   static constexpr size_t kMaxRemembered = 1 << 16;
 
   explicit AuthChecker(std::string token) : token_(std::move(token)) {}
   // OK, or UNAUTHENTICATED saying what was wrong (never the token).
   grpc::Status check(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata,
-                     const std::string& purpose, int worker);
+                     const ProofScope& scope);
   // The same for a proof given directly (auth_proof's string).
-  grpc::Status check_proof(absl::string_view proof, const std::string& purpose, int worker);
+  grpc::Status check_proof(absl::string_view proof, const ProofScope& scope);
 
  private:
   const std::string token_;
-  absl::Mutex mu_;
-  // State below is protected by mu_.
-  absl::flat_hash_set<std::string> seen_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::pair<absl::Time, std::string>> order_ ABSL_GUARDED_BY(mu_);  // oldest first
 };
 
 // Credentials for the job's channels and servers: mutual TLS when

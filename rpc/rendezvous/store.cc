@@ -2,13 +2,18 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <grpcpp/impl/codegen/method_handler.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/resource_quota.h>
 
+#include <algorithm>
+#include <deque>
+#include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "rpc/errors.h"
 #include "rpc/internal/auth.h"
@@ -18,45 +23,230 @@
 
 namespace ddprpc::rpc {
 
-// The store's methods take raw bytes: a request is authenticated (its
-// metadata) before its protobuf is parsed.
-class StoreServer::Service final : public grpc::Service {
+namespace {
+
+// What the server lets connections use before and after they prove the
+// token (docs/security.md).
+constexpr size_t kStoreMemoryBytes = size_t{256} << 20;  // gRPC's buffers, all connections
+constexpr int kStoreStreamsPerConnection = 32;
+constexpr int kStoreHandshakeMs = 10000;     // TLS and the HTTP/2 preface
+constexpr int kStoreIdleConnectionMs = 30000;  // a connection without calls
+// Requests that run at once (blocked get()/wait() hold one each; the state
+// refuses waiters beyond its own bound first).
+constexpr int kStoreMaxRunning = internal::StoreState::kMaxWaiters + 64;
+// Proven calls whose message is being read at once: what bounds the bytes
+// a member's unfinished messages hold (each at most kMaxRequestBytes). The
+// others wait their turn, unread (their stream's window stays at HTTP/2's
+// initial one), up to kStoreMaxQueued; more are refused. A message not
+// whole within kStoreReadTimeout cancels its call.
+constexpr int kStoreMaxReading = 8;
+constexpr int kStoreMaxQueued = 1024;
+constexpr absl::Duration kStoreReadTimeout = absl::Seconds(10);
+
+}  // namespace
+
+// The store's methods take raw bytes through gRPC's callback API: a call is
+// authenticated from its metadata when it arrives, before its message is
+// asked for, so a stranger's request body is never read (HTTP/2 flow
+// control holds it to the stream's initial window) nor parsed.
+class StoreServer::Service final : public grpc::CallbackGenericService {
  public:
-  enum Method { kSet, kGet, kAdd, kWait, kCheck };
+  enum Method { kSet, kGet, kAdd, kWait, kCheck, kUnknown };
 
   explicit Service(const Security& security)
       : auth_(security.authenticated() ? std::make_unique<internal::AuthChecker>(security.token)
-                                       : nullptr) {
-    static const char* const kNames[] = {"/ddprpc.rendezvous.Store/Set", "/ddprpc.rendezvous.Store/Get",
-                                         "/ddprpc.rendezvous.Store/Add", "/ddprpc.rendezvous.Store/Wait",
-                                         "/ddprpc.rendezvous.Store/Check"};
-    for (int m = kSet; m <= kCheck; ++m) {
-      AddMethod(new grpc::internal::RpcServiceMethod(
-          kNames[m], grpc::internal::RpcMethod::NORMAL_RPC,
-          new grpc::internal::RpcMethodHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
-              [m](Service* service, grpc::ServerContext* ctx, const grpc::ByteBuffer* req,
-                  grpc::ByteBuffer* resp) {
-                return service->handle(static_cast<Method>(m), ctx, *req, resp);
-              },
-              this)));
+                                       : nullptr),
+        reaper_([this] { reap_slow_reads(); }) {}
+
+  // Waits for the threads of blocked requests (woken by stop()).
+  ~Service() {
+    {
+      absl::MutexLock lock(&mu_);
+      reaper_stop_ = true;
+      auto none = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return running_ == 0; };
+      mu_.Await(absl::Condition(&none));
     }
+    reaper_.join();
   }
 
   void stop() { state_.stop(); }
 
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    static const char* const kNames[] = {"/ddprpc.rendezvous.Store/Set", "/ddprpc.rendezvous.Store/Get",
+                                         "/ddprpc.rendezvous.Store/Add", "/ddprpc.rendezvous.Store/Wait",
+                                         "/ddprpc.rendezvous.Store/Check"};
+    Method method = kUnknown;
+    for (int m = kSet; m <= kCheck; ++m) {
+      if (ctx->method() == kNames[m]) method = static_cast<Method>(m);
+    }
+    grpc::Status status;
+    if (method == kUnknown) {
+      status = grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no such store method");
+    } else if (auth_) {
+      status = auth_->check(ctx->client_metadata(), {"store", "grpc", -1, -1});
+    }
+    if (!status.ok()) {
+      LOG_EVERY_N(WARNING, 100) << "rendezvous store: refused a call from " << ctx->peer() << ": "
+                                << status.error_message();
+      return new Refusal(status);
+    }
+    return new Call(this, ctx, method);
+  }
+
  private:
+  class Refusal : public grpc::ServerGenericBidiReactor {
+   public:
+    explicit Refusal(const grpc::Status& status) { Finish(status); }
+    void OnDone() override { delete this; }
+  };
+
+  // One proven call: reads its request (when a reading slot is free), runs
+  // it (blocking ones on their own thread), answers.
+  class Call : public grpc::ServerGenericBidiReactor {
+   public:
+    Call(Service* service, grpc::GenericCallbackServerContext* ctx, Method method)
+        : service_(service), ctx_(ctx), method_(method) {
+      service_->want_read(this);
+    }
+    // Its turn to be read (called once, by want_read or by another call's
+    // end of reading).
+    void start_reading() { StartRead(&request_); }
+    void OnCancel() override { service_->cancel_queued(this); }
+    void OnReadDone(bool ok) override {
+      service_->read_done(this);
+      if (!ok) {
+        Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no store request"));
+        return;
+      }
+      if (method_ != kGet && method_ != kWait) {
+        run();
+        return;
+      }
+      if (!service_->enter()) {
+        Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many store requests"));
+        return;
+      }
+      try {
+        std::thread([this, service = service_] {
+          run();  // finishes the call: `this` may be gone after
+          service->leave();
+        }).detach();
+      } catch (const std::exception&) {
+        service_->leave();
+        Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "no thread for the request"));
+      }
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    void run() {
+      grpc::ByteBuffer response;
+      grpc::Status status = service_->handle(method_, ctx_, request_, &response);
+      if (status.ok()) {
+        response_ = std::move(response);
+        StartWriteAndFinish(&response_, grpc::WriteOptions(), status);
+      } else {
+        Finish(status);
+      }
+    }
+   public:
+    Service* const service_;
+    grpc::GenericCallbackServerContext* const ctx_;
+    const Method method_;
+    absl::Time reading_since_ = absl::InfiniteFuture();  // guarded by the service's mu_
+
+   private:
+    grpc::ByteBuffer request_;
+    grpc::ByteBuffer response_;
+  };
+
+  // Reads `call` now if a slot is free, else queues it (or refuses it
+  // when the queue is full).
+  void want_read(Call* call) {
+    bool now = false, refuse = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (static_cast<int>(reading_.size()) < kStoreMaxReading) {
+        call->reading_since_ = absl::Now();
+        reading_.insert(call);
+        now = true;
+      } else if (static_cast<int>(queued_.size()) < kStoreMaxQueued) {
+        queued_.push_back(call);
+      } else {
+        refuse = true;
+      }
+    }
+    if (now) call->start_reading();
+    if (refuse) {
+      call->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "too many store requests"));
+    }
+  }
+  // `call`'s read ended: the next queued call is read.
+  void read_done(Call* call) {
+    Call* next = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      if (reading_.erase(call) == 0) return;
+      if (!queued_.empty()) {
+        next = queued_.front();
+        queued_.pop_front();
+        next->reading_since_ = absl::Now();
+        reading_.insert(next);
+      }
+    }
+    if (next) next->start_reading();
+  }
+  // A queued call whose client went away ends without being read.
+  void cancel_queued(Call* call) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = std::find(queued_.begin(), queued_.end(), call);
+      if (it == queued_.end()) return;
+      queued_.erase(it);
+    }
+    call->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+  }
+  // Cancels the calls whose message has been read for kStoreReadTimeout.
+  // Holding mu_ across TryCancel keeps each call alive (its read cannot end
+  // meanwhile) and cannot deadlock: gRPC runs the reactions of a call it
+  // cancels on its own threads, never inside TryCancel (these reactors are
+  // not inlineable).
+  void reap_slow_reads() {
+    absl::MutexLock lock(&mu_);
+    while (!reaper_stop_) {
+      mu_.AwaitWithTimeout(absl::Condition(&reaper_stop_), absl::Milliseconds(500));
+      const absl::Time now = absl::Now();
+      for (Call* call : reading_) {
+        if (now - call->reading_since_ >= kStoreReadTimeout) {
+          call->reading_since_ = absl::InfiniteFuture();  // once
+          call->ctx_->TryCancel();
+        }
+      }
+    }
+  }
+
+  bool enter() {
+    absl::MutexLock lock(&mu_);
+    if (running_ >= kStoreMaxRunning) return false;
+    ++running_;
+    return true;
+  }
+  void leave() {
+    absl::MutexLock lock(&mu_);
+    --running_;
+  }
+
   // Runs one request; what it throws becomes its error status, and a
   // refused request is logged with the client's address.
-  grpc::Status handle(Method method, grpc::ServerContext* ctx, const grpc::ByteBuffer& raw,
+  grpc::Status handle(Method method, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& raw,
                       grpc::ByteBuffer* raw_resp) {
     static const char* const kOps[] = {"set", "get", "add", "wait", "check"};
     grpc::Status status;
     try {
       internal::fault_point("store.request");
-      if (auth_) status = auth_->check(ctx->client_metadata(), "store", -1);
       rendezvous::StoreRequest req;
       rendezvous::StoreResponse resp;
-      if (status.ok() && !parse(raw, &req)) {
+      if (!parse(raw, &req)) {
         status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed store request");
       }
       if (status.ok()) {
@@ -67,6 +257,7 @@ class StoreServer::Service final : public grpc::Service {
           case kAdd: status = state_.add(req, &resp); break;
           case kWait: status = state_.wait(req, &resp, cancelled); break;
           case kCheck: status = state_.check(req, &resp); break;
+          case kUnknown: status = grpc::Status(grpc::StatusCode::UNIMPLEMENTED, ""); break;
         }
       }
       if (status.ok()) {
@@ -95,6 +286,12 @@ class StoreServer::Service final : public grpc::Service {
 
   const std::unique_ptr<internal::AuthChecker> auth_;
   internal::StoreState state_;
+  absl::Mutex mu_;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;  // threads of blocking requests
+  absl::flat_hash_set<Call*> reading_ ABSL_GUARDED_BY(mu_);
+  std::deque<Call*> queued_ ABSL_GUARDED_BY(mu_);  // oldest first
+  bool reaper_stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread reaper_;  // last: started once the rest is built
 };
 
 std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int port,
@@ -113,12 +310,20 @@ std::unique_ptr<StoreServer> StoreServer::start(const std::string& host, int por
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 500);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
-  // Blocked waits hold a thread each; the state refuses those beyond its
-  // bound before this one is reached.
+  // Strangers: a connection finishes its handshake in time, opens few
+  // streams, is closed once it has none for a while, and what gRPC
+  // buffers for all connections together is bounded. A stream's window
+  // stays at HTTP/2's initial one until its request is asked for (no
+  // bandwidth probe), which happens once the call is proven.
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, kStoreHandshakeMs);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kStoreStreamsPerConnection);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, kStoreIdleConnectionMs);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   grpc::ResourceQuota quota("ddprpc-store");
-  quota.SetMaxThreads(internal::StoreState::kMaxWaiters + 64);
+  quota.Resize(kStoreMemoryBytes);
+  quota.SetMaxThreads(kStoreMaxRunning);
   builder.SetResourceQuota(quota);
-  builder.RegisterService(s->service_.get());
+  builder.RegisterCallbackGenericService(s->service_.get());
   s->server_ = builder.BuildAndStart();
   if (!s->server_ || s->port_ == 0) {
     throw RpcError(ErrorCode::kUnavailable,
@@ -163,7 +368,7 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
                          const rendezvous::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
   rendezvous::Store::Stub stub(channel);
   grpc::ClientContext ctx;
-  if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, "store", -1));
+  if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, {"store", "grpc", -1, -1}));
   ctx.set_wait_for_ready(!fail_fast);  // at rendezvous the server may not be up yet
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(1)));
   rendezvous::StoreResponse resp;

@@ -1,15 +1,22 @@
 #include "rpc/rendezvous/store.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <memory>
 #include <string>
 #include <thread>
-
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "rpc/errors.h"
+#include "glog/logging.h"
+#include "rpc/internal/auth.h"
 #include "rpc/rendezvous/internal/store_state.h"
+#include "rpc/testing/raw_http2.h"
+#include "rpc/testing/raw_peer.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -121,6 +128,161 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   waits.stop();  // wakes them all
   for (auto& t : waiters) t.join();
   EXPECT_EQ(unavailable.load(), kWaiters);
+}
+
+// ---- strangers and members that never finish their messages
+
+constexpr char kSetMethod[] = "/ddprpc.rendezvous.Store/Set";
+constexpr uint32_t kClaimed = 16 << 20;  // under the store's largest request
+
+// A call without the job's proof ends as its metadata arrives: the server
+// does not ask for its message, so no more than HTTP/2's initial window of
+// it gets through.
+TEST(StoreTest, AStrangersCallEndsBeforeItsMessageIsRead) {
+  Security job;
+  job.token = "the job's secret";
+  auto server = StoreServer::start("127.0.0.1", 0, job);
+  testing::RawHttp2 raw;
+  ASSERT_TRUE(raw.connect(server->port()));
+  const uint32_t call = raw.open_call(kSetMethod);
+  raw.send_partial_message(call, kClaimed, 4 << 20);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!raw.ended(call) && !raw.closed() && absl::Now() < deadline) {
+    raw.pump(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(raw.ended(call)) << "the stranger's call is still open";
+  EXPECT_LE(raw.sent_body_bytes(), size_t{64} << 10)
+      << "the server read a stranger's message";
+}
+
+// Partial messages from many connections for `duration`, each connection
+// keeping `streams` calls open (a stranger's calls are ended, and opened
+// again); `proofs` (one per call, used once) make them a member's. At
+// most `max_bytes` are sent in all.
+size_t flood(int port, std::vector<std::string> proofs, int connections, int streams,
+             absl::Duration duration, size_t max_bytes) {
+  std::vector<std::unique_ptr<testing::RawHttp2>> conns;
+  for (int i = 0; i < connections; ++i) {
+    auto c = std::make_unique<testing::RawHttp2>();
+    if (c->connect(port)) conns.push_back(std::move(c));
+  }
+  const bool member = !proofs.empty();
+  const absl::Time deadline = absl::Now() + duration;
+  size_t sent = 0;
+  while (absl::Now() < deadline && sent < max_bytes) {
+    sent = 0;
+    for (auto& c : conns) {
+      if (c->closed()) continue;
+      while (c->open_streams() < streams) {
+        std::vector<std::pair<std::string, std::string>> metadata;
+        if (member) {
+          if (proofs.empty()) break;
+          metadata.push_back({internal::kAuthMetadataKey, proofs.back()});
+          proofs.pop_back();
+        }
+        c->send_partial_message(c->open_call(kSetMethod, metadata), kClaimed, kClaimed - 1);
+      }
+      c->pump(absl::Milliseconds(1));
+    }
+    for (auto& c : conns) sent += c->sent_body_bytes();
+  }
+  return sent;
+}
+
+// The store host's memory under floods of partial messages, from
+// strangers and then from a member: it grows by less than the bound of
+// gRPC's buffers, and once the flood ends the store serves a client
+// within a second.
+TEST(StoreTest, PartialMessageFloodsAreBoundedAndTheStoreServesAgain) {
+  Security job;
+  job.token = "the job's secret";
+  auto server = StoreServer::start("127.0.0.1", 0, job);
+  Store client("127.0.0.1", server->port(), absl::Seconds(10), job);
+  client.set("before", "1");
+  for (const bool member : {false, true}) {
+    constexpr int kConnections = 32;
+    constexpr int kStreams = 32;
+    std::vector<std::string> proofs;
+    if (member) {
+      for (int i = 0; i < kConnections * kStreams; ++i) {
+        proofs.push_back(internal::auth_proof(job.token, {"store", "grpc", -1, -1}));
+      }
+    }
+    int sent_pipe[2];
+    ASSERT_EQ(pipe(sent_pipe), 0);
+    const int64_t before = testing::resident_bytes();
+    const pid_t child = fork();
+    if (child == 0) {
+      alarm(30);
+      ::close(sent_pipe[0]);
+      const uint64_t sent = flood(server->port(), std::move(proofs), kConnections, kStreams,
+                                  absl::Seconds(3), size_t{1} << 30);
+      ssize_t ignored = write(sent_pipe[1], &sent, sizeof(sent));
+      (void)ignored;
+      _exit(0);
+    }
+    ASSERT_GT(child, 0);
+    ::close(sent_pipe[1]);
+    int64_t peak = before;
+    int status = 0;
+    const absl::Time until = absl::Now() + absl::Seconds(25);
+    while (waitpid(child, &status, WNOHANG) == 0) {
+      peak = std::max(peak, testing::resident_bytes());
+      if (absl::Now() > until) {
+        kill(child, SIGKILL);
+        waitpid(child, &status, 0);
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    uint64_t sent = 0;
+    EXPECT_EQ(read(sent_pipe[0], &sent, sizeof(sent)), static_cast<ssize_t>(sizeof(sent)));
+    ::close(sent_pipe[0]);
+    LOG(INFO) << (member ? "member" : "stranger") << " flood: " << (sent >> 20)
+              << " MiB of partial messages sent; the store host's memory grew by "
+              << (peak - before) / (1 << 20) << " MiB at most";
+    EXPECT_LT(peak - before, int64_t{320} << 20);
+    const absl::Time start = absl::Now();
+    client.set("after", member ? "member" : "stranger");
+    EXPECT_EQ(client.get("after"), member ? "member" : "stranger");
+    const absl::Duration recovery = absl::Now() - start;
+    LOG(INFO) << "served again " << recovery << " after the flood";
+    EXPECT_LT(recovery, absl::Seconds(1));
+  }
+}
+
+// Members whose messages never finish hold the store's reading slots for
+// 10 s at most: calls queued behind them are then read and answered.
+TEST(StoreTest, UnfinishedMessagesGiveTheirReadingSlotsBack) {
+  Security job;
+  job.token = "the job's secret";
+  auto server = StoreServer::start("127.0.0.1", 0, job);
+  testing::RawHttp2 member;
+  ASSERT_TRUE(member.connect(server->port()));
+  std::vector<uint32_t> stalled;
+  for (int i = 0; i < 8; ++i) {  // every reading slot
+    stalled.push_back(member.open_call(
+        kSetMethod,
+        {{internal::kAuthMetadataKey, internal::auth_proof(job.token, {"store", "grpc", -1, -1})}}));
+    member.send_partial_message(stalled.back(), 1 << 20, 1000);
+  }
+  member.pump(absl::Milliseconds(200));
+  const absl::Time start = absl::Now();
+  std::atomic<bool> done{false};
+  std::thread client([&] {
+    Store store("127.0.0.1", server->port(), absl::Seconds(30), job);
+    store.set("queued", "1");
+    done = true;
+  });
+  // Queued behind the stalled calls, then read once they are cancelled.
+  while (!done && absl::Now() - start < absl::Seconds(25)) member.pump(absl::Milliseconds(50));
+  client.join();
+  EXPECT_TRUE(done.load());
+  const absl::Duration waited = absl::Now() - start;
+  LOG(INFO) << "a call queued behind 8 unfinished messages was answered after " << waited;
+  EXPECT_GT(waited, absl::Seconds(5)) << "the stalled calls did not hold the reading slots";
+  EXPECT_LT(waited, absl::Seconds(15));
+  for (uint32_t id : stalled) EXPECT_TRUE(member.ended(id) || member.closed()) << id;
 }
 
 }  // namespace

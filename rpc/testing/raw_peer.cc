@@ -20,7 +20,7 @@ const grpc::internal::RpcMethod& stream_method() {
 
 }  // namespace
 
-RawStream::RawStream(const std::string& address, std::optional<int> worker,
+RawStream::RawStream(const std::string& address, int to, std::optional<int> worker,
                      absl::Duration timeout, const std::string& worker_text, Auth auth,
                      std::shared_ptr<grpc::ChannelCredentials> credentials) {
   const Security security = Security::from_environment();
@@ -39,7 +39,7 @@ RawStream::RawStream(const std::string& address, std::optional<int> worker,
   if (auth != Auth::kNone && security.authenticated()) {
     const std::string token = auth == Auth::kJobToken ? security.token : security.token + "x";
     ctx_.AddMetadata(internal::kAuthMetadataKey,
-                     internal::auth_proof(token, "rpc", worker ? *worker : -1));
+                     internal::auth_proof(token, {"rpc", "grpc", worker ? *worker : -1, to}));
   }
   stream_.reset(
       grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(

@@ -24,11 +24,12 @@ class RawStream {
   // environment (security.h).
   enum class Auth { kJobToken, kNone, kWrongToken };
 
-  // Opens a stream to the worker listening at `address`, naming worker
+  // Opens a stream to worker `to` listening at `address`, naming worker
   // `worker` in its metadata (none if nullopt, `worker_text` verbatim if
-  // set). Every operation gives up after `timeout` from opening.
-  // `credentials`: the channel's (default: the job's, from the environment).
-  RawStream(const std::string& address, std::optional<int> worker,
+  // set); the proof names `to` as its destination. Every operation gives
+  // up after `timeout` from opening. `credentials`: the channel's
+  // (default: the job's, from the environment).
+  RawStream(const std::string& address, int to, std::optional<int> worker,
             absl::Duration timeout = absl::Seconds(20), const std::string& worker_text = "",
             Auth auth = Auth::kJobToken,
             std::shared_ptr<grpc::ChannelCredentials> credentials = nullptr);

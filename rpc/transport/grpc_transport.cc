@@ -347,6 +347,20 @@ class ServerStream {
 
  public:
 
+  // Ends a stream whose worker opened a newer one (see bind_identity):
+  // its pending read is cancelled, its replies dropped.
+  void replace() {
+    fail(grpc::Status(grpc::StatusCode::CANCELLED,
+                      "replaced by a newer stream of the same worker"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_ || finished_ || !call_) return;
+      ++posting_;  // the call is not released meanwhile
+    }
+    call_->ctx.TryCancel();
+    posted();
+  }
+
   // No operation is posted from here on; waits for those being posted.
   void close() {
     absl::MutexLock lock(&mu_);
@@ -374,6 +388,14 @@ class ServerStream {
   // Fixed when accepted (set_identity).
   int caller_ = -1;
   std::string address_;
+
+ public:
+  // Protected by the service's mutex: whether the stream holds one of its
+  // worker's slots, and its order among the accepted streams.
+  bool counted = false;
+  uint64_t accepted_seq = 0;
+
+ private:
   // Used only by the thread handling the read's completion.
   grpc::ByteBuffer read_buffer_;
   absl::Mutex mu_;
@@ -561,7 +583,10 @@ class TransportServer::Service {
     if (it == streams_.end()) return;
     keep = std::move(it->second);
     streams_.erase(it);
-    if (s->caller() >= 0) --streams_of_worker_[s->caller()];
+    if (s->counted) {
+      s->counted = false;
+      --streams_of_worker_[s->caller()];
+    }
     s->release();
   }
 
@@ -638,7 +663,12 @@ class TransportServer::Service {
         accept_next();
         grpc::Status bound = bind_identity(s);
         if (!bound.ok()) {
-          reject(s, bound);
+          // Strangers may open streams as fast as they like: their
+          // refusals are logged one in 100.
+          LOG_EVERY_N(WARNING, 100) << "rpc transport: refusing a stream from "
+                                    << s->context()->peer() << ": " << bound.error_message();
+          s->fail(bound);
+          settle(s);
           return true;
         }
         s->read_next();
@@ -682,21 +712,47 @@ class TransportServer::Service {
         !absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &id) ||
         id < 0 || id >= limits_.world_size) {
       return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                          absl::StrCat("a stream must name a worker id in [0, ", limits_.world_size,
-                                       ") in its '", kWorkerMetadataKey, "' metadata"));
+                          absl::StrCat("a stream must name a worker of this job in its '",
+                                       kWorkerMetadataKey, "' metadata"));
     }
     if (auth_) {
-      grpc::Status proven = auth_->check(metadata, "rpc", id);
+      grpc::Status proven = auth_->check(metadata, {"rpc", "grpc", id, limits_.self});
       if (!proven.ok()) return proven;
     }
-    absl::MutexLock lock(&mu_);
-    if (streams_of_worker_[id] >= limits_.max_streams_per_worker) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("worker ", id, " has ", streams_of_worker_[id],
-                                       " streams open already"));
+    std::shared_ptr<ServerStream> replaced;
+    {
+      absl::MutexLock lock(&mu_);
+      if (streams_of_worker_[id] >= std::max(limits_.max_streams_per_worker, 1)) {
+        // The newest proven stream of a worker wins: its oldest gives way,
+        // so streams left behind (or opened by another holder of the
+        // token in its name) cannot keep the worker out.
+        for (auto& [ptr, other] : streams_) {
+          if (other->counted && other->caller() == id &&
+              (!replaced || other->accepted_seq < replaced->accepted_seq)) {
+            replaced = other;
+          }
+        }
+        if (replaced) {
+          replaced->counted = false;
+          --streams_of_worker_[id];
+        }
+      }
+      if (streams_of_worker_[id] >= std::max(limits_.max_streams_per_worker, 1)) {
+        LOG(WARNING) << "rpc transport: worker " << id << " has " << streams_of_worker_[id]
+                     << " streams open already; refusing another";
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            "too many streams name this worker");
+      }
+      ++streams_of_worker_[id];
+      s->set_identity(id, address);
+      s->counted = true;
+      s->accepted_seq = next_accepted_seq_++;
     }
-    ++streams_of_worker_[id];
-    s->set_identity(id, address);
+    if (replaced) {
+      LOG(WARNING) << "rpc transport: a newer stream of worker " << id << " replaces the one from "
+                   << replaced->address();
+      replaced->replace();
+    }
     return grpc::Status::OK;
   }
 
@@ -868,6 +924,7 @@ class TransportServer::Service {
   // State below is protected by mu_.
   absl::flat_hash_map<ServerStream*, std::shared_ptr<ServerStream>> streams_ ABSL_GUARDED_BY(mu_);
   std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);  // open streams per worker id
+  uint64_t next_accepted_seq_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   int idle_ ABSL_GUARDED_BY(mu_) = 0;           // threads waiting for the role
   bool role_free_ ABSL_GUARDED_BY(mu_) = true;  // no thread reads the queue
@@ -908,6 +965,13 @@ std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
   builder.SetResourceQuota(quota);
   // One stream per connection is what callers open.
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, limits.max_streams_per_worker);
+  // Strangers: a connection finishes its TLS handshake within
+  // handshake_timeout; a stream proves the token from its metadata before
+  // anything it sends is read (bind_identity), and what gRPC buffers
+  // meanwhile counts against the quota above. (The minimal stack has no
+  // idle or age filter: a connection that opens no stream costs a
+  // descriptor until its peer closes it or stops answering keepalives.)
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, millis(limits.handshake_timeout));
   // Liveness both ways: this end pings its callers, and takes their pings
   // (one per keepalive_interval) without calling them abusive.
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, millis(limits.keepalive_interval));
@@ -1109,7 +1173,8 @@ std::shared_ptr<PeerStream> PeerStream::open(const std::string& address,
       new PeerStream(address, options, queue, std::move(on_frame), std::move(on_close)));
   s->ctx_.AddMetadata(kWorkerMetadataKey, absl::StrCat(options.self));
   if (options.security.authenticated()) {
-    s->ctx_.AddMetadata(kAuthMetadataKey, auth_proof(options.security.token, "rpc", options.self));
+    s->ctx_.AddMetadata(kAuthMetadataKey, auth_proof(options.security.token,
+                                                      {"rpc", "grpc", options.self, options.peer}));
   }
   grpc::GenericStub stub(s->channel_);
   s->call_ = stub.PrepareCall(&s->ctx_, kStreamMethod, queue->cq());

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -19,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <sstream>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -77,12 +79,32 @@ std::string link_target(const char* path) {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
-// The state letter of process `pid` ('R', 'S', 'T', 'Z', ...), or 0 if it
-// is gone.
+// The state letter of process `pid` ('R', 'S', 'T', 'Z', ...), 0 if it is
+// gone, or kStateUnknown when /proc cannot say (no descriptor left, no
+// memory): the process then counts as running, since a failing read says
+// nothing of the peer.
+constexpr char kStateUnknown = '?';
 char process_state(pid_t pid) {
-  std::string stat = read_small_file(absl::StrCat("/proc/", pid, "/stat").c_str());
-  size_t close = stat.rfind(')');
-  if (close == std::string::npos || close + 2 >= stat.size()) return 0;
+  const std::string path = absl::StrCat("/proc/", pid, "/stat");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno != ENOENT && errno != ESRCH) {
+      // Without a descriptor the kernel still says whether it exists.
+      return ::kill(pid, 0) != 0 && errno == ESRCH ? 0 : kStateUnknown;
+    }
+    return 0;
+  }
+  char buf[512];
+  ssize_t n;
+  do {
+    n = ::read(fd, buf, sizeof(buf));
+  } while (n < 0 && errno == EINTR);
+  const int read_errno = errno;
+  ::close(fd);
+  if (n < 0) return read_errno == ESRCH ? 0 : kStateUnknown;
+  const std::string_view stat(buf, static_cast<size_t>(n));
+  const size_t close = stat.rfind(')');
+  if (close == std::string_view::npos || close + 2 >= stat.size()) return kStateUnknown;
   return stat[close + 2];
 }
 
@@ -456,8 +478,12 @@ class Conn {
   absl::Status read_frame(const Preamble& p, Frame* frame) {
     uint64_t total = p.body;
     if (__builtin_add_overflow(total, p.inline_bytes, &total) ||
-        __builtin_add_overflow(total, p.remote_bytes, &total) ||
-        total > static_cast<uint64_t>(max_message_bytes_)) {
+        __builtin_add_overflow(total, p.remote_bytes, &total)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a frame claims more than 2^64 bytes (its head, inline and remote bytes overflow); "
+          "max_message_bytes is ", max_message_bytes_));
+    }
+    if (total > static_cast<uint64_t>(max_message_bytes_)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "a frame of ", total, " bytes exceeds max_message_bytes (", max_message_bytes_, ")"));
     }
@@ -664,7 +690,7 @@ class SameHostServer;
 
 // Who reads a connection (ServerConn::reader), besides the id of a thread.
 constexpr int64_t kNobody = 0;     // armed in the epoll set, queued, or parked while paused
-constexpr int64_t kHandshake = -1;  // its handshake's thread
+constexpr int64_t kHandshake = -1;  // not yet in the server's table
 
 // A caller's connection as the server sees it.
 struct ServerConn {
@@ -731,7 +757,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     static std::atomic<int> counter{0};
     s->name_ = absl::StrCat("ddprpc.", getpid(), ".", counter.fetch_add(1), ".",
                             Security::random_token().substr(0, 16));
-    s->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    s->listen_fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    s->reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     sockaddr_un addr;
     socklen_t len;
     set_abstract_address(s->name_, &addr, &len);
@@ -766,6 +793,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   ~SameHostServer() {
     if (epoll_fd_ >= 0) ::close(epoll_fd_);
     if (poke_fd_ >= 0) ::close(poke_fd_);
+    if (reserve_fd_ >= 0) ::close(reserve_fd_);
   }
 
   const std::string& name() const { return name_; }
@@ -824,7 +852,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
         offload_(std::move(offload)),
         epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
         poke_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
-        streams_of_worker_(std::max(limits.world_size, 1), 0) {}
+        streams_of_worker_(std::max(limits.world_size, 1), 0),
+        buffered_of_worker_(std::max(limits.world_size, 1), 0) {}
 
   static constexpr int kMaxHandedOff = 64;
   // The watchdog parks after this long without a message, and looks at
@@ -847,35 +876,309 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     kMoved,  // the watchdog gave it, with the role, to another thread
   };
 
+  // A connection in its handshake, read by the acceptor alone: nothing it
+  // sends before its hello is proven reaches any other thread.
+  struct Handshake {
+    int fd = -1;
+    uid_t uid = static_cast<uid_t>(-1);
+    pid_t pid = 0;
+    absl::Time deadline;
+    Preamble preamble;
+    size_t got = 0;    // bytes of the preamble, then of the body, read so far
+    std::string body;  // sized once the preamble is checked
+    bool done = false;  // taken out of the table (admitted, refused or dropped)
+  };
+
+  // The acceptor: takes new connections and runs every handshake itself,
+  // each socket read without blocking as its bytes come, so that
+  // connections that send nothing cost a descriptor and a slot in the
+  // table of handshakes (bounded, see ServerLimits), not a thread.
   void accept_loop() {
+    std::deque<std::unique_ptr<Handshake>> open;  // oldest first
+    absl::Time listen_after = absl::InfinitePast();
+    std::vector<pollfd> fds;
     for (;;) {
-      pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-      if (poll(fds, 2, -1) < 0 && errno != EINTR) return;
-      if (fds[1].revents) return;
-      if (!(fds[0].revents & POLLIN)) continue;
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) continue;
+      const absl::Time now = absl::Now();
+      for (auto& h : open) {
+        if (h->deadline <= now) drop(h.get(), "its handshake timed out");
+      }
+      forget_done(&open);
+      fds.clear();
+      fds.push_back({stop_fd_, POLLIN, 0});
+      fds.push_back({now >= listen_after ? listen_fd_ : -1, POLLIN, 0});
+      for (auto& h : open) fds.push_back({h->fd, POLLIN, 0});
+      absl::Time wake = listen_after > now ? listen_after : absl::InfiniteFuture();
+      for (auto& h : open) wake = std::min(wake, h->deadline);
+      const int timeout_ms =
+          wake == absl::InfiniteFuture()
+              ? -1
+              : static_cast<int>(std::max<int64_t>(absl::ToInt64Milliseconds(wake - now), 0) + 1);
+      const int r = poll(fds.data(), fds.size(), timeout_ms);
+      if (r < 0) {
+        if (errno != EINTR) {
+          LOG_EVERY_N(WARNING, 100) << "rpc same-host transport: poll: " << std::strerror(errno);
+          absl::SleepFor(absl::Milliseconds(10));
+        }
+        continue;
+      }
+      if (fds[0].revents) break;
+      // Hellos that have come are taken before new connections, which may
+      // push the oldest handshakes out. Nothing thrown here (no memory)
+      // leaves the thread: the connection at hand is dropped.
+      for (size_t i = 2; i < fds.size(); ++i) {
+        if (!fds[i].revents) continue;
+        Handshake* h = open[i - 2].get();
+        try {
+          read_handshake(h);
+        } catch (const std::exception& e) {
+          LOG_EVERY_N(ERROR, 100) << "rpc same-host transport: a handshake failed: " << e.what();
+          drop(h, "its handshake failed");
+        }
+      }
+      forget_done(&open);
+      if (fds[1].revents & POLLIN) {
+        try {
+          accept_some(&open, &listen_after);
+        } catch (const std::exception& e) {
+          LOG_EVERY_N(ERROR, 100) << "rpc same-host transport: accepting failed: " << e.what();
+          listen_after = absl::Now() + absl::Milliseconds(10);
+        }
+      }
+    }
+    for (auto& h : open) ::close(h->fd);
+  }
+
+  static void forget_done(std::deque<std::unique_ptr<Handshake>>* open) {
+    open->erase(std::remove_if(open->begin(), open->end(),
+                               [](const std::unique_ptr<Handshake>& h) { return h->done; }),
+                open->end());
+  }
+
+  // Ends a connection still in its handshake, without a word.
+  void drop(Handshake* h, const char* why) {
+    if (h->done) return;
+    VLOG(1) << "rpc same-host transport: dropping a connection of uid " << h->uid << " (pid "
+            << h->pid << "): " << why;
+    ::close(h->fd);
+    h->done = true;
+  }
+
+  // Takes the connections waiting to be accepted (some at a time).
+  void accept_some(std::deque<std::unique_ptr<Handshake>>* open, absl::Time* listen_after) {
+    for (int i = 0; i < 64; ++i) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          // Out of descriptors (or memory): the new connection alone fails.
+          // The reserve descriptor lets it be taken off the queue and
+          // closed; without one, the queue waits a little.
+          LOG_EVERY_N(WARNING, 100) << "rpc same-host transport: cannot accept a connection: "
+                                    << std::strerror(errno);
+          if (reserve_fd_ >= 0) {
+            ::close(reserve_fd_);
+            const int taken = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+            if (taken >= 0) ::close(taken);
+            reserve_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+            if (taken >= 0) continue;
+          }
+          *listen_after = absl::Now() + absl::Milliseconds(10);
+        }
+        return;
+      }
       uid_t uid = static_cast<uid_t>(-1);
       const pid_t pid = peer_pid_of(fd, &uid);
-      absl::MutexLock lock(&mu_);
-      if (stopping_) {
+      if (pid <= 0 || (uid != geteuid() && !limits_.allow_other_uids)) {
+        // Refused before anything it sends is read; nothing is said.
+        LOG_EVERY_N(WARNING, 100) << "rpc same-host transport: refusing a connection of uid "
+                                  << static_cast<int64_t>(pid <= 0 ? -1 : uid)
+                                  << " (another user; see ServerLimits::allow_other_uids)";
         ::close(fd);
         continue;
       }
-      auto c = std::make_shared<ServerConn>(next_key_++, uid);
-      // A wake of the connection (a reply while it is paused, or a write
-      // that found its socket full) pokes the role holder.
-      c->conn = std::make_unique<Conn>(
-          fd, pid, limits_.max_message_bytes, limits_.keepalive_interval,
-          limits_.keepalive_timeout,
-          [server = weak_from_this(), conn = c.get()] {
-            conn->poked.store(true);
-            if (auto s = server.lock()) s->poke();
-          },
-          limits_.max_pending_reply_bytes);
-      c->address = absl::StrCat("same-host process ", pid);
+      // Room for it: the oldest handshake of its uid, else the oldest of
+      // all, gives way.
+      const int total_cap = std::max(limits_.max_unauthenticated_connections, 1);
+      const int uid_cap = std::max(limits_.max_unauthenticated_per_peer, 1);
+      int of_uid = 0;
+      Handshake* oldest_of_uid = nullptr;
+      for (auto& h : *open) {
+        if (h->uid != uid) continue;
+        if (!oldest_of_uid) oldest_of_uid = h.get();
+        ++of_uid;
+      }
+      if (of_uid >= uid_cap) {
+        drop(oldest_of_uid, "too many handshakes of its uid");
+        forget_done(open);
+      }
+      if (static_cast<int>(open->size()) >= total_cap) {
+        drop(open->front().get(), "too many handshakes");
+        forget_done(open);
+      }
+      auto h = std::make_unique<Handshake>();
+      h->fd = fd;
+      h->uid = uid;
+      h->pid = pid;
+      h->deadline = absl::Now() + limits_.handshake_timeout;
+      open->push_back(std::move(h));
+    }
+  }
+
+  // Reads what a handshake's socket holds, no more than the hello; admits
+  // or refuses it once the hello is whole.
+  void read_handshake(Handshake* h) {
+    const size_t head = sizeof(Preamble);
+    for (;;) {
+      char* dst;
+      size_t want;
+      if (h->got < head) {
+        dst = reinterpret_cast<char*>(&h->preamble) + h->got;
+        want = head - h->got;
+      } else {
+        dst = h->body.data() + (h->got - head);
+        want = h->body.size() - (h->got - head);
+      }
+      const ssize_t n = recv(h->fd, dst, want, MSG_DONTWAIT);
+      if (n == 0) return drop(h, "it closed");
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        return drop(h, "reading it failed");
+      }
+      h->got += static_cast<size_t>(n);
+      if (h->got == head) {
+        const Preamble& p = h->preamble;
+        if (p.magic != kMagic || p.kind != kHello || p.body < sizeof(HelloBody) ||
+            p.body > kMaxHandshakeBody) {
+          return drop(h, "it did not start with a hello");
+        }
+        h->body.assign(p.body, '\0');
+      }
+      if (h->got > head && h->got == head + h->body.size()) return finish_handshake(h);
+    }
+  }
+
+  // The hello of `h` is whole: checks it and welcomes the connection into
+  // the epoll set, or refuses it.
+  void finish_handshake(Handshake* h) {
+    h->done = true;
+    HelloBody hello;
+    std::memcpy(&hello, h->body.data(), sizeof(hello));
+    if (hello.proof_size != h->body.size() - sizeof(hello)) {
+      VLOG(1) << "rpc same-host transport: a malformed hello (pid " << h->pid << ")";
+      ::close(h->fd);
+      return;
+    }
+    // What a refused peer is told names nothing of the job (no worker
+    // ids, counts or addresses); the log says more.
+    absl::Status verdict;
+    std::string detail;
+    if (hello.worker < 0 || hello.worker >= limits_.world_size) {
+      verdict = absl::PermissionDeniedError("the connection names no worker of this job");
+      detail = absl::StrCat("worker ", hello.worker, " is not in [0, ", limits_.world_size, ")");
+    } else if (auth_) {
+      grpc::Status proven = auth_->check_proof(
+          absl::string_view(h->body.data() + sizeof(hello), hello.proof_size),
+          {"rpc", "same-host", hello.worker, limits_.self});
+      if (!proven.ok()) verdict = absl::UnauthenticatedError(proven.error_message());
+    } else if (security_.encrypted() && h->uid != getuid()) {
+      verdict = absl::UnauthenticatedError(
+          "a same-host connection of another user to a job without a token");
+    }
+    std::shared_ptr<ServerConn> c;
+    std::shared_ptr<ServerConn> replaced;
+    if (verdict.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (stopping_) {
+        verdict = absl::UnavailableError("the server is shutting down");
+      } else {
+        if (streams_of_worker_[hello.worker] >= std::max(limits_.max_streams_per_worker, 1)) {
+          // The newest proven connection of a worker wins: its oldest gives
+          // way, so connections left behind (or taken by another holder of
+          // the token) cannot keep the worker out.
+          for (auto& [key, other] : conns_) {
+            if (other->caller == hello.worker) {
+              replaced = other;
+              break;  // keys grow: the first is the oldest
+            }
+          }
+          if (replaced) {
+            conns_.erase(replaced->key);
+            --streams_of_worker_[hello.worker];
+          }
+        }
+        if (streams_of_worker_[hello.worker] >= std::max(limits_.max_streams_per_worker, 1)) {
+          verdict = absl::ResourceExhaustedError("too many connections name this worker");
+          detail = absl::StrCat("worker ", hello.worker, " has ",
+                                streams_of_worker_[hello.worker], " connections open already");
+        } else {
+          ++streams_of_worker_[hello.worker];
+          c = std::make_shared<ServerConn>(next_key_++, h->uid);
+        }
+      }
+    }
+    if (replaced) {
+      LOG(WARNING) << "rpc same-host transport: a newer connection of worker " << hello.worker
+                   << " replaces " << replaced->address;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, replaced->conn->fd(), nullptr);
+      replaced->conn->send_control(kGoodbye, 0, 0,
+                                   "replaced by a newer connection of the same worker");
+      replaced->conn->shutdown_after_flush(absl::Milliseconds(100));
+    }
+    WelcomeBody welcome;
+    welcome.code = static_cast<int32_t>(verdict.code());
+    const std::string message(verdict.message());
+    welcome.message_size = static_cast<uint32_t>(message.size());
+    std::string reply(sizeof(Preamble) + sizeof(welcome), '\0');
+    if (!c) {
+      // The probe's address and whether this end can read the caller's
+      // memory are for admitted callers only.
+      LOG_EVERY_N(WARNING, 100) << "rpc same-host transport: refusing a connection of pid "
+                                << h->pid << ": "
+                                << (detail.empty() ? message : detail);
+      Preamble p;
+      p.kind = kWelcome;
+      p.body = static_cast<uint32_t>(sizeof(welcome) + message.size());
+      std::memcpy(reply.data(), &p, sizeof(p));
+      std::memcpy(reply.data() + sizeof(p), &welcome, sizeof(welcome));
+      reply += message;
+      ssize_t ignored = send(h->fd, reply.data(), reply.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+      (void)ignored;
+      ::close(h->fd);
+      return;
+    }
+    // A wake of the connection (a reply while it is paused, or a write
+    // that found its socket full) pokes the role holder.
+    c->conn = std::make_unique<Conn>(
+        h->fd, h->pid, limits_.max_message_bytes, limits_.keepalive_interval,
+        limits_.keepalive_timeout,
+        [server = weak_from_this(), conn = c.get()] {
+          conn->poked.store(true);
+          if (auto s = server.lock()) s->poke();
+        },
+        limits_.max_pending_reply_bytes);
+    c->caller = hello.worker;
+    c->address = absl::StrCat("same-host process ", h->pid, " (worker ", hello.worker, ")");
+    welcome.probe = reinterpret_cast<uint64_t>(kProbe);
+    welcome.cross_memory = can_read_remote(h->pid, hello.probe);
+    std::string body(sizeof(welcome), '\0');
+    std::memcpy(body.data(), &welcome, sizeof(welcome));
+    c->conn->send_control(kWelcome, 0, 0, body);
+    c->conn->start_reading_ahead();
+    {
+      absl::MutexLock lock(&c->mu);
+      c->reader = kNobody;
+    }
+    {
+      absl::MutexLock lock(&mu_);
       conns_.emplace(c->key, c);
-      if (!spawn_thread([self = this, c](int64_t) { self->admit(c); })) conns_.erase(c->key);
+    }
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+    ev.data.u64 = c->key;
+    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, c->conn->fd(), &ev) != 0) {
+      reject(c.get(), absl::InternalError(absl::StrCat("epoll: ", std::strerror(errno))));
+      end(c);
     }
   }
 
@@ -897,28 +1200,6 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     }
     ++threads_;
     return true;
-  }
-
-  // A new connection's thread: its handshake, then the epoll set.
-  void admit(const std::shared_ptr<ServerConn>& c) {
-    absl::Status why = handshake(c.get());
-    if (!why.ok()) {
-      reject(c.get(), why);
-      end(c);
-      return;
-    }
-    c->conn->start_reading_ahead();
-    {
-      absl::MutexLock lock(&c->mu);
-      c->reader = kNobody;
-    }
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
-    ev.data.u64 = c->key;
-    if (epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, c->conn->fd(), &ev) != 0) {
-      reject(c.get(), absl::InternalError(absl::StrCat("epoll: ", std::strerror(errno))));
-      end(c);
-    }
   }
 
   // Wakes the role holder to look at the poked connections (and at
@@ -1162,7 +1443,19 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   absl::Status on_frame(const std::shared_ptr<ServerConn>& c, const Preamble& p, int64_t me,
                         bool* moved) {
     Frame frame;
-    absl::Status ok = c->conn->read_frame(p, &frame);
+    // What the frame claims counts against the receive budgets while it is
+    // read (a claim past 64 bits or max_message_bytes is refused by
+    // read_frame before anything is allocated).
+    uint64_t claim = p.body;
+    if (__builtin_add_overflow(claim, p.inline_bytes, &claim) ||
+        __builtin_add_overflow(claim, p.remote_bytes, &claim)) {
+      claim = 0;
+    }
+    claim = std::min<uint64_t>(claim, static_cast<uint64_t>(limits_.max_message_bytes) + 1);
+    absl::Status ok = reserve_receive(c->caller, static_cast<int64_t>(claim));
+    if (!ok.ok()) return ok;
+    ok = c->conn->read_frame(p, &frame);
+    release_receive(c->caller, static_cast<int64_t>(claim));
     if (!ok.ok()) return ok;
     if (p.num_remote > 0) c->conn->send_control(kAck, 0, p.seq);
     ok = check_(c->caller, frame);
@@ -1204,6 +1497,34 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       }
     }
     return ok;
+  }
+
+  // Counts `bytes` of a frame of worker `caller` being read against the
+  // budgets of that worker and of all; ResourceExhausted past either.
+  absl::Status reserve_receive(int caller, int64_t bytes) {
+    const int64_t per_peer = limits_.max_buffered_bytes_per_peer > 0
+                                 ? limits_.max_buffered_bytes_per_peer
+                                 : limits_.max_message_bytes;
+    absl::MutexLock lock(&budget_mu_);
+    if (buffered_ + bytes > limits_.max_buffered_bytes ||
+        buffered_of_worker_[caller] + bytes > per_peer) {
+      LOG_EVERY_N(WARNING, 100) << "rpc same-host transport: a frame of " << bytes
+                                << " bytes from worker " << caller << " would pass the receive "
+                                << "budget (" << buffered_of_worker_[caller] << " of " << per_peer
+                                << " for the worker, " << buffered_ << " of "
+                                << limits_.max_buffered_bytes << " in all)";
+      return absl::ResourceExhaustedError(
+          "a frame would pass the receiver's budget of bytes being received "
+          "(max_buffered_bytes, max_buffered_bytes_per_peer)");
+    }
+    buffered_ += bytes;
+    buffered_of_worker_[caller] += bytes;
+    return absl::OkStatus();
+  }
+  void release_receive(int caller, int64_t bytes) {
+    absl::MutexLock lock(&budget_mu_);
+    buffered_ -= bytes;
+    buffered_of_worker_[caller] -= bytes;
   }
 
   // Re-arms `c` (nobody reads it now) for `events`, once.
@@ -1345,60 +1666,6 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     }
   }
 
-  absl::Status handshake(ServerConn* c) {
-    const absl::Time deadline = absl::Now() + kHandshakeTimeout;
-    Preamble p;
-    absl::Status ok = read_preamble(c->conn.get(), &p, nullptr, deadline);
-    if (!ok.ok()) return ok;
-    if (p.kind != kHello || p.body < sizeof(HelloBody) || p.body > kMaxHandshakeBody) {
-      return absl::PermissionDeniedError("a connection must start with its hello");
-    }
-    std::string body(p.body, '\0');
-    ok = c->conn->read_exact(body.data(), body.size(), nullptr, deadline);
-    if (!ok.ok()) return ok;
-    HelloBody hello;
-    std::memcpy(&hello, body.data(), sizeof(hello));
-    if (hello.proof_size != body.size() - sizeof(hello)) {
-      return absl::DataLossError("a malformed hello");
-    }
-    absl::Status verdict;
-    if (hello.worker < 0 || hello.worker >= limits_.world_size) {
-      verdict = absl::PermissionDeniedError(absl::StrCat(
-          "a connection must name a worker id in [0, ", limits_.world_size, ")"));
-    } else if (auth_) {
-      grpc::Status proven = auth_->check_proof(
-          absl::string_view(body.data() + sizeof(hello), hello.proof_size), "rpc", hello.worker);
-      if (!proven.ok()) verdict = absl::UnauthenticatedError(proven.error_message());
-    } else if (security_.encrypted() && c->peer_uid != getuid()) {
-      verdict = absl::UnauthenticatedError(
-          "a same-host connection of another user to a job without a token");
-    }
-    if (verdict.ok()) {
-      absl::MutexLock lock(&mu_);
-      if (streams_of_worker_[hello.worker] >= limits_.max_streams_per_worker) {
-        verdict = absl::ResourceExhaustedError(absl::StrCat(
-            "worker ", hello.worker, " has ", streams_of_worker_[hello.worker],
-            " connections open already"));
-      } else {
-        ++streams_of_worker_[hello.worker];
-        c->caller = hello.worker;
-        c->address = absl::StrCat("same-host process ", c->conn->peer_pid(), " (worker ",
-                                  hello.worker, ")");
-      }
-    }
-    WelcomeBody welcome;
-    welcome.code = static_cast<int32_t>(verdict.code());
-    const std::string message(verdict.message());
-    welcome.message_size = static_cast<uint32_t>(message.size());
-    welcome.probe = reinterpret_cast<uint64_t>(kProbe);
-    welcome.cross_memory = verdict.ok() && can_read_remote(c->conn->peer_pid(), hello.probe);
-    std::string reply(sizeof(welcome), '\0');
-    std::memcpy(reply.data(), &welcome, sizeof(welcome));
-    reply += message;
-    c->conn->send_control(kWelcome, 0, 0, reply);
-    return verdict;
-  }
-
   void reject(ServerConn* c, const absl::Status& why) {
     LOG(WARNING) << "rpc same-host transport: ending the connection of " << c->address << ": "
                  << why.message();
@@ -1423,6 +1690,8 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   std::string name_;
   int listen_fd_ = -1;
   int stop_fd_ = -1;
+  // Held to be let go when descriptors run out (see accept_some).
+  int reserve_fd_ = -1;
   std::thread acceptor_;
   std::thread watchdog_;
 
@@ -1434,7 +1703,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   std::map<uint64_t, std::shared_ptr<ServerConn>> conns_ ABSL_GUARDED_BY(mu_);
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = kPokeKey + 1;
   std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);
-  int threads_ ABSL_GUARDED_BY(mu_) = 0;  // running: reading threads and handshakes
+  int threads_ ABSL_GUARDED_BY(mu_) = 0;  // running reading threads
   int idle_ ABSL_GUARDED_BY(mu_) = 0;     // reading threads waiting for the role
   int64_t next_thread_ ABSL_GUARDED_BY(mu_) = 1;
   bool role_free_ ABSL_GUARDED_BY(mu_) = true;
@@ -1449,6 +1718,10 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   bool busy_running_ ABSL_GUARDED_BY(mu_) = false;
   // Requests that still run on threads that lost the role to the watchdog.
   int handed_off_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of frames being read (see reserve_receive).
+  absl::Mutex budget_mu_;
+  int64_t buffered_ ABSL_GUARDED_BY(budget_mu_) = 0;
+  std::vector<int64_t> buffered_of_worker_ ABSL_GUARDED_BY(budget_mu_);
   // Set by every message; each look of the watchdog clears it.
   std::atomic<bool> messages_since_look_{false};
   // Written under mu_ (read without it by note_inline_run).
@@ -1576,7 +1849,8 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
     HelloBody hello;
     hello.worker = options.self;
     const std::string proof = options.security.authenticated()
-                                  ? internal::auth_proof(options.security.token, "rpc", options.self)
+                                  ? internal::auth_proof(options.security.token,
+                                                         {"rpc", "same-host", options.self, options.peer})
                                   : std::string();
     hello.proof_size = static_cast<uint32_t>(proof.size());
     hello.probe = reinterpret_cast<uint64_t>(kProbe);

@@ -20,6 +20,15 @@
 // goes over the socket, to any other peer (or when the socket cannot be
 // opened) over the wrapped transport.
 //
+// A process of another user is refused as it connects (the kernel names
+// its uid), unless ServerLimits::allow_other_uids. The acceptor thread
+// runs every handshake itself, reading each socket as its bytes come,
+// within ServerLimits' handshake_timeout and caps on connections not yet
+// proven (all together and per uid; the oldest give way): connections
+// that say nothing cost no thread. Out of descriptors, the acceptor takes
+// each new connection off the queue and closes it, and the connections
+// open go on; a /proc read that fails says nothing of a peer's process.
+//
 // The same rules hold as on gRPC: a connection proves the job's token for
 // the worker it names before anything it sends is read (without a token
 // but with TLS, the peer must run as this process's user); every frame is

@@ -9,7 +9,14 @@
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <gtest/gtest.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <pwd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -19,8 +26,13 @@
 #include <thread>
 #include <string>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "glog/logging.h"
+#include "rpc/internal/auth.h"
+#include "rpc/testing/raw_http2.h"
+#include "rpc/testing/raw_peer.h"
+#include "rpc/transport/grpc_transport.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 
 namespace ddprpc::rpc::transport {
@@ -880,6 +892,558 @@ TEST(SameHostTransportTest, ACallerThatClosesBeforeItsReplyEndsWithoutAWarning) 
   ASSERT_TRUE(ch->send(request(at::arange(3, at::kFloat), 1), SendOptions{}));
   ASSERT_TRUE(replies.wait_for(1));
   EXPECT_TRUE(warnings.seen().empty()) << warnings.seen()[0];
+}
+
+// ---- strangers: other users, silent connections, descriptors running out
+
+int count_entries(const char* dir) {
+  DIR* d = opendir(dir);
+  if (!d) return -1;
+  int n = 0;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(d);
+  return n;
+}
+
+// The abstract address of a server's socket, made before a fork: the child
+// then only makes system calls.
+struct RawAddress {
+  explicit RawAddress(const std::string& name) {
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    len = offsetof(sockaddr_un, sun_path) + 1 + name.size();
+  }
+  int connect_blocking() const {
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0) {
+      ::close(fd);
+      return -1;
+    }
+    return fd;
+  }
+  sockaddr_un addr{};
+  socklen_t len = 0;
+};
+
+// Whether the server has closed `fd` (its end shows, nothing read stays).
+bool server_closed_now(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  char c;
+  return recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK) == 0;
+}
+
+// A process of another user (uid `nobody`) that connects and says a valid
+// hello: 0 when the server closed without a byte, 1 when it welcomed it,
+// 2 when it refused it with a welcome, 3 otherwise.
+int hello_as_another_user(const RawAddress& address) {
+  const passwd* nobody = getpwnam("nobody");
+  if (!nobody) return -1;
+  const uid_t uid = nobody->pw_uid;
+  const gid_t gid = nobody->pw_gid;
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(20);
+    if (setgroups(0, nullptr) != 0 || setgid(gid) != 0 || setuid(uid) != 0) _exit(4);
+    const int fd = address.connect_blocking();
+    if (fd < 0) _exit(5);
+    Preamble p;
+    p.kind = same_host::kHello;
+    p.body = sizeof(HelloBody);
+    HelloBody h;
+    h.worker = 1;
+    if (send(fd, &p, sizeof(p), MSG_NOSIGNAL) < 0) _exit(0);
+    if (send(fd, &h, sizeof(h), MSG_NOSIGNAL) < 0) _exit(0);
+    Preamble w;
+    const ssize_t n = recv(fd, &w, sizeof(w), MSG_WAITALL);
+    if (n == 0 || (n < 0 && errno == ECONNRESET)) _exit(0);
+    if (n != sizeof(w) || w.kind != same_host::kWelcome) _exit(3);
+    same_host::WelcomeBody body;
+    if (recv(fd, &body, sizeof(body), MSG_WAITALL) != sizeof(body)) _exit(3);
+    _exit(body.code == 0 ? 1 : 2);
+  }
+  int status = 0;
+  if (child < 0 || waitpid(child, &status, 0) != child || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// A process of another uid is refused as it connects, before its hello is
+// read, unless the server allows other uids.
+TEST(SameHostTransportTest, AnotherUserIsRefusedBeforeItsHelloUnlessAllowed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another user";
+  {
+    Echo echo;
+    EXPECT_EQ(hello_as_another_user(RawAddress(echo.socket_name())), 0)
+        << "a process of another uid was not closed at once";
+    // The job's own processes still get in.
+    Replies replies;
+    auto ch = connect_as_worker1(&echo, &replies);
+    ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{});
+    EXPECT_TRUE(replies.wait_for(1));
+    ch->close(false);
+  }
+  ServerLimits allow;
+  allow.allow_other_uids = true;
+  Echo echo(Security{}, allow);
+  EXPECT_EQ(hello_as_another_user(RawAddress(echo.socket_name())), 1);
+}
+
+// Connections that never say hello take no thread each, and past the caps
+// the oldest of them are closed: the job's own connection still gets in
+// and is served within a second.
+TEST(SameHostTransportTest, SilentConnectionsTakeNoThreadAndCannotKeepTheJobOut) {
+  ServerLimits limits;
+  limits.max_unauthenticated_connections = 8;
+  limits.max_unauthenticated_per_peer = 4;
+  Echo echo(Security{}, limits);
+  const RawAddress address(echo.socket_name());
+  const int threads_before = count_entries("/proc/self/task");
+  std::vector<int> silent;
+  for (int i = 0; i < 200; ++i) {
+    const int fd = address.connect_blocking();
+    ASSERT_GE(fd, 0);
+    silent.push_back(fd);
+  }
+  // The server takes them all, then holds no more than its cap.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  int still_open = 0;
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    still_open = 0;
+    for (int fd : silent) still_open += server_closed_now(fd) ? 0 : 1;
+  } while (still_open > limits.max_unauthenticated_per_peer && absl::Now() < deadline);
+  EXPECT_LE(still_open, limits.max_unauthenticated_per_peer);
+  EXPECT_LT(count_entries("/proc/self/task") - threads_before, 8)
+      << "silent connections cost a thread each";
+  const absl::Time start = absl::Now();
+  Replies replies;
+  auto ch = connect_as_worker1(&echo, &replies);
+  ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{});
+  EXPECT_TRUE(replies.wait_for(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  ch->close(false);
+  for (int fd : silent) ::close(fd);
+}
+
+// A caller of another process floods the server's socket while the
+// server's process has few descriptors left: connections it cannot take
+// fail alone; the job's open channel (whose liveness checks read /proc)
+// keeps being served, each call within a second; once the flood ends a new
+// channel is served again.
+TEST(SameHostTransportTest, RunningOutOfDescriptorsFailsOnlyTheNewConnections) {
+  ServerLimits limits;
+  limits.max_unauthenticated_connections = 1 << 20;  // descriptors run out first
+  limits.max_unauthenticated_per_peer = 1 << 20;
+  limits.keepalive_interval = absl::Milliseconds(20);  // the server looks at /proc often
+  Echo echo(Security{}, limits);
+  PeerOptions options;
+  options.self = 1;
+  options.same_host_endpoint = echo.endpoint();
+  options.keepalive_interval = absl::Milliseconds(20);  // looks at /proc often
+  Replies replies;
+  auto ch = echo.transport()->connect(echo.address(), options, replies.on_frame(),
+                                      replies.on_close());
+  uint64_t id = 0;
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), ++id), SendOptions{}));
+  ASSERT_TRUE(replies.wait_for(id));
+
+  const RawAddress address(echo.socket_name());
+  int ready[2], release[2];
+  ASSERT_EQ(pipe2(ready, O_CLOEXEC), 0);
+  ASSERT_EQ(pipe2(release, O_CLOEXEC), 0);
+  rlimit old_limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old_limit), 0);
+  rlimit low = old_limit;
+  low.rlim_cur = count_entries("/proc/self/fd") + 32;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  auto restore = absl::MakeCleanup([&] { setrlimit(RLIMIT_NOFILE, &old_limit); });
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(30);
+    ::close(release[1]);
+    ::close(ready[0]);
+    setrlimit(RLIMIT_NOFILE, &old_limit);
+    int opened = 0;
+    for (int i = 0; i < 400; ++i) opened += address.connect_blocking() >= 0 ? 1 : 0;
+    char c = static_cast<char>(opened > 0);
+    ssize_t ignored = write(ready[1], &c, 1);
+    (void)ignored;
+    ignored = read(release[0], &c, 1);  // until the parent closes it
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ::close(ready[1]);
+  ::close(release[0]);
+  auto end_child = absl::MakeCleanup([&] {
+    if (release[1] >= 0) ::close(release[1]);
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  });
+  char opened = 0;
+  ASSERT_EQ(read(ready[0], &opened, 1), 1);
+  EXPECT_EQ(opened, 1);
+  const absl::Time full_by = absl::Now() + absl::Seconds(5);
+  while (count_entries("/proc/self/fd") >= 0 && absl::Now() < full_by) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(count_entries("/proc/self/fd"), -1) << "the server's process has descriptors left";
+  // Calls on the open channel, for a while, each within a second.
+  const absl::Time until = absl::Now() + absl::Milliseconds(600);
+  while (absl::Now() < until) {
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), ++id), SendOptions{}))
+        << "the channel ended during the flood";
+    ASSERT_TRUE(replies.wait_for(id));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+    absl::SleepFor(absl::Milliseconds(30));
+    ch->check_connection();  // what the agent does for idle channels
+  }
+  {
+    absl::MutexLock lock(&replies.mu);
+    EXPECT_FALSE(replies.ended) << replies.closed.message;
+  }
+  // The flood ends: its connections close and a new channel is served.
+  ::close(release[1]);
+  release[1] = -1;
+  ::close(ready[0]);
+  const absl::Time start = absl::Now();
+  // The server lets the flood's descriptors go as its connections close
+  // (a connection tried before then would go over gRPC, which takes
+  // descriptors of its own).
+  int free_fds = 0;
+  while (absl::Now() - start < absl::Seconds(5)) {
+    const int used = count_entries("/proc/self/fd");
+    free_fds = used < 0 ? 0 : static_cast<int>(low.rlim_cur) - used;
+    if (free_fds >= 8) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_GE(free_fds, 8) << "the server kept the flood's descriptors";
+  Replies again;
+  auto fresh = echo.transport()->connect(echo.address(), options, again.on_frame(),
+                                         again.on_close());
+  ASSERT_TRUE(fresh->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(again.wait_for(1));
+  const absl::Duration recovery = absl::Now() - start;
+  LOG(INFO) << "a new channel was served " << recovery << " after the flood ended";
+  EXPECT_LT(recovery, absl::Seconds(1));
+  EXPECT_EQ(echo.last_address().rfind("same-host", 0), 0u) << echo.last_address();
+  fresh->close(false);
+  ch->close(false);
+}
+
+// ---- strangers on the gRPC port
+
+int port_of(const std::string& address) { return std::stoi(address.substr(address.rfind(':') + 1)); }
+
+// Streams without the job's proof from a stranger's connections for
+// `duration`, each connection keeping `streams` of them open (the server
+// ends them; they are opened again), each sending the start of a message.
+// Returns the bytes the server's windows let through.
+size_t stranger_flood(int port, int connections, int streams, absl::Duration duration) {
+  std::vector<std::unique_ptr<testing::RawHttp2>> conns;
+  for (int i = 0; i < connections; ++i) {
+    auto c = std::make_unique<testing::RawHttp2>();
+    if (c->connect(port)) conns.push_back(std::move(c));
+  }
+  const absl::Time deadline = absl::Now() + duration;
+  while (absl::Now() < deadline) {
+    for (auto& c : conns) {
+      if (c->closed()) {
+        c = std::make_unique<testing::RawHttp2>();
+        if (!c->connect(port)) continue;
+      }
+      while (c->open_streams() < streams) {
+        c->send_partial_message(c->open_call("/ddprpc.Transport/Stream", {{rpc::internal::kWorkerMetadataKey, "1"}}),
+                                64 << 20, 16 << 20);
+      }
+      c->pump(absl::Milliseconds(1));
+    }
+  }
+  size_t sent = 0;
+  for (auto& c : conns) sent += c->sent_body_bytes();
+  return sent;
+}
+
+// On the gRPC port, a stream without the job's proof ends as its metadata
+// arrives, before the server reads what it sends; after a flood of such
+// streams, which leaves the worker's memory within bounds, a channel of
+// the job is served within a second.
+TEST(SameHostTransportTest, StrangersOnTheGrpcPortEndBeforeTheyAreReadAndThePortServesAgain) {
+  Security job;
+  job.token = "the job's secret";
+  ServerLimits limits;
+  limits.max_buffered_bytes = 32 << 20;
+  Echo echo(job, limits);
+  const int port = port_of(echo.address());
+  {
+    testing::RawHttp2 raw;
+    ASSERT_TRUE(raw.connect(port));
+    const uint32_t call = raw.open_call("/ddprpc.Transport/Stream", {{rpc::internal::kWorkerMetadataKey, "1"}});
+    raw.send_partial_message(call, 64 << 20, 16 << 20);
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (!raw.ended(call) && !raw.closed() && absl::Now() < deadline) {
+      raw.pump(absl::Milliseconds(20));
+    }
+    EXPECT_TRUE(raw.ended(call) || raw.closed()) << "the stranger's stream is still open";
+    LOG(INFO) << "a stranger's stream got " << raw.sent_body_bytes() << " bytes through";
+    EXPECT_LE(raw.sent_body_bytes(), size_t{1} << 20);
+  }
+  int sent_pipe[2];
+  ASSERT_EQ(pipe2(sent_pipe, O_CLOEXEC), 0);
+  const int64_t before = testing::resident_bytes();
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(30);
+    ::close(sent_pipe[0]);
+    const uint64_t sent = stranger_flood(port, 32, 4, absl::Seconds(2));
+    ssize_t ignored = write(sent_pipe[1], &sent, sizeof(sent));
+    (void)ignored;
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ::close(sent_pipe[1]);
+  int64_t peak = before;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (waitpid(child, nullptr, WNOHANG) == 0) {
+    peak = std::max(peak, testing::resident_bytes());
+    if (absl::Now() > until) {
+      kill(child, SIGKILL);
+      waitpid(child, nullptr, 0);
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  uint64_t sent = 0;
+  EXPECT_EQ(read(sent_pipe[0], &sent, sizeof(sent)), static_cast<ssize_t>(sizeof(sent)));
+  ::close(sent_pipe[0]);
+  LOG(INFO) << "stranger flood on the gRPC port: " << (sent >> 20)
+            << " MiB got through; the worker's memory grew by " << ((peak - before) >> 20)
+            << " MiB at most";
+  // gRPC's quota is a pressure rather than a wall: a few times its size.
+  EXPECT_LT(peak - before, int64_t{128} << 20);
+  const absl::Time start = absl::Now();
+  PeerOptions options;
+  options.self = 1;
+  options.security = job;
+  Replies replies;
+  auto ch = echo.transport()->connect(echo.address(), options, replies.on_frame(),
+                                      replies.on_close());
+  ASSERT_TRUE(ch);
+  ASSERT_TRUE(ch->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  echo.transport()->drive([&] {
+    absl::MutexLock lock(&replies.mu);
+    return !replies.frames.empty() || replies.ended;
+  }, absl::Now() + absl::Seconds(20));
+  EXPECT_TRUE(replies.wait_for(1));
+  LOG(INFO) << "the gRPC port served a channel " << absl::Now() - start << " after the flood";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  ch->close(false);
+}
+
+// ---- members
+
+// With its slots full, a worker's newest connection replaces its oldest:
+// connections left behind, or opened by another holder of the token in its
+// name, cannot keep the worker out.
+TEST(SameHostTransportTest, AWorkersNewestConnectionReplacesItsOldest) {
+  ServerLimits limits;
+  limits.max_streams_per_worker = 1;
+  Echo echo(Security{}, limits);
+  Replies first;
+  auto a = connect_as_worker1(&echo, &first);
+  ASSERT_TRUE(a->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  ASSERT_TRUE(first.wait_for(1));
+  Replies second;
+  auto b = connect_as_worker1(&echo, &second);
+  ASSERT_TRUE(b->send(request(at::arange(4, at::kFloat), 1), SendOptions{}));
+  EXPECT_TRUE(second.wait_for(1)) << "the newer connection was refused";
+  // An idle channel learns of its end when the agent checks it.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (!a->broken() && absl::Now() < until) {
+    a->check_connection();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(first.wait_end()) << "the older connection is still open";
+  {
+    absl::MutexLock lock(&first.mu);
+    EXPECT_NE(first.closed.message.find("replaced"), std::string::npos) << first.closed.message;
+  }
+  b->close(false);
+  a->close(false);
+}
+
+// A frame whose sizes add up past 2^64 is refused as such, not as a frame
+// of the few bytes its sum wraps to.
+TEST(SameHostTransportTest, AFrameWhoseSizesOverflowSaysSo) {
+  Echo echo;
+  int fd = raw_connect(echo.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 1);
+  Preamble p;
+  ASSERT_TRUE(recv_all(fd, &p, sizeof(p)));
+  ASSERT_EQ(p.kind, same_host::kWelcome);
+  std::string welcome(p.body, '\0');
+  ASSERT_TRUE(recv_all(fd, welcome.data(), welcome.size()));
+  Preamble frame;
+  frame.kind = same_host::kFrame;
+  frame.body = 16;
+  frame.inline_bytes = ~uint64_t{0} - 4;  // with the body: 11 bytes, once wrapped
+  send_all(fd, &frame, sizeof(frame));
+  Preamble goodbye;
+  ASSERT_TRUE(recv_all(fd, &goodbye, sizeof(goodbye)));
+  ASSERT_EQ(goodbye.kind, same_host::kGoodbye);
+  std::string why(goodbye.body, '\0');
+  ASSERT_TRUE(recv_all(fd, why.data(), why.size()));
+  EXPECT_NE(why.find("2^64"), std::string::npos) << why;
+  EXPECT_EQ(why.find("a frame of 11 bytes"), std::string::npos) << why;
+  ::close(fd);
+}
+
+// Reads a hello's welcome; true if the server admitted the connection.
+bool welcomed(int fd) {
+  Preamble p;
+  if (!recv_all(fd, &p, sizeof(p)) || p.kind != same_host::kWelcome) return false;
+  std::string body(p.body, '\0');
+  if (!recv_all(fd, body.data(), body.size())) return false;
+  same_host::WelcomeBody w;
+  std::memcpy(&w, body.data(), sizeof(w));
+  return w.code == 0;
+}
+
+// The next message: a goodbye's text, or "reply" for a frame.
+std::string next_message(int fd) {
+  Preamble p;
+  if (!recv_all(fd, &p, sizeof(p))) return "closed";
+  if (p.kind == same_host::kGoodbye) {
+    std::string why(p.body, '\0');
+    return recv_all(fd, why.data(), why.size()) ? why : "closed";
+  }
+  return p.kind == same_host::kFrame ? "reply" : "other";
+}
+
+// What the frames being read may hold is bounded per worker and in all: a
+// frame claiming more than the rest of either budget ends its connection
+// before it is allocated, while one within them is served.
+TEST(SameHostTransportTest, FramesBeingReadStayWithinThePeerAndTotalBudgets) {
+  ServerLimits limits;
+  limits.max_message_bytes = 8 << 20;
+  limits.max_buffered_bytes = 1 << 20;
+  limits.max_buffered_bytes_per_peer = 768 << 10;
+  Echo echo(Security{}, limits);
+  const at::Tensor big = at::full({(900 << 10) / 4}, 1.0f);    // past the peer's budget
+  const at::Tensor half = at::full({(600 << 10) / 4}, 2.0f);  // within it
+  {
+    int fd = raw_connect(echo.socket_name());
+    hello(fd, 1);
+    ASSERT_TRUE(welcomed(fd));
+    const std::string req = raw_request(big, 1);
+    send_all(fd, req.data(), req.size());
+    const std::string why = next_message(fd);
+    EXPECT_NE(why.find("budget"), std::string::npos) << why;
+    ::close(fd);
+  }
+  // Worker 1 leaves a frame halfway; worker 0's frame would pass the total.
+  int stalled = raw_connect(echo.socket_name());
+  hello(stalled, 1);
+  ASSERT_TRUE(welcomed(stalled));
+  const std::string first = raw_request(half, 1);
+  send_all(stalled, first.data(), first.size() / 2);
+  absl::SleepFor(absl::Milliseconds(100));  // read as far as it goes
+  int other = raw_connect(echo.socket_name());
+  hello(other, 0);
+  ASSERT_TRUE(welcomed(other));
+  const std::string second = raw_request(half, 2);
+  send_all(other, second.data(), second.size());
+  const std::string why = next_message(other);
+  EXPECT_NE(why.find("budget"), std::string::npos) << why;
+  ::close(other);
+  // The stalled frame, once whole, is served; so is a later one of worker 0.
+  send_all(stalled, first.data() + first.size() / 2, first.size() - first.size() / 2);
+  EXPECT_EQ(next_message(stalled), "reply");
+  ::close(stalled);
+  int later = raw_connect(echo.socket_name());
+  hello(later, 0);
+  ASSERT_TRUE(welcomed(later));
+  send_all(later, second.data(), second.size());
+  EXPECT_EQ(next_message(later), "reply");
+  ::close(later);
+}
+
+// The same on the gRPC transport: a worker's newest stream replaces its
+// oldest when its slots are full.
+TEST(SameHostTransportTest, AWorkersNewestGrpcStreamReplacesItsOldest) {
+  ServerLimits limits;
+  limits.max_streams_per_worker = 1;
+  Echo echo(Security{}, limits);
+  PeerOptions options;
+  options.self = 1;  // no same-host endpoint: over gRPC
+  auto call = [&](Channel* ch, Replies* replies, uint64_t id) {
+    if (!ch->send(request(at::arange(4, at::kFloat), id), SendOptions{})) return false;
+    echo.transport()->drive([&] {
+      absl::MutexLock lock(&replies->mu);
+      return replies->frames.size() >= id || replies->ended;
+    }, absl::Now() + absl::Seconds(20));
+    return replies->wait_for(id);
+  };
+  Replies first;
+  auto a = echo.transport()->connect(echo.address(), options, first.on_frame(), first.on_close());
+  ASSERT_TRUE(call(a.get(), &first, 1));
+  Replies second;
+  auto b = echo.transport()->connect(echo.address(), options, second.on_frame(), second.on_close());
+  EXPECT_TRUE(call(b.get(), &second, 1)) << "the newer stream was refused";
+  // The older stream was ended by the server: its next call finds it so
+  // (an idle gRPC stream learns of its end when it is used).
+  EXPECT_FALSE(call(a.get(), &first, 2)) << "the older stream still serves";
+  EXPECT_TRUE(a->broken());
+  b->close(false);
+  a->close(false);
+}
+
+// A refused hello learns nothing usable: not the address of the server's
+// probe, not whether the server could read its memory, no worker ids or
+// counts; an admitted one gets the probe.
+TEST(SameHostTransportTest, ARefusalCarriesNothingUsable) {
+  Security job;
+  job.token = "the job's secret";
+  Echo echo(job);
+  auto welcome_of = [&](int worker, std::string* message) {
+    int fd = raw_connect(echo.socket_name());
+    Preamble p;
+    p.kind = same_host::kHello;
+    const std::string proof =
+        rpc::internal::auth_proof(job.token, {"rpc", "same-host", worker, -1});
+    p.body = sizeof(HelloBody) + proof.size();
+    HelloBody h;
+    h.worker = worker;
+    h.proof_size = proof.size();
+    h.probe = 16;  // any address: the server may try to read it
+    send_all(fd, &p, sizeof(p));
+    send_all(fd, &h, sizeof(h));
+    send_all(fd, proof.data(), proof.size());
+    same_host::WelcomeBody w;
+    Preamble got;
+    EXPECT_TRUE(recv_all(fd, &got, sizeof(got)));
+    std::string body(got.body, '\0');
+    EXPECT_TRUE(recv_all(fd, body.data(), body.size()));
+    std::memcpy(&w, body.data(), sizeof(w));
+    *message = body.substr(sizeof(w));
+    ::close(fd);
+    return w;
+  };
+  std::string message;
+  for (int worker : {7, -3}) {  // no such worker (world size 2)
+    const same_host::WelcomeBody refused = welcome_of(worker, &message);
+    EXPECT_NE(refused.code, 0);
+    EXPECT_EQ(refused.probe, 0u) << "a refusal gave the probe's address";
+    EXPECT_EQ(refused.cross_memory, 0u);
+    EXPECT_EQ(message.find_first_of("0123456789"), std::string::npos) << message;
+  }
+  const same_host::WelcomeBody admitted = welcome_of(1, &message);
+  EXPECT_EQ(admitted.code, 0) << message;
+  EXPECT_NE(admitted.probe, 0u);
 }
 
 }  // namespace

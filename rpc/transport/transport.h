@@ -35,6 +35,9 @@ using internal::Frame;
 // What one peer may make the server hold.
 struct ServerLimits {
   int world_size = 1;  // connections name a worker id in [0, world_size)
+  // The id of the worker this server belongs to (-1: none): proofs of the
+  // token must name it as their destination.
+  int self = -1;
   // Larger frames end their connection (RESOURCE_EXHAUSTED).
   int64_t max_message_bytes = int64_t{1} << 31;
   // Per connection: requests read and not yet answered; reading pauses there.
@@ -58,11 +61,31 @@ struct ServerLimits {
   // Bytes the transport may buffer for all connections together: what
   // bounds the memory of a message that claims to be huge.
   int64_t max_buffered_bytes = int64_t{8} << 30;
+  // The same, for the frames of one worker (all its connections); 0:
+  // max_message_bytes. (The same-host transport counts a frame's bytes,
+  // inline or copied from the sender's memory, from when its preamble is
+  // read until it is whole; a frame that would pass either bound ends its
+  // connection, RESOURCE_EXHAUSTED.)
+  int64_t max_buffered_bytes_per_peer = 0;
+  // Connections that have not proven themselves yet (their handshake runs):
+  // at most this many at once, all together and per peer (the peer's uid on
+  // the same-host socket). A new one beyond either count pushes out the
+  // oldest such connection (of that peer first), so silent connections
+  // cannot keep the job's own out. A handshake not done within
+  // handshake_timeout ends its connection.
+  int max_unauthenticated_connections = 64;
+  int max_unauthenticated_per_peer = 16;
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  // Same-host socket: processes of another uid than this one's are refused
+  // as soon as they connect (the kernel names the uid: SO_PEERCRED), before
+  // anything they send is read, unless this is set.
+  bool allow_other_uids = false;
 };
 
 // How a Channel connects.
 struct PeerOptions {
   int self = 0;  // this worker's id, proven to the peer with the job's token
+  int peer = -1;  // the id of the worker connected to, named by the proof
   // Replies larger than this end the channel.
   int64_t max_message_bytes = int64_t{1} << 31;
   // A ping goes to the peer after this much silence; unanswered for
