@@ -9,16 +9,17 @@ cd "$(dirname "$0")"
 here=$PWD
 py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-read -r prefix abi cuda <<<"$($py -c 'import torch; print(torch.utils.cmake_prefix_path, int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda)')"
+read -r torch abi cuda <<<"$($py -c 'import os, torch; print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda)')"
 nccl=$($py -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || echo /usr/local/cuda)
 echo "torch $($py -c 'import torch; print(torch.__version__)') (cxx11 ABI $abi, CUDA $cuda), NCCL at $nccl"
 [ -d carry/absl ] || { echo "gpu_check: carry/absl missing: run prepare.sh on the build machine"; exit 2; }
 build=$(mktemp -d)
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-  -DNCCL_ROOT="$nccl" -DABSL_ROOT="$here/carry/absl" -DCMAKE_CUDA_ARCHITECTURES=native >"$build/cmake.log" 2>&1 \
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTORCH_ROOT="$torch" -DTORCH_CXX11_ABI="$abi" \
+  -DNCCL_ROOT="$nccl" -DABSL_ROOT="$here/carry/absl" >"$build/cmake.log" 2>&1 \
   || { tail -30 "$build/cmake.log"; exit 2; }
 cmake --build "$build" -j "$(nproc)" >"$build/build.log" 2>&1 || { grep -E 'error|undefined' "$build/build.log" | head -30; exit 2; }
-export LD_LIBRARY_PATH="$here/carry/absl/lib:$nccl/lib:${LD_LIBRARY_PATH:-}"
+# RUNPATH reaches only the program's own dependencies, not theirs.
+export LD_LIBRARY_PATH="$here/carry/absl/lib:$torch/lib:$nccl/lib:${LD_LIBRARY_PATH:-}"
 timeout 600 "$build/gpu_check"; rc=$?
 echo "gpu_check exit $rc"
 timeout 120 $py - <<'PY' || true
