@@ -553,7 +553,7 @@ std::string cuda_versions() {
                  : std::string("no CUDA driver"),
       gpus);
 #else
-  return "NCCL/CUDA not built in (no /usr/local/cuda/include/nccl.h at build time)";
+  return "NCCL/CUDA not built in (no NCCL at build time: neither /usr/local/cuda nor a CUDA wheel's nvidia-nccl)";
 #endif
 }
 
@@ -864,6 +864,13 @@ void print_ratios(const Report& r) {
         absl::StrFormat("%.3fs, PyTorch %.3fs in the first round", r.ours_p50.at(kernel)[0],
                         r.theirs_p50[0])
             .c_str());
+  }
+  const auto kernels = dense_kernels();
+  if (!models::xnnpack_linear_available() &&
+      std::find(kernels.begin(), kernels.end(), models::DenseKernel::kXnnpack) == kernels.end()) {
+    std::printf(
+        "The product ratio is the runtime ratio here: this libtorch has no XNNPACK, so ddprpc's "
+        "dense layers run on libtorch's own Linear, as PyTorch's do\n");
   }
 }
 
