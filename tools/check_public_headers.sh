@@ -7,7 +7,7 @@
 # /internal/, /testing/ or /fuzz/, and except rpc/wire/ and rpc/transport/
 # (the wire format's and the transport's own headers). Each is compiled with
 # `g++ -std=c++17 -fsyntax-only -H`, with ROOT (default: the tree holding
-# this script) and the -I/-D flags given (default: Debian's libtorch) on the
+# this script) and the -I/-D flags given (default: .venv's libtorch) on the
 # include path; forbidden are files under a grpc/, grpcpp/, grpc++/ or
 # google/protobuf/ directory and any *.pb.h, also one that is missing (a
 # generated header). Prints, for each failing header, the forbidden header
@@ -29,8 +29,9 @@ if [[ -z "$root" ]]; then
 fi
 root=$(cd "$root" && pwd -P)
 if ((${#flags[@]} == 0)); then
-  # third_party/repositories.bzl: Debian's libtorch, ATen/c10 in /usr/include.
-  flags=(-I/usr/include/torch/csrc/api/include -DC10_USE_GLOG)
+  # ./bazelw's .venv: the libtorch of PyTorch's wheel (repositories.bzl).
+  torch=$(echo "$root"/.venv/lib/python3*/site-packages/torch)
+  flags=(-I"$torch/include" -I"$torch/include/torch/csrc/api/include")
 fi
 
 cd "$root"
