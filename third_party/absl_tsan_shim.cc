@@ -87,7 +87,10 @@ void __wrap__ZN4absl7debian35MutexD1Ev(Mutex* mu) {
 //   arguments, event engine, upb, c-ares; abseil's random pool, statuses and
 //   cords), and abseil's deadlock-detection graph;
 // - grpcpp's inline op sets, which fill and finish operations whose
-//   hand-off between threads happens inside gRPC's completion queue.
+//   hand-off between threads happens inside gRPC's completion queue;
+// - grpcpp's callback handlers, which create a reactor on one of gRPC's
+//   threads and call its OnDone and OnCancel on others, ordered inside
+//   gRPC's core (the store's reactor reads its own members there).
 extern "C" const char* __tsan_default_suppressions() {
   return "called_from_lib:libgrpc.so.29\n"
          "called_from_lib:libgpr.so.29\n"
@@ -99,5 +102,7 @@ extern "C" const char* __tsan_default_suppressions() {
          "called_from_lib:libabsl_cord_internal.so.20220623\n"
          "called_from_lib:libupb.so.29\n"
          "called_from_lib:libcares.so.2\n"
-         "race:grpc::internal::CallOpSet\n";
+         "race:grpc::internal::CallOpSet\n"
+         "race:grpc::internal::CallbackBidiHandler\n"
+         "race:ddprpc::rpc::StoreServer::Service::Call::OnCancel\n";
 }

@@ -194,6 +194,12 @@ size_t flood(int port, std::vector<std::string> proofs, int connections, int str
 // gRPC's buffers, and once the flood ends the store serves a client
 // within a second.
 TEST(StoreTest, PartialMessageFloodsAreBoundedAndTheStoreServesAgain) {
+#if defined(__SANITIZE_THREAD__)
+  // Its bounds are of memory and time: TSan's shadow memory grows with every
+  // byte touched and its instrumentation slows gRPC several-fold. The
+  // normal and ASan builds run it.
+  GTEST_SKIP() << "memory and time bounds do not hold under TSan";
+#endif
   Security job;
   job.token = "the job's secret";
   auto server = StoreServer::start("127.0.0.1", 0, job);
