@@ -20,9 +20,20 @@ corpus is read, new inputs go to a scratch directory) and the test
 crash, leak or timeout.
 """
 
+load("@libtorch//:defs.bzl", "LIBTORCH_VERSION")
+
 _CLANG = "clang++-14"
+
+def _cxx_std(version):
+    # libtorch 2.14 and later need C++20; 2.13's headers build with C++17.
+    parts = version.split(".")
+    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+        if (int(parts[0]), int(parts[1])) >= (2, 14):
+            return "-std=c++20"
+    return "-std=c++17"
+
 _COPTS = [
-    "-std=c++17",
+    _cxx_std(LIBTORCH_VERSION),
     "-O1",
     "-g",
     "-fno-omit-frame-pointer",
