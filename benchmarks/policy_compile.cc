@@ -8,7 +8,7 @@
 // processes, which comes and goes, hits both sides alike. A "default" row per
 // cell measures what compile_policy(policy) gives with no options (default
 // backend, caller-thread calls), the choice that must never lose to eager.
-// Eager PyTorch (python3-torch, benchmarks/reference/policy_eager.py) is
+// Eager PyTorch (--python's, benchmarks/reference/policy_eager.py) is
 // measured in the same run for the C++-vs-Python eager overhead.
 //
 //   ./bazelw run //benchmarks:policy_compile [-- --backend=xnnpack --mode=default]

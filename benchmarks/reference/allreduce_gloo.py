@@ -1,6 +1,6 @@
 """torch.distributed (gloo) allreduce bus bandwidth, the reference for //benchmarks:allreduce.
 
-Run: /usr/bin/python3 benchmarks/reference/allreduce_gloo.py --nprocs 2 --json out.json
+Run: .venv/bin/python3 benchmarks/reference/allreduce_gloo.py --nprocs 2 --json out.json
 Prints one line per size and writes {"<bytes>": {"median_s": t, "busbw_gbps": b}}.
 """
 import argparse, json, os, time

@@ -11,9 +11,9 @@
    Reported per world size: seconds for --episodes episodes with and without batching.
 
 Every process runs with one intra-op thread, as batch_rpc's do. Writes JSON to --json; batch_rpc runs
-this with /usr/bin/python3 and prints the ratios.
+this with --python (.venv's by default) and prints the ratios.
 
-    /usr/bin/python3 benchmarks/reference/batch_rpc.py --mode all --json out.json
+    .venv/bin/python3 benchmarks/reference/batch_rpc.py --mode all --json out.json
 """
 import argparse
 import json

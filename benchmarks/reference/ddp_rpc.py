@@ -6,9 +6,9 @@ DDP (gloo), looks the embeddings up on every PS by RRef, and trains with dist_au
 DistributedOptimizer(SGD, lr=0.05). One iteration = 10 batches of 20..50 indices. Every process runs with
 one intra-op thread, as ddprpc's ranks do. Lookups go to all parameter servers at once (rpc_async), the
 same program as ddprpc's HybridModel; --lookups sequential runs them one after another, as PyTorch's
-original benchmark does. ddp_rpc runs this with /usr/bin/python3 and prints its table beside its own.
+original benchmark does. ddp_rpc runs this with --python (.venv's by default) and prints its table beside its own.
 
-    /usr/bin/python3 benchmarks/reference/ddp_rpc.py --trainers 8 --ps 8 --iters 20 --warmup 2 --json out.json
+    .venv/bin/python3 benchmarks/reference/ddp_rpc.py --trainers 8 --ps 8 --iters 20 --warmup 2 --json out.json
 """
 import argparse, json, os, random, sys, time
 import numpy as np

@@ -1,6 +1,6 @@
-"""Eager PyTorch (Debian's python3-torch) on the PPO policies of //models:ppo_policy.
+"""Eager PyTorch (the Python the benchmark names, .venv's by default) on the PPO policies of //models:ppo_policy.
 
-Run: /usr/bin/python3 benchmarks/reference/policy_eager.py --threads 1,2 --json out.json
+Run: .venv/bin/python3 benchmarks/reference/policy_eager.py --threads 1,2 --json out.json
 Measures forward_exploration (encoder + both heads + Gumbel-max sample, as
 models/ppo_policy.cc does) in calls per second, the median of timed trials
 after warm-up, under torch.inference_mode(). Writes

@@ -4,7 +4,7 @@ Rank 0 calls rank 1 with rpc_sync(identity, tensor) for 16 B, 64 KiB and 4 MiB o
 records p50/p90 microseconds per call, then 5000 pipelined rpc_async calls (calls/s). Writes
 the figures as JSON to the path given (rpc_pingpong reads it and prints them beside its own).
 
-    /usr/bin/python3 benchmarks/reference/rpc_pingpong.py out.json
+    .venv/bin/python3 benchmarks/reference/rpc_pingpong.py out.json
 """
 import json
 import socket

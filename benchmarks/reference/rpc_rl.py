@@ -1,9 +1,9 @@
 """PyTorch's own RPC reinforcement-learning benchmark, the workload of //benchmarks:rpc_rl.
 
 A one-file condensation of pytorch/benchmarks/distributed/rpc/rl (launcher,
-coordinator, agent, observer) for Debian's python3-torch 1.13:
+coordinator, agent, observer) for PyTorch 2.13 (the project's .venv):
 
-  /usr/bin/python3 benchmarks/reference/rpc_rl.py --world_size 3,5,10 --batch true \
+  .venv/bin/python3 benchmarks/reference/rpc_rl.py --world_size 3,5,10 --batch true \
       --output_file_path rl_pytorch.json
 
 Rank 0 is the coordinator, rank 1 the agent, ranks 2.. the observers. Every
