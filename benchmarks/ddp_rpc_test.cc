@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "models/linear.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "benchmarks/testing/subprocess.h"
+#include "models/linear.h"
 #include "gtest/gtest.h"
 #include "rpc/rendezvous/launch.h"
 
