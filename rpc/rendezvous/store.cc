@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -367,12 +368,25 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
                          const std::string& token, Method method, const char* what,
                          const rendezvous::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
   rendezvous::Store::Stub stub(channel);
-  grpc::ClientContext ctx;
-  if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, {"store", "grpc", -1, -1}));
-  ctx.set_wait_for_ready(!fail_fast);  // at rendezvous the server may not be up yet
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout + absl::Seconds(1)));
+  const absl::Time deadline = absl::Now() + timeout + absl::Seconds(1);
+  // A call that can run twice without harm (all but add) is tried again when
+  // the server cancelled it (a store host shutting down while the job is
+  // still meeting), until its deadline, as one that finds no server waits.
+  const bool idempotent = std::string_view(what) != "add";
   rendezvous::StoreResponse resp;
-  grpc::Status status = (stub.*method)(&ctx, req, &resp);
+  grpc::Status status;
+  for (;;) {
+    grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata(internal::kAuthMetadataKey, internal::auth_proof(token, {"store", "grpc", -1, -1}));
+    ctx.set_wait_for_ready(!fail_fast);  // at rendezvous the server may not be up yet
+    ctx.set_deadline(absl::ToChronoTime(deadline));
+    status = (stub.*method)(&ctx, req, &resp);
+    if (status.error_code() != grpc::StatusCode::CANCELLED || fail_fast || !idempotent ||
+        absl::Now() + absl::Milliseconds(50) >= deadline) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
   if (!status.ok()) {
     ErrorCode code = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
                          ? ErrorCode::kTimeout
