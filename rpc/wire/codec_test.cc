@@ -182,10 +182,11 @@ TEST(CodecTest, TensorMetadataIsCheckedBeforeAnythingIsAllocated) {
   Frame frame;
   // The bytes of a valid 2-float tensor follow each header below.
   const std::string body(8, '\0');
+  absl::Status s;
   EXPECT_TRUE(parse_raw(raw_frame(one_tensor(6 /*Float*/, {2}, 8), body), &frame).ok());
   // Undefined (18), quantized (12), out-of-range and negative dtypes.
   for (int32_t dtype : {18, 12, 13, 14, 16, 17, 8, 19, 99, -5, 1 << 30}) {
-    absl::Status s = parse_raw(raw_frame(one_tensor(dtype, {2}, 8), body), &frame);
+    s = parse_raw(raw_frame(one_tensor(dtype, {2}, 8), body), &frame);
     EXPECT_FALSE(s.ok()) << "dtype " << dtype;
     EXPECT_NE(s.message().find("dtype"), std::string::npos) << s;
   }
@@ -195,6 +196,12 @@ TEST(CodecTest, TensorMetadataIsCheckedBeforeAnythingIsAllocated) {
   EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {int64_t{1} << 62}, 0), ""), &frame).ok());
   EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {int64_t{1} << 61}, 0), ""), &frame).ok());
   EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {-2, -4}, 32), std::string(32, '\0')), &frame).ok());
+  // No elements (a zero size), but the other sizes' product, libtorch's
+  // contiguous strides, wraps 63 bits; a zero among sizes whose product fits is fine.
+  s = parse_raw(raw_frame(one_tensor(6, {0, int64_t{1} << 32, int64_t{1} << 32}, 0), ""), &frame);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("too many elements"), std::string::npos) << s;
+  EXPECT_TRUE(parse_raw(raw_frame(one_tensor(6, {0, int64_t{1} << 30, 4}, 0), ""), &frame).ok());
   // Byte counts that disagree with the shape or with the bytes present.
   EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {2}, 4), std::string(4, '\0')), &frame).ok());
   EXPECT_FALSE(parse_raw(raw_frame(one_tensor(6, {4}, 16), body), &frame).ok());
@@ -205,7 +212,7 @@ TEST(CodecTest, TensorMetadataIsCheckedBeforeAnythingIsAllocated) {
                          &frame).ok());
   wire::Header many;
   for (int i = 0; i <= kMaxTensorsPerFrame; ++i) many.add_tensors()->set_dtype(6);
-  absl::Status s = parse_raw(raw_frame(many), &frame);
+  s = parse_raw(raw_frame(many), &frame);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("tensors"), std::string::npos) << s;
   // A header size prefix beyond the frame.
