@@ -31,6 +31,7 @@
 #include "ddp/internal/op_queue.h"
 #include "ddp/internal/same_host_allreduce.h"
 #include "ddp/internal/shm_allreduce.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "rpc/rendezvous/store.h"
@@ -734,6 +735,59 @@ MULTIPROCESS_TEST(DdpTest, Bfloat16ModelGradientsAreAveraged, 2) {
   }
   // The ranks' inputs differ, so the first layer's average is not its local gradient.
   EXPECT_FALSE(at::allclose(local[0].to(at::kFloat), expected[0].to(at::kFloat), 1e-2, 1e-2));
+}
+
+
+// A process that holds a rank's place in a Gloo pair without the job's
+// secret (as one that connects first to Gloo's listener while the group is
+// set up would) cannot join: creating the group fails on both ranks, naming
+// the pair, well within the group's timeout, and no collective runs. Here
+// the stranger reaches the pair by rendezvousing through a store that asks
+// for no proof; its own token is not the job's.
+MULTIPROCESS_TEST(ProcessGroupTest, AProcessWithoutTheSecretCannotHoldAGlooPair, 2) {
+  const std::string host = std::getenv("MASTER_ADDR");
+  const int port = std::atoi(std::getenv("MASTER_PORT"));
+  std::unique_ptr<ddprpc::rpc::StoreServer> server;
+  if (mp::rank() == 0) server = ddprpc::rpc::StoreServer::start(host, port, ddprpc::rpc::Security{});
+  ddprpc::rpc::Security security = ddprpc::rpc::Security::from_environment();
+  ASSERT_TRUE(security.authenticated()) << "the launcher gives its workers a token";
+  if (mp::rank() == 1) security.token = ddprpc::rpc::Security::random_token();
+  auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(30), security);
+  ddp::ProcessGroupOptions options;
+  options.timeout = absl::Seconds(20);
+  const absl::Time start = absl::Now();
+  try {
+    ddp::make_gloo_group(store, "stranger/", mp::rank(), 2, options);
+    ADD_FAILURE() << "a group formed with a pair whose other end does not know the secret";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    const bool refused = what.find(absl::StrCat("Gloo pair with rank ", 1 - mp::rank(),
+                                                " is not connected to the job's worker")) !=
+                         std::string::npos;
+    // Rank 1 may instead see rank 0 close the pair once rank 0 has refused
+    // its proof (rank 0 sent its own first, so rank 1 can also refuse it).
+    const bool closed = mp::rank() == 1 && what.find("got no proof from rank 0") != std::string::npos;
+    EXPECT_TRUE(refused || closed) << what;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // Rank 0's store serves until rank 1 is done with it.
+  if (mp::rank() == 1) store->set("stranger/done", "1");
+  if (mp::rank() == 0) store->wait({"stranger/done"}, absl::Seconds(30));
+}
+
+// Two ranks with the same secret prove it to each other over every pair
+// (both meshes) and then reduce; a signer's MAC is bound to the context it
+// was made for.
+MULTIPROCESS_TEST(ProcessGroupTest, MembersProveTheSecretOverTheirGlooPairs, 3) {
+  auto rs = rank_store_at_master(absl::Seconds(30));
+  ASSERT_TRUE(rs.store->authenticated());
+  auto pg = ddp::make_gloo_group(rs.store, "members/", mp::rank(), 3);
+  at::Tensor t = at::full({4}, double(mp::rank()));
+  pg->allreduce({t})->wait();
+  EXPECT_TRUE(at::allclose(t, at::full({4}, 3.0)));
+  EXPECT_NE(rs.store->sign("a"), rs.store->sign("b"));
+  EXPECT_EQ(rs.store->sign("a").size(), 64u);
+  pg->barrier()->wait();
 }
 
 }  // namespace

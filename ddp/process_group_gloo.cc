@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "ddp/internal/op_queue.h"
+#include "ddp/internal/pair_auth.h"
 #include "ddp/internal/same_host_allreduce.h"
 #include "ddp/internal/same_host_common.h"
 #include "ddp/internal/shm_allreduce.h"
@@ -99,6 +100,17 @@ class ProcessGroupGloo : public ProcessGroup {
     auto device = gloo::transport::tcp::CreateDevice(attr);
     context_ = connect(store, prefix, device);
     sync_context_ = connect(store, prefix + "sync/", device);
+    // Gloo's listener gives a pair the first connection that names it; only
+    // the job's workers can prove the job's secret over it.
+    if (store->authenticated()) {
+      const internal::Signer sign = [&store](absl::string_view m) { return store->sign(m); };
+      try {
+        internal::authenticate_pairs(*context_, sign, prefix);
+        internal::authenticate_pairs(*sync_context_, sign, prefix + "sync/");
+      } catch (const std::exception& e) {
+        throw std::runtime_error(absl::StrCat("ProcessGroupGloo: ", e.what()));
+      }
+    }
     for (int r = 0; r < size_; ++r) {
       if (r != rank_) sync_context_->getPair(r)->setSync(/*sync=*/true, /*busyPoll=*/false);
     }

@@ -100,6 +100,14 @@ std::string mac(const std::string& token, const std::string& message) {
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(out), len));
 }
 
+}  // namespace
+
+std::string member_mac(const std::string& token, absl::string_view message) {
+  return mac(token, absl::StrCat("ddprpc/2|member|", message));
+}
+
+namespace {
+
 std::string signed_message(const ProofScope& scope, const std::string& ms,
                            const std::string& nonce) {
   return absl::StrCat("ddprpc/2|client-to-server|", scope.purpose, "|", scope.transport, "|",

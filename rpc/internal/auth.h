@@ -39,6 +39,11 @@ struct ProofScope {
 // The proof that a client opening `scope` knows `token`.
 std::string auth_proof(const std::string& token, const ProofScope& scope);
 
+// HMAC-SHA256 (64 hex digits) of "ddprpc/2|member|<message>" under `token`:
+// what two of the job's processes show each other over a channel of their
+// own (a collective's pairs). Never equal to a proof of auth_proof.
+std::string member_mac(const std::string& token, absl::string_view message);
+
 // Checks proofs against one token. Thread-safe.
 class AuthChecker {
  public:

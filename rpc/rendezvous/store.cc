@@ -399,6 +399,10 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
 
 }  // namespace
 
+std::string Store::sign(absl::string_view message) const {
+  return token_.empty() ? std::string() : internal::member_mac(token_, message);
+}
+
 void Store::set(const std::string& key, const std::string& value) {
   rendezvous::StoreRequest req;
   req.set_key(key);

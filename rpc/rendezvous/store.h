@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "rpc/security.h"
@@ -65,6 +66,14 @@ class Store {
 
   absl::Duration timeout() const { return timeout_; }
   std::string address() const { return address_; }
+
+  // Whether the job has a secret: every call carries a proof of it.
+  bool authenticated() const { return !token_.empty(); }
+  // A MAC of `message` under the job's secret (HMAC-SHA256, 64 hex digits),
+  // for members that prove the secret to each other over connections of
+  // their own, e.g. a process group's pairs; the secret itself never leaves
+  // this object. Empty when the job has no secret.
+  std::string sign(absl::string_view message) const;
 
  private:
   const std::string address_;
