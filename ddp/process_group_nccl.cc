@@ -44,6 +44,11 @@ void check(ncclResult_t r, const char* what) {
   if (r != ncclSuccess) throw std::runtime_error(absl::StrCat(what, ": ", ncclGetErrorString(r)));
 }
 
+// A deadline `timeout` from now (none for an infinite timeout).
+absl::Time deadline_after(absl::Duration timeout) {
+  return timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+}
+
 ncclDataType_t nccl_type(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return ncclFloat32;
@@ -78,7 +83,21 @@ class ProcessGroupNccl : public ProcessGroup {
       std::string v = store->get(prefix + "nccl_id");
       std::memcpy(id.internal, v.data(), std::min(v.size(), sizeof(id.internal)));
     }
-    check(ncclCommInitRank(&comm_, size, id, rank), "ncclCommInitRank");
+    // A non-blocking communicator: its initialisation waits for every rank,
+    // and one that never comes must fail the group at its timeout instead
+    // of blocking this thread for good (NCCL's own wait has no timeout).
+    // Calls on it may then return ncclInProgress; ready() waits those out.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t init = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    if (init != ncclInProgress) check(init, "ncclCommInitRankConfig");
+    try {
+      ready("ncclCommInitRankConfig", deadline_after(timeout_),
+            absl::StrCat(" (rank ", rank, " of ", size, "; a rank that never came?)"));
+    } catch (...) {
+      if (comm_ != nullptr && !aborted_) ncclCommAbort(comm_);
+      throw;
+    }
     check(cudaStreamCreate(&stream_), "cudaStreamCreate");
   }
 
@@ -88,7 +107,22 @@ class ProcessGroupNccl : public ProcessGroup {
     if (aborted_) {
       // ncclCommAbort freed the communicator.
     } else {
-      ncclCommDestroy(comm_);
+      // A non-blocking communicator finalizes asynchronously: wait for it
+      // (bounded) before freeing it, or abort it.
+      const ncclResult_t finalize = ncclCommFinalize(comm_);
+      bool finalized = finalize == ncclSuccess;
+      if (finalize == ncclInProgress) {
+        try {
+          ready("ncclCommFinalize", deadline_after(std::min(timeout_, absl::Seconds(30))), "");
+          finalized = true;
+        } catch (const std::exception&) {
+        }
+      }
+      if (finalized) {
+        ncclCommDestroy(comm_);
+      } else if (!aborted_) {
+        ncclCommAbort(comm_);
+      }
     }
     cudaStreamDestroy(stream_);
   }
@@ -104,7 +138,7 @@ class ProcessGroupNccl : public ProcessGroup {
         // bool: a sum is a logical or (as in the Gloo group), a max of 0/1 bytes.
         if (t.scalar_type() == at::kBool && nop == ncclSum) nop = ncclMax;
         staged(t, [&](void* dev) {
-          check(ncclAllReduce(dev, dev, t.numel(), nccl_type(t), nop, comm_, stream_), "ncclAllReduce");
+          enqueued(ncclAllReduce(dev, dev, t.numel(), nccl_type(t), nop, comm_, stream_), "ncclAllReduce");
         });
         if (op == ReduceOp::kAvg) t.div_(size_);
       }
@@ -115,7 +149,7 @@ class ProcessGroupNccl : public ProcessGroup {
     return enqueue("broadcast", [this, tensors, root]() mutable {
       for (auto& t : tensors) {
         staged(t, [&](void* dev) {
-          check(ncclBroadcast(dev, dev, t.numel(), nccl_type(t), root, comm_, stream_), "ncclBroadcast");
+          enqueued(ncclBroadcast(dev, dev, t.numel(), nccl_type(t), root, comm_, stream_), "ncclBroadcast");
         });
       }
     });
@@ -131,9 +165,9 @@ class ProcessGroupNccl : public ProcessGroup {
       staged(gathered, [&](void* dev) {
         char* base = static_cast<char*>(dev);
         const size_t bytes = input.numel() * input.element_size();
-        check(ncclAllGather(base + rank_ * bytes, base, input.numel(), nccl_type(input), comm_,
-                            stream_),
-              "ncclAllGather");
+        enqueued(ncclAllGather(base + rank_ * bytes, base, input.numel(), nccl_type(input), comm_,
+                               stream_),
+                 "ncclAllGather");
       });
       for (int r = 0; r < size_; ++r) {
         outputs[r].copy_(gathered.narrow(0, r * input.numel(), input.numel()).view(outputs[r].sizes()));
@@ -188,15 +222,47 @@ class ProcessGroupNccl : public ProcessGroup {
     if (!host.is_same(t)) t.copy_(host);
   }
 
+  // An operation's enqueueing on the non-blocking communicator: done, or
+  // still in progress (waited for, at most the group's timeout).
+  void enqueued(ncclResult_t r, const char* what) {
+    if (r == ncclInProgress) {
+      ready(what, deadline_after(timeout_), "");
+    } else {
+      check(r, what);
+    }
+  }
+
+  // Waits until the communicator has no call in progress, polling its
+  // state, until `deadline`; past it, or on NCCL's error, aborts the
+  // communicator and throws naming `what` (and `context`).
+  void ready(const char* what, absl::Time deadline, const std::string& context) {
+    absl::Duration pause = absl::Microseconds(10);
+    for (;;) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) state = r;
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress || absl::Now() >= deadline) {
+        ncclCommAbort(comm_);
+        aborted_ = true;
+        throw std::runtime_error(
+            state != ncclInProgress
+                ? absl::StrCat(what, ": ", ncclGetErrorString(state), context)
+                : absl::StrCat(what, " did not complete within ", absl::FormatDuration(timeout_),
+                               context, "; communicator aborted"));
+      }
+      absl::SleepFor(pause);
+      pause = std::min(pause * 2, absl::Milliseconds(1));
+    }
+  }
+
   // Waits for the stream, at most the group's timeout: NCCL blocks forever
   // on a peer that died or stopped, so past the timeout (or on NCCL's own
   // asynchronous error) the communicator is aborted and the operation, and
   // every later one, fails.
   void synchronize() {
     if (aborted_) throw std::runtime_error("the NCCL communicator was aborted after an earlier failure");
-    const absl::Time deadline = timeout_ == absl::InfiniteDuration()
-                                    ? absl::InfiniteFuture()
-                                    : absl::Now() + timeout_;
+    const absl::Time deadline = deadline_after(timeout_);
     absl::Duration pause = absl::Microseconds(10);
     while (true) {
       const cudaError_t state = cudaStreamQuery(stream_);
@@ -204,6 +270,8 @@ class ProcessGroupNccl : public ProcessGroup {
       if (state != cudaErrorNotReady) check(state, "cudaStreamQuery");
       ncclResult_t async_error = ncclSuccess;
       check(ncclCommGetAsyncError(comm_, &async_error), "ncclCommGetAsyncError");
+      // ncclInProgress: the non-blocking communicator is still busy, no error.
+      if (async_error == ncclInProgress) async_error = ncclSuccess;
       if (async_error != ncclSuccess || absl::Now() >= deadline) {
         ncclCommAbort(comm_);
         aborted_ = true;

@@ -12,14 +12,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 read -r torch abi cuda <<<"$($py -c 'import os, torch; print(os.path.dirname(torch.__file__), int(torch._C._GLIBCXX_USE_CXX11_ABI), torch.version.cuda)')"
 nccl=$($py -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || echo /usr/local/cuda)
 echo "torch $($py -c 'import torch; print(torch.__version__)') (cxx11 ABI $abi, CUDA $cuda), NCCL at $nccl"
-[ -d carry/absl ] || { echo "gpu_check: carry/absl missing: run prepare.sh on the build machine"; exit 2; }
+[ -f carry/sources.txt ] || { echo "gpu_check: carry/ missing: run prepare.sh on the build machine"; exit 2; }
 build=$(mktemp -d)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTORCH_ROOT="$torch" -DTORCH_CXX11_ABI="$abi" \
-  -DNCCL_ROOT="$nccl" -DABSL_ROOT="$here/carry/absl" >"$build/cmake.log" 2>&1 \
+  -DNCCL_ROOT="$nccl" >"$build/cmake.log" 2>&1 \
   || { tail -30 "$build/cmake.log"; exit 2; }
 cmake --build "$build" -j "$(nproc)" >"$build/build.log" 2>&1 || { grep -E 'error|undefined' "$build/build.log" | head -30; exit 2; }
 # RUNPATH reaches only the program's own dependencies, not theirs.
-export LD_LIBRARY_PATH="$here/carry/absl/lib:$torch/lib:$nccl/lib:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$here/carry/lib:$torch/lib:$nccl/lib:${LD_LIBRARY_PATH:-}"
 timeout 600 "$build/gpu_check"; rc=$?
 echo "gpu_check exit $rc"
 timeout 120 $py - <<'PY' || true
