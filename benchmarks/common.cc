@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ddprpc_libtorch_info.h"
+#include "rpc/rpc.h"
 #include "rpc/security.h"
 
 DEFINE_string(python, "",
@@ -40,6 +41,8 @@ DEFINE_bool(allow_insecure, false,
 namespace ddprpc::benchmarks {
 
 void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
+  // Before anything here uses gRPC; the ranks this process starts inherit it.
+  rpc::use_low_latency_polling();
   gflags::ParseCommandLineNonHelpFlags(argc, argv, /*remove_flags=*/false);
   std::string help;
   if (gflags::GetCommandLineOption("help", &help) && help == "true") {

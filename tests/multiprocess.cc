@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "rpc/rendezvous/launch.h"
+#include "rpc/rpc.h"
 #include "rpc/rendezvous/launch_env.h"
 
 namespace ddprpc::testing {
@@ -15,6 +16,8 @@ constexpr char kWorkerEnv[] = "DDPRPC_TEST_WORKER";
 }  // namespace
 
 bool is_worker() { return std::getenv(kWorkerEnv) != nullptr; }
+
+void prepare_worker() { rpc::use_low_latency_polling(); }
 int rank() { return rpc::launch_env().rank; }
 int world_size() { return rpc::launch_env().world_size; }
 

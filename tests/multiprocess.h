@@ -18,6 +18,10 @@ namespace ddprpc::testing {
 
 // True inside a spawned rank.
 bool is_worker();
+// What a spawned rank does before the test's body: gRPC's polling as the
+// benchmarks set it (rpc::use_low_latency_polling), so that the tests run
+// the transport as it is measured.
+void prepare_worker();
 int rank();
 int world_size();
 // "worker<rank>"
@@ -37,6 +41,7 @@ int run_workers(const std::string& test_name, int nprocs, absl::Duration timeout
   static void suite##_##name##_Body();                                                \
   TEST(suite, name) {                                                                 \
     if (::ddprpc::testing::is_worker()) {                                             \
+      ::ddprpc::testing::prepare_worker();                                            \
       suite##_##name##_Body();                                                        \
       return;                                                                         \
     }                                                                                 \

@@ -27,22 +27,6 @@ namespace {
 // with grpc::ByteBuffer messages instead of generated from a .proto.
 constexpr char kStreamMethod[] = "/ddprpc.Transport/Stream";
 
-// gRPC's default epoll1 poller lets any blocked gRPC thread pick up a
-// socket event and then wake the thread waiting for it: an extra thread hop
-// per message, which costs ~40 us on small VMs. The "poll" engine lets the
-// waiting thread poll for itself. Set before gRPC initializes; an explicit
-// GRPC_POLL_STRATEGY in the environment wins.
-const bool kPollStrategySet = [] {
-  ::setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
-  // With "poll", sockets are read only by threads that poll a queue, and a
-  // caller's queue is polled only while it waits for replies. gRPC's backup
-  // poller reads an idle connection meanwhile, so that keepalive pings are
-  // answered and their acks seen well within the keepalive timeout (its
-  // default interval, 5 s, is not).
-  ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "500", /*overwrite=*/0);
-  return true;
-}();
-
 int millis(absl::Duration d) {
   return static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(d), 1, INT_MAX));
 }
@@ -50,6 +34,21 @@ int millis(absl::Duration d) {
 }  // namespace
 
 constexpr int kMinReadChunk = 64 << 10;
+
+// gRPC's default epoll1 poller lets any blocked gRPC thread pick up a
+// socket event and then wake the thread waiting for it: an extra thread hop
+// per message, which costs ~40 us on small VMs. The "poll" engine lets the
+// waiting thread poll for itself. An explicit variable in the environment
+// wins.
+void use_low_latency_polling() {
+  ::setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
+  // With "poll", sockets are read only by threads that poll a queue, and a
+  // caller's queue is polled only while it waits for replies. gRPC's backup
+  // poller reads an idle connection meanwhile, so that keepalive pings are
+  // answered and their acks seen well within the keepalive timeout (its
+  // default interval, 5 s, is not).
+  ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "500", /*overwrite=*/0);
+}
 
 namespace {
 
