@@ -25,11 +25,6 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -46,6 +41,7 @@
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
 #include "optim/distributed_optimizer.h"
+#include "rpc/rendezvous/launch.h"
 #include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
 #include "rpc/security.h"
@@ -290,21 +286,6 @@ void check_codec(const Target& target) {
   });
 }
 
-// A loopback TCP port that no socket holds now.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket() failed");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  if (!ok) throw std::runtime_error("no free loopback port");
-  return ntohs(addr.sin_port);
-}
-
 // The parameter a remote call makes, on `device` ("cuda", "cpu").
 at::Tensor gpu_check_param(std::vector<double> values, int64_t dtype, std::string device) {
   return at::tensor(values, at::kFloat)
@@ -331,7 +312,7 @@ void check_rpc_autograd_optimizer(const Target& target) {
   check("rpc init, world size 1", [&] {
     rpc::RpcBackendOptions options;
     // The agent hosts its own store, on a port that was free a moment ago.
-    options.init_method = absl::StrCat("tcp://127.0.0.1:", free_port());
+    options.init_method = absl::StrCat("tcp://127.0.0.1:", rpc::pick_free_port());
     rpc::init_rpc("gpu_check", 0, 1, options);
     running = true;
     return true;
