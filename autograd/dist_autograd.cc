@@ -799,6 +799,10 @@ rpc::Future<c10::IValue> propagate(int64_t context_id, int64_t message, std::vec
                                                c10::str(grads[i].sizes()), " and dtype ",
                                                c10::toString(grads[i].scalar_type()),
                                                " does not match the tensor it is for"));
+    } else if (grads[i].device() != meta.device()) {
+      // The wire carries no device: a gradient arrives in host memory, and
+      // the engine wants it where the sent tensor was.
+      grads[i] = grads[i].to(meta.device());
     }
   }
   // The send function's part of the pass (from its gradients on), as

@@ -34,6 +34,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <set>
 #include <vector>
@@ -72,6 +73,14 @@ ContextId current_context_id();
 // Runs the distributed backward pass from scalar `roots`.
 void backward(ContextId context_id, const std::vector<at::Tensor>& roots,
               bool retain_graph = false);
+
+// backward(id, {loss}): a braced list of tensors. Without this overload the
+// list converts to the vector and, through RRef's explicit constructor, to
+// an RRef, and g++ 13 rejects the call as ambiguous.
+inline void backward(ContextId context_id, std::initializer_list<at::Tensor> roots,
+                     bool retain_graph = false) {
+  backward(context_id, std::vector<at::Tensor>(roots), retain_graph);
+}
 
 // RRef.backward(context_id): the distributed backward pass from the scalar
 // tensor `root` holds, run by its owner (this worker or another) in

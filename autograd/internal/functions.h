@@ -8,18 +8,11 @@
 namespace ddprpc::dist_autograd::internal {
 
 // On the sender: its next edges lead to the sent tensors' graphs. Backward
-// starts here with the gradients the receiver sent back. They arrive in
-// host memory (the wire carries no device); each goes back to the device of
-// the tensor that was sent, as the engine requires of a node's outputs.
+// starts here with the gradients the receiver sent back, already on the
+// devices of the tensors that were sent (propagate moves them there).
 class SendRpcBackward : public torch::autograd::Node {
  public:
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    for (size_t i = 0; i < grads.size() && i < num_outputs(); ++i) {
-      const torch::autograd::Edge& edge = next_edge(i);
-      if (!grads[i].defined() || !edge.is_valid()) continue;
-      const c10::Device device = edge.function->input_metadata(edge.input_nr).device();
-      if (grads[i].device() != device) grads[i] = grads[i].to(device);
-    }
     return std::move(grads);
   }
   std::string name() const override { return "SendRpcBackward"; }

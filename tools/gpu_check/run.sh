@@ -14,10 +14,10 @@ nccl=$($py -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null 
 echo "torch $($py -c 'import torch; print(torch.__version__)') (cxx11 ABI $abi, CUDA $cuda), NCCL at $nccl"
 [ -f carry/sources.txt ] || { echo "gpu_check: carry/ missing: run prepare.sh on the build machine"; exit 2; }
 build=$(mktemp -d)
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTORCH_ROOT="$torch" -DTORCH_CXX11_ABI="$abi" \
+cmake -S . -B "$build" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DTORCH_ROOT="$torch" -DTORCH_CXX11_ABI="$abi" \
   -DNCCL_ROOT="$nccl" >"$build/cmake.log" 2>&1 \
   || { tail -30 "$build/cmake.log"; exit 2; }
-cmake --build "$build" -j "$(nproc)" >"$build/build.log" 2>&1 || { grep -E 'error|undefined' "$build/build.log" | head -30; exit 2; }
+cmake --build "$build" -j "$(nproc)" -- -k >"$build/build.log" 2>&1 || { [ -n "${OUT:-}" ] && cp "$build/build.log" "$OUT/"; grep -E "error|undefined" "$build/build.log" | head -40; exit 2; }
 # RUNPATH reaches only the program's own dependencies, not theirs.
 export LD_LIBRARY_PATH="$here/carry/lib:$torch/lib:$nccl/lib:${LD_LIBRARY_PATH:-}"
 timeout 600 "$build/gpu_check"; rc=$?
