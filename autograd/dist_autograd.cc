@@ -28,7 +28,7 @@
 #include "autograd/internal/node_ptr.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
-#include "rpc/internal/fault.h"
+#include "rpc/core/internal/fault.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
 

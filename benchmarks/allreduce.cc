@@ -39,7 +39,7 @@ int iters_for(int64_t bytes) {
 }
 
 int worker() {
-  auto pg = ddp::init_process_group("gloo");
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, bench::group_options());
   const int n = pg->size();
   // Rank 0 hands back [bytes, median seconds, bus GB/s] per size.
   bench::JsonValue out;

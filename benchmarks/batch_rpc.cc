@@ -662,7 +662,7 @@ int worker() {
   }
   const bool ps = task[0] == "ps";
   const int world = ps ? n + 1 : n;
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = bench::backend_options();
   options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);

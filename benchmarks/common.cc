@@ -19,9 +19,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "ddprpc_libtorch_info.h"
 #include "rpc/rpc.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 
 DEFINE_string(python, "",
               "the Python that runs PyTorch's side (default: the one whose libtorch this build "
@@ -34,6 +35,24 @@ DEFINE_string(tls_cert, "",
               "the job is mutual TLS; or DDPRPC_TLS_CERT; see tools/make_certs.sh)");
 DEFINE_string(tls_key, "", "the private key of --tls_cert (or DDPRPC_TLS_KEY)");
 DEFINE_string(tls_ca, "", "the CA that signed every rank's certificate (or DDPRPC_TLS_CA)");
+DEFINE_bool(sched_batch, true,
+            "run the runtime's threads as SCHED_BATCH (RpcBackendOptions::batch_scheduling; the "
+            "library's default is off)");
+DEFINE_int32(spin_us, 50,
+             "microseconds a wait for a peer on this host may spin before it sleeps, 0..10000 "
+             "(RpcBackendOptions::max_spin, ProcessGroupOptions::max_spin; the library's default "
+             "is 0)");
+DEFINE_bool(same_host_transport, true,
+            "reach peers on this host through the same-host transport (false: gRPC for every "
+            "peer, the path of workers on other hosts)");
+DEFINE_bool(same_host_allreduce, true,
+            "let Gloo groups on one host reduce through shared memory and cross-process reads "
+            "(false: Gloo's TCP algorithms)");
+DEFINE_bool(mutex_deadlock_detection, false,
+            "keep abseil's mutex deadlock detection (Debian's abseil has it on; it costs ~5% "
+            "of ddp_rpc's CPU)");
+DEFINE_string(capture_frames, "",
+              "write every frame a worker reads into this directory (fuzzer seeds)");
 DEFINE_bool(allow_insecure, false,
             "let a rank started on its own listen on an address other than loopback with "
             "neither a token nor TLS (anyone who reaches its ports can then call it)");
@@ -44,6 +63,9 @@ void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
   // Before anything here uses gRPC; the ranks this process starts inherit it.
   rpc::use_low_latency_polling();
   gflags::ParseCommandLineNonHelpFlags(argc, argv, /*remove_flags=*/false);
+  if (!FLAGS_mutex_deadlock_detection) {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  }
   std::string help;
   if (gflags::GetCommandLineOption("help", &help) && help == "true") {
     // This binary's own flags and the shared ones (common.cc).
@@ -65,6 +87,32 @@ void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
 }
 
 bool allow_insecure() { return FLAGS_allow_insecure; }
+
+rpc::RpcBackendOptions backend_options() {
+  rpc::RpcBackendOptions options;
+  options.batch_scheduling = FLAGS_sched_batch;
+  options.max_spin = absl::Microseconds(FLAGS_spin_us);
+  options.same_host_transport = FLAGS_same_host_transport;
+  options.capture_frames_dir = FLAGS_capture_frames;
+  options.allow_insecure = FLAGS_allow_insecure;
+  return options;
+}
+
+ddp::ProcessGroupOptions group_options() {
+  ddp::ProcessGroupOptions options;
+  options.same_host_allreduce = FLAGS_same_host_allreduce;
+  options.max_spin = absl::Microseconds(FLAGS_spin_us);
+  return options;
+}
+
+std::string runtime_settings() {
+  return absl::StrCat(
+      "runtime: threads ", FLAGS_sched_batch ? "SCHED_BATCH" : "as started", ", spin ",
+      FLAGS_spin_us, " us, same-host transport ", FLAGS_same_host_transport ? "on" : "off",
+      ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off",
+      ", gRPC poll engine 'poll', abseil deadlock detection ",
+      FLAGS_mutex_deadlock_detection ? "on" : "off");
+}
 
 int env_rank() {
   const char* r = std::getenv("RANK");
@@ -105,7 +153,7 @@ std::string pytorch_version() {
 
 std::string versions() {
   return absl::StrCat(libtorch_version(), "; PyTorch's side: torch ", pytorch_version(), " (",
-                      reference_python(), ")");
+                      reference_python(), "); ", runtime_settings());
 }
 
 std::string allocator_name() {
@@ -309,7 +357,7 @@ Json& Json::value(const std::string& s) {
 
 Json& Json::versions() {
   return key("libtorch").value(libtorch_version()).key("pytorch").value(pytorch_version())
-      .key("python").value(reference_python());
+      .key("python").value(reference_python()).key("runtime").value(runtime_settings());
 }
 
 void Json::write_string(const std::string& s) {

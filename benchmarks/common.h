@@ -10,6 +10,10 @@
 
 #include <google/protobuf/struct.pb.h>
 
+#include "absl/time/time.h"
+#include "ddp/process_group.h"
+#include "rpc/agent.h"
+
 namespace ddprpc::benchmarks {
 
 // Parses gflags; --help lists only the flags defined in files whose path
@@ -17,6 +21,20 @@ namespace ddprpc::benchmarks {
 void parse_flags(int* argc, char*** argv, const char* flag_file_filter);
 // --allow_insecure (the other security flags go to the environment).
 bool allow_insecure();
+
+// The runtime settings the benchmarks measure with, from their flags. The
+// library's defaults are what is safe inside someone else's process; the
+// benchmarks ask for the fast settings explicitly (--sched_batch,
+// --spin_us, both on by default here), and parse_flags has already chosen
+// gRPC's low-latency polling and turned abseil's mutex deadlock detection
+// off (--mutex_deadlock_detection).
+// RpcBackendOptions with --sched_batch, --spin_us, --same_host_transport,
+// --capture_frames and --allow_insecure.
+rpc::RpcBackendOptions backend_options();
+// ProcessGroupOptions with --same_host_allreduce and --spin_us.
+ddp::ProcessGroupOptions group_options();
+// Those settings in one line, for every benchmark's Info header and JSON.
+std::string runtime_settings();
 
 // RANK from the environment, or -1 when not launched as a worker.
 int env_rank();

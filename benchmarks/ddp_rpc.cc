@@ -258,6 +258,8 @@ models::HybridTrainerOptions trainer_options() {
   o.run_timeout = absl::Seconds(FLAGS_timeout_s);
   o.collective_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   o.fetch_tables = FLAGS_check_convergence;
+  o.same_host_allreduce = bench::group_options().same_host_allreduce;
+  o.max_spin = bench::group_options().max_spin;
   return o;
 }
 
@@ -704,7 +706,7 @@ int worker(const Placement& where) {
   const models::HybridWorld roles = world();
   const int rank = where.rank;
   at::set_num_threads(1);  // as the reference: many processes share the cores
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = bench::backend_options();
   options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);

@@ -65,7 +65,7 @@ constexpr Sizes kSizes[] = {
 
 // Runs in each of the two worker processes.
 int worker() {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = bench::backend_options();
   options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   rpc::init_rpc(absl::StrCat("w", bench::env_rank()), -1, 2, options);

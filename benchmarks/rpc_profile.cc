@@ -102,7 +102,7 @@ double tuning(std::ostream& report) {
 
 int worker() {
   at::set_num_threads(1);  // parallelism comes from RPC threads only
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = bench::backend_options();
   options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_worker_threads;
   const int rank = bench::env_rank();

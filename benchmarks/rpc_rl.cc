@@ -521,7 +521,7 @@ int coordinator(const Config& c) {
 int worker(const Config& c) {
   at::set_num_threads(1);  // many processes share the cores (the reference does the same)
   const int rank = bench::env_rank();
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = bench::backend_options();
   options.allow_insecure = ddprpc::benchmarks::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);

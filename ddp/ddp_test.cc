@@ -42,7 +42,17 @@ namespace mp = ddprpc::testing;
 
 namespace {
 
-std::shared_ptr<ddp::ProcessGroup> group() { return ddp::init_process_group("gloo"); }
+// The tests' groups: the same-host allreduce off when the tests run the
+// paths of ranks on separate hosts (mp::network_paths_only()).
+ddp::ProcessGroupOptions group_options() {
+  ddp::ProcessGroupOptions o;
+  o.same_host_allreduce = !mp::network_paths_only();
+  return o;
+}
+
+std::shared_ptr<ddp::ProcessGroup> group() {
+  return ddp::init_process_group("gloo", "env://", -1, -1, group_options());
+}
 
 // The store at MASTER_ADDR:MASTER_PORT, served by rank 0 (as an RPC agent
 // would host it), and this rank's client of it.
@@ -164,7 +174,7 @@ MULTIPROCESS_TEST(ProcessGroupTest, RepeatedAndManyShapesGiveExactSums, 3) {
 }
 
 MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
-  ddp::ProcessGroupOptions options;
+  ddp::ProcessGroupOptions options = group_options();
   options.timeout = absl::Seconds(5);
   auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
   pg->barrier()->wait();
@@ -186,8 +196,8 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
 MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {
   const RankStore rank_store = rank_store_at_master(absl::Seconds(30));
   const auto& store = rank_store.store;
-  auto a = ddp::make_gloo_group(store, "a/", mp::rank(), 2);
-  auto b = ddp::make_gloo_group(store, "b/", mp::rank(), 2);
+  auto a = ddp::make_gloo_group(store, "a/", mp::rank(), 2, group_options());
+  auto b = ddp::make_gloo_group(store, "b/", mp::rank(), 2, group_options());
   EXPECT_EQ(a->rank(), mp::rank());
   EXPECT_EQ(b->size(), 2);
   EXPECT_EQ(a->backend(), "gloo");
@@ -242,20 +252,20 @@ MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesOnOneHostMatchGloo, 3) {
     EXPECT_TRUE(at::equal(a.reshape(-1), expect_sum.narrow(0, 0, 200000).to(at::kFloat)));
     EXPECT_TRUE(at::equal(b, expect_sum.narrow(0, 200000, 100001).to(at::kFloat)));
   };
-  // DDPRPC_GLOO_SAME_HOST=0 in the environment (CI's pass without the
-  // same-host paths) keeps every rank on Gloo's.
-  const bool fast = ddprpc::ddp::internal::same_host_willing();
+  // With the network paths only (CI's second pass), every rank keeps Gloo's.
+  const bool fast = !mp::network_paths_only();
   const int64_t before = SameHostAllreduce::runs();
   {
-    auto pg = ddp::make_gloo_group(store, "fast/", mp::rank(), 3);
+    auto pg = ddp::make_gloo_group(store, "fast/", mp::rank(), 3, group_options());
     check(*pg);
     EXPECT_EQ(SameHostAllreduce::runs() - before, fast ? 5 : 0)
         << "large allreduces took the wrong path";
     pg->barrier()->wait(absl::Seconds(60));
   }
-  if (r == 1) ::setenv("DDPRPC_GLOO_SAME_HOST", "0", 1);
+  ddp::ProcessGroupOptions one_out = group_options();
+  if (r == 1) one_out.same_host_allreduce = false;
   {
-    auto pg = ddp::make_gloo_group(store, "slow/", mp::rank(), 3);
+    auto pg = ddp::make_gloo_group(store, "slow/", mp::rank(), 3, one_out);
     check(*pg);
     EXPECT_EQ(SameHostAllreduce::runs() - before, fast ? 5 : 0)
         << "one rank opted out, yet peers were read";
@@ -406,9 +416,9 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
                               values(11, at::kLong, 2)).to(at::kFloat)));
     return {ShmAllreduce::runs() - before, small};
   };
-  const bool fast = ddprpc::ddp::internal::same_host_willing();
+  const bool fast = !mp::network_paths_only();
   {
-    auto pg = ddp::make_gloo_group(store, "shm/", mp::rank(), 3);
+    auto pg = ddp::make_gloo_group(store, "shm/", mp::rank(), 3, group_options());
     const auto [runs, small] = check(*pg);
     // 1 MiB fits, 1 MiB + 2 bytes does not: 98 of float, double, long, int
     // and half, 37 of bfloat16, bool, uint8 and int8.
@@ -419,9 +429,10 @@ MULTIPROCESS_TEST(ProcessGroupTest, SmallAllreducesOnOneHostGoThroughSharedMemor
     EXPECT_FALSE(pg->reduces_lists_in_place(ShmAllreduce::kMaxBytes + 1));
     pg->barrier()->wait(absl::Seconds(60));
   }
-  if (r == 1) ::setenv("DDPRPC_GLOO_SAME_HOST", "0", 1);
+  ddp::ProcessGroupOptions one_out = group_options();
+  if (r == 1) one_out.same_host_allreduce = false;
   {
-    auto pg = ddp::make_gloo_group(store, "gloo/", mp::rank(), 3);
+    auto pg = ddp::make_gloo_group(store, "gloo/", mp::rank(), 3, one_out);
     EXPECT_EQ(check(*pg).first, 0) << "one rank opted out, yet the others used shared memory";
     EXPECT_FALSE(pg->reduces_lists_in_place(1000));
     pg->barrier()->wait(absl::Seconds(60));
@@ -442,7 +453,7 @@ std::string failed_allreduce(ddp::ProcessGroup& pg, at::Tensor& t) {
 // A group with `timeout` whose first allreduce (of `t`, 1000 ones) went
 // through shared memory and summed.
 std::shared_ptr<ddp::ProcessGroup> group_after_one_allreduce(absl::Duration timeout, at::Tensor& t) {
-  ddp::ProcessGroupOptions options;
+  ddp::ProcessGroupOptions options = group_options();
   options.timeout = timeout;
   auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
   const int64_t before = ddprpc::ddp::internal::ShmAllreduce::runs();
@@ -456,7 +467,7 @@ std::shared_ptr<ddp::ProcessGroup> group_after_one_allreduce(absl::Duration time
 // A rank that stays alive but never comes fails the others' shared-memory
 // allreduce when the group's timeout passes, naming it.
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor, 3) {
-  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  if (mp::network_paths_only()) GTEST_SKIP() << "same-host paths off";
   at::Tensor t;
   auto pg = group_after_one_allreduce(absl::Seconds(3), t);
   if (mp::rank() == 2) {
@@ -477,7 +488,7 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor,
 
 // A rank that exits while the others wait fails theirs at once, naming it.
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExits, 3) {
-  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  if (mp::network_paths_only()) GTEST_SKIP() << "same-host paths off";
   at::Tensor t;
   auto pg = group_after_one_allreduce(absl::Seconds(60), t);
   if (mp::rank() == 2) mp::die_abruptly();
@@ -491,7 +502,7 @@ MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankExi
 // A rank whose group goes away (its training failed, say) while the
 // others wait for it fails them at once, as a closed Gloo connection does.
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceFailsAtOnceWhenARankLeavesTheGroup, 3) {
-  if (!ddprpc::ddp::internal::same_host_willing()) GTEST_SKIP() << "same-host paths off";
+  if (mp::network_paths_only()) GTEST_SKIP() << "same-host paths off";
   at::Tensor t;
   auto pg = group_after_one_allreduce(absl::Seconds(60), t);
   if (mp::rank() == 2) {
@@ -753,7 +764,7 @@ MULTIPROCESS_TEST(ProcessGroupTest, AProcessWithoutTheSecretCannotHoldAGlooPair,
   ASSERT_TRUE(security.authenticated()) << "the launcher gives its workers a token";
   if (mp::rank() == 1) security.token = ddprpc::rpc::Security::random_token();
   auto store = std::make_shared<ddprpc::rpc::Store>(host, port, absl::Seconds(30), security);
-  ddp::ProcessGroupOptions options;
+  ddp::ProcessGroupOptions options = group_options();
   options.timeout = absl::Seconds(20);
   const absl::Time start = absl::Now();
   try {
@@ -781,7 +792,7 @@ MULTIPROCESS_TEST(ProcessGroupTest, AProcessWithoutTheSecretCannotHoldAGlooPair,
 MULTIPROCESS_TEST(ProcessGroupTest, MembersProveTheSecretOverTheirGlooPairs, 3) {
   auto rs = rank_store_at_master(absl::Seconds(30));
   ASSERT_TRUE(rs.store->authenticated());
-  auto pg = ddp::make_gloo_group(rs.store, "members/", mp::rank(), 3);
+  auto pg = ddp::make_gloo_group(rs.store, "members/", mp::rank(), 3, group_options());
   at::Tensor t = at::full({4}, double(mp::rank()));
   pg->allreduce({t})->wait();
   EXPECT_TRUE(at::allclose(t, at::full({4}, 3.0)));

@@ -69,6 +69,15 @@ struct ProcessGroupOptions {
   absl::Duration timeout = absl::Seconds(300);
   // Address this process listens on for its peers.
   std::string listen_address = "127.0.0.1";
+  // Gloo groups whose ranks share a host reduce through shared memory and
+  // cross-process reads instead of Gloo's TCP algorithms where that is
+  // faster. A group uses them only if every rank agrees: one rank with
+  // false keeps the whole group on Gloo's.
+  bool same_host_allreduce = true;
+  // Those same-host barriers look for their peers for up to this long
+  // before they sleep, while the group has a CPU per rank (at most 10 ms).
+  // Zero by default: spinning costs CPU time the program may want.
+  absl::Duration max_spin = absl::ZeroDuration();
 };
 
 // Gloo over TCP. Rendezvous through `store` under `prefix`, so several

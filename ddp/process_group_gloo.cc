@@ -122,8 +122,9 @@ class ProcessGroupGloo : public ProcessGroup {
     gloo::allreduce(opts);
     sync_max_bytes_ = limit;
     if (size_ > 1) {
-      shm_ = internal::ShmAllreduce::connect(context_, options.timeout);
-      same_host_ = internal::SameHostAllreduce::connect(context_);
+      shm_ = internal::ShmAllreduce::connect(context_, options.timeout,
+                                             options.same_host_allreduce, options.max_spin);
+      same_host_ = internal::SameHostAllreduce::connect(context_, options.same_host_allreduce);
     }
   }
 

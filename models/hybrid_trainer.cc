@@ -93,6 +93,8 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   group_options.listen_address = split_host_port(agent->self().address).first;
   // A collective waiting on a stopped or unreachable trainer fails like an RPC would.
   group_options.timeout = o.collective_timeout;
+  group_options.same_host_allreduce = o.same_host_allreduce;
+  group_options.max_spin = o.max_spin;
   auto make_group = o.backend == CollectiveBackend::kNccl ? ddp::make_nccl_group
                                                           : ddp::make_gloo_group;
   auto group = make_group(store, absl::StrCat("ddp/trainers/", run, "/"), static_cast<int>(rank),

@@ -68,6 +68,10 @@ struct HybridTrainerOptions {
   absl::Duration run_timeout = absl::Minutes(30);
   // Deadline of each collective among the trainers.
   absl::Duration collective_timeout = absl::Seconds(60);
+  // The trainers' group (ddp::ProcessGroupOptions): the same-host
+  // allreduce, and how long its barriers spin before they sleep.
+  bool same_host_allreduce = true;
+  absl::Duration max_spin = absl::ZeroDuration();
   // Master only: fetch every table's weight before and after training.
   bool fetch_tables = false;
   // Master only: have each trainer return its dense parameters.

@@ -142,7 +142,7 @@ void play(const HybridTrainerOptions& options, Master master) {
   if (world.is_trainer(rank)) {
     service = std::make_unique<models::HybridTrainerService>(options, record);
   }
-  rpc::init_rpc(world.name(rank), rank, world.size());
+  rpc::init_rpc(world.name(rank), rank, world.size(), mp::backend_options());
   if (world.is_master(rank)) master();
   rpc::shutdown();
 }
@@ -160,6 +160,7 @@ HybridTrainerOptions small(int trainers, int ps) {
   o.dense_kernel = models::DenseKernel::kAten;
   o.run_timeout = absl::Seconds(120);
   o.collective_timeout = absl::Seconds(60);
+  o.same_host_allreduce = !mp::network_paths_only();
   return o;
 }
 

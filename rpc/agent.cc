@@ -17,10 +17,10 @@
 #include "rpc/extension.h"
 #include "rpc/hooks.h"
 #include "rpc/internal/callee.h"
-#include "rpc/internal/fault.h"
-#include "rpc/internal/future_driver.h"
-#include "rpc/internal/thread_policy.h"
-#include "rpc/internal/thread_pool.h"
+#include "rpc/core/internal/fault.h"
+#include "rpc/core/internal/future_driver.h"
+#include "rpc/core/internal/thread_policy.h"
+#include "rpc/core/internal/thread_pool.h"
 #include "rpc/rendezvous/init_method.h"
 #include "rpc/transport/same_host_transport.h"
 #include "rpc/transport/transport.h"
@@ -99,15 +99,6 @@ SyncCallScope::~SyncCallScope() {
 }
 
 namespace {
-// Debian builds abseil with Mutex deadlock detection on; it tracks every
-// lock in a global graph and cost ~5% of the CPU of the hybrid benchmark.
-const bool kDeadlockDetectionOff = [] {
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  return true;
-}();
-}  // namespace
-
-namespace {
 
 // Answers liveness pings at shutdown (peers_alive()).
 constexpr char kPing[] = "__rpc.ping";
@@ -139,8 +130,6 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   if (options_.num_worker_threads < 1) {
     throw RpcError(ErrorCode::kInvalidArgument, "num_worker_threads must be at least 1");
   }
-  // Before any of this agent's threads starts (they apply it first thing).
-  internal::set_batch_scheduling(options_.batch_scheduling);
   StoreAddress store_address;
   try {
     store_address = parse_init_method(options_.init_method);
@@ -170,8 +159,9 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   if (rank == 0) store_server_ = StoreServer::start(host, port, security);
   store_ = std::make_unique<Store>(host, port, std::max(options_.rpc_timeout, absl::Seconds(60)),
                                    security);
-  pool_ = std::make_unique<internal::ThreadPool>(options_.num_worker_threads);
-  reply_sender_ = std::make_unique<internal::ThreadPool>(1);
+  pool_ = std::make_unique<internal::ThreadPool>(options_.num_worker_threads,
+                                                 options_.batch_scheduling);
+  reply_sender_ = std::make_unique<internal::ThreadPool>(1, options_.batch_scheduling);
   {
     absl::MutexLock lock(&workers_mu_);
     free_workers_ = options_.num_worker_threads;
@@ -214,9 +204,13 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     const int64_t message = std::min(options_.max_message_bytes, int64_t{1} << 40);
     limits.max_buffered_bytes = std::max(int64_t{256} << 20, 4 * message);
   }
-  transport_ = transport::make_default_transport();
-  if (options_.same_host_transport && transport::same_host_transport_enabled()) {
-    transport_ = transport::make_same_host_transport(std::move(transport_));
+  transport::TransportOptions transport_options;
+  transport_options.batch_scheduling = options_.batch_scheduling;
+  transport_options.max_spin = options_.max_spin;
+  transport_options.capture_frames_dir = options_.capture_frames_dir;
+  transport_ = transport::make_default_transport(transport_options);
+  if (options_.same_host_transport) {
+    transport_ = transport::make_same_host_transport(std::move(transport_), transport_options);
   }
   server_ = transport_->listen(
       options_.listen_address, limits, security,
@@ -251,7 +245,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     next_connection_check_ = absl::Now() + options_.keepalive_interval;
   }
   timer_ = std::thread([this] {
-    internal::apply_thread_policy();
+    internal::apply_thread_policy(options_.batch_scheduling);
     timer_loop();
   });
   if (serve_now) start_serving();

@@ -28,10 +28,10 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "rpc/future.h"
+#include "rpc/core/future.h"
 #include "rpc/registry.h"
 #include "rpc/rendezvous/store.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 #include "rpc/worker.h"
 
 namespace ddprpc::rpc {
@@ -125,15 +125,24 @@ struct RpcBackendOptions {
   // Peers on this host (same boot and namespaces) are reached through the
   // same-host transport (rpc/transport/same_host_transport.h: a Unix socket,
   // large tensors copied once from the sender's memory), others over gRPC.
-  // DDPRPC_SAME_HOST_TRANSPORT=0 turns it off too.
   bool same_host_transport = true;
-  // The runtime's threads (stream readers, the worker pool, the timer) run
+  // The agent's threads (stream readers, the worker pool, the timer) run
   // as SCHED_BATCH: a message that wakes one does not preempt the thread
   // running on its core. On a host with more runnable threads than cores,
   // a worker answering many callers at once (a batch, a fan-out) sends
   // every reply before the callers it wakes take its core. Threads started
-  // from them inherit it. Per process; DDPRPC_SCHED_BATCH=0 turns it off too.
-  bool batch_scheduling = true;
+  // from them (a handler's, libtorch's intra-op pool) inherit it. Off by
+  // default: it changes how the program's own work is scheduled.
+  bool batch_scheduling = false;
+  // A wait for a peer on this host looks for its message for up to this
+  // long before it sleeps, while the job's workers on this host have a CPU
+  // each (at most 10 ms). It saves the wake-up of a sleeping thread
+  // (tens of microseconds on a VM) and costs CPU time: zero by default.
+  absl::Duration max_spin = absl::ZeroDuration();
+  // Every frame this worker reads (requests and replies, either transport)
+  // is also written into this directory, e.g. to seed the fuzzers
+  // (TransportOptions::capture_frames_dir). Empty: none.
+  std::string capture_frames_dir;
 };
 
 // Within its scope, this thread waits (Future::wait, value, wait_for,

@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "gtest/gtest.h"
-#include "rpc/internal/auth.h"
+#include "rpc/core/internal/auth.h"
 #include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
 #include "rpc/testing/raw_peer.h"
@@ -66,7 +66,7 @@ MULTIPROCESS_TEST(AuthTest, OnlyTheJobsWorkersGetIn, 2) {
   // The launcher gave every rank the same token, without being asked.
   ASSERT_NE(std::getenv("DDPRPC_AUTH_TOKEN"), nullptr);
   ASSERT_GE(std::string(std::getenv("DDPRPC_AUTH_TOKEN")).size(), 32u);
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   auto agent = rpc::current_agent();
   if (mp::rank() == 0) {
     const std::string victim = rpc::get_worker_info("worker1").address;

@@ -26,7 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
-#include "rpc/internal/fault.h"
+#include "rpc/core/internal/fault.h"
 #include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
@@ -112,7 +112,7 @@ wire::Header add_request(int src) {
 }
 
 MULTIPROCESS_TEST(HostileInputTest, MalformedFramesEndOnlyTheirStream, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     const std::string victim = address_of("worker1");
     const std::string body(16, '\0');  // the bytes of the two 2-float tensors
@@ -176,7 +176,7 @@ MULTIPROCESS_TEST(HostileInputTest, MalformedFramesEndOnlyTheirStream, 2) {
 // once; now the frame is refused at once, and the most a frame may carry
 // costs little.
 MULTIPROCESS_TEST(HostileInputTest, ManyTensorEntriesAreBoundedAndCheap, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     const std::string victim = address_of("worker1");
     auto many = [](int n) {
@@ -215,7 +215,7 @@ MULTIPROCESS_TEST(HostileInputTest, ManyTensorEntriesAreBoundedAndCheap, 2) {
 // not keep it; one far larger than what the worker buffers at most is cut
 // off before it has all arrived.
 MULTIPROCESS_TEST(HostileInputTest, OversizedMessagesAreRefusedByTheReceiver, 2) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.max_message_bytes = 1 << 20;
   options.max_receive_buffer_bytes = 64 << 20;
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
@@ -273,11 +273,11 @@ MULTIPROCESS_TEST(HostileInputTest, OversizedMessagesAreRefusedByTheReceiver, 2)
 // 64 MiB each grow its resident memory by less than 2.5 such arguments. The
 // transport used to grow a frame's head by doubling, which left a trail of
 // 1..32 MiB blocks on top: about three arguments' worth (185 MiB). Over
-// gRPC (DDPRPC_SAME_HOST_TRANSPORT=0), gRPC's own buffers hold more, so the
+// gRPC (mp::network_paths_only()), gRPC's own buffers hold more, so the
 // bound is checked on the same-host transport only, and not under ASan; the
 // figures are printed.
 MULTIPROCESS_TEST(HostileInputTest, LargeStringArgumentsLeaveNoCopyBehind, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     const std::string big(64 << 20, 's');
     const int64_t before = rpc::rpc_sync<int64_t>("worker1", "resident_mib");
@@ -290,8 +290,7 @@ MULTIPROCESS_TEST(HostileInputTest, LargeStringArgumentsLeaveNoCopyBehind, 2) {
     // ASan's allocator keeps freed blocks in its quarantine (up to 256 MiB)
     // before reusing them: the bound is glibc's allocator's.
 #if !defined(__SANITIZE_ADDRESS__)
-    const char* same_host = std::getenv("DDPRPC_SAME_HOST_TRANSPORT");
-    if (same_host == nullptr || std::string(same_host) != "0") {
+    if (!mp::network_paths_only()) {
       EXPECT_LT(after - before, 160) << "MiB resident before " << before << ", after " << after;
     }
 #endif
@@ -304,7 +303,7 @@ MULTIPROCESS_TEST(HostileInputTest, LargeStringArgumentsLeaveNoCopyBehind, 2) {
 // waiting for threads is refused past max_queued_requests. The victim's
 // memory stays bounded and other workers are served meanwhile.
 MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.num_worker_threads = 2;
   options.max_pending_requests_per_stream = 64;
   options.max_pending_reply_bytes = 4 << 20;
@@ -366,7 +365,7 @@ MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3)
 }
 
 MULTIPROCESS_TEST(HostileInputTest, ForgedRRefMessagesAreRefused, 3) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.rpc_timeout = absl::Seconds(2);  // unknown RRefs fail after this
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
   auto store = [] { return &rpc::current_agent()->store(); };
@@ -539,7 +538,7 @@ MULTIPROCESS_TEST(HostileInputTest, BadRepliesFailTheirCallsNotTheCaller, 2) {
     }
     return;
   }
-  rpc::init_rpc(mp::worker_name(), 0, 2);
+  rpc::init_rpc(mp::worker_name(), 0, 2, mp::backend_options());
   auto expect_failed = [](const std::string& function, rpc::ErrorCode code,
                           const std::string& needle) {
     auto f = rpc::rpc_async(rpc::CallOptions{absl::Seconds(10)}, "worker1", function);
@@ -568,7 +567,7 @@ MULTIPROCESS_TEST(HostileInputTest, BadRepliesFailTheirCallsNotTheCaller, 2) {
 // An exception on any of the runtime's threads fails the call or stream at
 // hand, is logged, and the thread goes on serving.
 MULTIPROCESS_TEST(HostileInputTest, ExceptionsOnRuntimeThreadsFailOnlyTheirCall, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     // The arming call's own reply passes "agent.reply"; its request has
     // passed the other points already.

@@ -25,9 +25,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "rpc/errors.h"
-#include "rpc/future.h"
-#include "rpc/value.h"
+#include "rpc/core/errors.h"
+#include "rpc/core/future.h"
+#include "rpc/core/value.h"
 
 namespace ddprpc::rpc {
 

@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "rpc/agent.h"
-#include "rpc/errors.h"
-#include "rpc/future.h"
+#include "rpc/core/errors.h"
+#include "rpc/core/future.h"
 #include "rpc/registry.h"
-#include "rpc/value.h"
+#include "rpc/core/value.h"
 
 namespace ddprpc::rpc {
 

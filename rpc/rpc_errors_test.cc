@@ -57,7 +57,7 @@ void expect_rpc_error(F fn, rpc::ErrorCode code, std::vector<std::string> needle
 }
 
 MULTIPROCESS_TEST(RpcErrorsTest, BadCallsGetClearErrors, 2) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.max_message_bytes = 1 << 20;
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
   if (mp::rank() == 0) {
@@ -94,7 +94,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, BadCallsGetClearErrors, 2) {
 }
 
 MULTIPROCESS_TEST(RpcErrorsTest, TimeoutFailsTheCallNotTheConnection, 2) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.rpc_timeout = absl::Milliseconds(300);  // default for every call
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
   if (mp::rank() == 0) {
@@ -139,7 +139,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, TimeoutFailsTheCallNotTheConnection, 2) {
 }
 
 MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);  // default timeout: 60 s
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());  // default timeout: 60 s
   if (mp::rank() == 1) {
     while (!g_sleeping) absl::SleepFor(absl::Milliseconds(5));
     mp::die_abruptly();  // in the middle of serving sleep_ms (it set g_sleeping)
@@ -173,7 +173,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
 // naming the worker and the function, and a worker with only an idle
 // connection to it marks it unreachable. Once it resumes, it serves again.
 MULTIPROCESS_TEST(RpcErrorsTest, KeepaliveFindsAStoppedPeer, 3) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.keepalive_interval = absl::Milliseconds(500);
   options.keepalive_timeout = absl::Milliseconds(1500);
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
@@ -223,7 +223,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, KeepaliveFindsAStoppedPeer, 3) {
 }
 
 MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownWaitsForCallsInFlight, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   std::vector<rpc::Future<int64_t>> futures;
   if (mp::rank() == 0) {
     for (int i = 0; i < 20; ++i) futures.push_back(rpc::rpc_async<int64_t>("worker1", "sleep_ms", 100));
@@ -239,7 +239,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownWaitsForCallsInFlight, 2) {
 // RPC timeout: it fails with SHUTDOWN. (Rank 0, which hosts the store, also
 // waits for the others to leave; the caller here is rank 1.)
 MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownFailsCallsWithoutADeadline, 3) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.rpc_timeout = absl::Seconds(1);
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
   if (mp::rank() == 1) {
@@ -259,7 +259,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, GracefulShutdownFailsCallsWithoutADeadline, 3) 
 }
 
 MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     auto f = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 2000);
     // The call is running on worker1 (not merely sent) when we shut down.
@@ -282,7 +282,7 @@ MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
 // A stream that sends garbage is cut off with a clear status; the worker
 // keeps serving everyone else (hostile_input_test has the other cases).
 MULTIPROCESS_TEST(RpcErrorsTest, MalformedBytesEndOnlyTheirStream, 1) {
-  rpc::init_rpc("solo", 0, 1);
+  rpc::init_rpc("solo", 0, 1, mp::backend_options());
   rpc::testing::RawStream stream(rpc::get_worker_info().address, rpc::get_worker_info().id, 0,
                                  absl::Seconds(10));
   stream.write_bytes(std::string("\x10\x00\x00\x00not a frame at all", 22));
@@ -299,7 +299,7 @@ TEST(RpcErrorsTest, InitErrorsAreClear) {
   if (mp::is_worker()) return;
   expect_rpc_error([] { rpc::RpcAgent("x", 3, 2, {}); }, rpc::ErrorCode::kInvalidArgument,
                    {"invalid rank 3"});
-  rpc::RpcBackendOptions bad;
+  rpc::RpcBackendOptions bad = mp::backend_options();
   bad.init_method = "udp://nowhere";
   expect_rpc_error([&] { rpc::RpcAgent("x", 0, 1, bad); }, rpc::ErrorCode::kInvalidArgument,
                    {"unsupported init_method"});

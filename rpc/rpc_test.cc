@@ -173,7 +173,7 @@ bool wait_for_partner(int64_t timeout_ms) {
 }
 DDPRPC_REGISTER_FUNCTION(wait_for_partner);
 
-void init(int world_size, rpc::RpcBackendOptions options = {}) {
+void init(int world_size, rpc::RpcBackendOptions options = mp::backend_options()) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), world_size, std::move(options));
 }
 
@@ -218,7 +218,7 @@ DDPRPC_REGISTER_FUNCTION(handler_policy);
 // Requests run on the runtime's threads, SCHED_BATCH unless the worker
 // switched batch_scheduling off; the caller's own thread keeps its policy.
 MULTIPROCESS_TEST(RpcTest, RequestsRunOnBatchScheduledThreadsUnlessSwitchedOff, 3) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.batch_scheduling = mp::rank() != 2;
   init(3, options);
   if (mp::rank() == 0) {
@@ -367,7 +367,7 @@ MULTIPROCESS_TEST(RpcTest, AsyncReplyCompletedWhileItsThreadWaitsGoesOut, 3) {
 }
 
 MULTIPROCESS_TEST(RpcTest, AsyncExecutionBatchesFourCallersOnOneThread, 5) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   // One worker thread on the server: a blocking implementation would
   // deadlock; async execution frees the thread after each call.
   if (mp::rank() == 0) options.num_worker_threads = 1;
@@ -440,7 +440,7 @@ DDPRPC_REGISTER_FUNCTION(max_concurrency);
 // calls meet: without them the first one would run on the reader and wait
 // alone.
 MULTIPROCESS_TEST(RpcTest, ConcurrentShortCallsOfOneCallerOverlap, 2) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.inline_request_handoff = absl::Minutes(10);
   init(2, options);
   if (mp::rank() == 1) {
@@ -459,7 +459,7 @@ MULTIPROCESS_TEST(RpcTest, ConcurrentShortCallsOfOneCallerOverlap, 2) {
 }
 
 MULTIPROCESS_TEST(RpcTest, NumWorkerThreadsBoundsConcurrentRequests, 3) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   if (mp::rank() == 0) options.num_worker_threads = 2;
   init(3, options);
   if (mp::rank() != 0) {
@@ -529,7 +529,7 @@ namespace {
 // through before every named one arrived; a missing worker is named in the
 // timeout's error.
 MULTIPROCESS_TEST(RpcTest, AllGatherAndBarrierAmongAllOrSomeWorkers, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   rpc::Store& store = rpc::current_agent()->store();
   const auto all = rpc::all_gather("value of " + mp::worker_name());
   ASSERT_EQ(all.size(), 3u);
@@ -563,7 +563,7 @@ namespace {
 // The futures of rpc_async calls made inside a WaitAllScope are waited for
 // by wait() (first error thrown) or at the scope's end.
 MULTIPROCESS_TEST(RpcTest, WaitAllScopeWaitsForTheCallsMadeInIt, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     rpc::Future<int64_t> outside = rpc::rpc_async<int64_t>("worker1", "add_ints", 1, 1);
     rpc::Future<int64_t> a, b;

@@ -53,6 +53,7 @@ at::Tensor flat_grads(dist_autograd::ContextId id, torch::nn::Linear& model) {
 std::shared_ptr<ddp::ProcessGroup> both_workers_group(std::shared_ptr<ddprpc::rpc::Store> store,
                                                       const std::string& prefix) {
   ddp::ProcessGroupOptions group_options;
+  group_options.same_host_allreduce = !mp::network_paths_only();
   group_options.timeout = absl::Seconds(20);
   return ddp::make_gloo_group(std::move(store), prefix, mp::rank(), 2, group_options);
 }
@@ -70,7 +71,7 @@ torch::nn::Linear same_linear_on_both_workers() {
 }
 
 MULTIPROCESS_TEST(DdpDistAutogradTest, PeerStartedPassesTakeNoPartInTheAllreduce, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   const int rank = mp::rank();
   g_scale = at::full({1, 4}, 2.0 + rank).requires_grad_(true);
   {
@@ -152,7 +153,7 @@ at::Tensor mean_over_workers(ddprpc::rpc::Store& store, const std::string& key,
 // process group: each averages its own parameters in the distributed
 // backward pass, and destroying one leaves the other averaging.
 MULTIPROCESS_TEST(DdpDistAutogradTest, InstancesAliveAtOnceEachAverageTheirOwnParameters, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   const int rank = mp::rank();
   {
     at::manual_seed(7);  // the same initial models on both workers
@@ -209,7 +210,7 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, InstancesAliveAtOnceEachAverageTheirOwnPa
 // holds them: a gradient a tensor hook kept keeps this worker's own value,
 // while the context gets the average.
 MULTIPROCESS_TEST(DdpDistAutogradTest, GradientsHeldElsewhereAreNotAveragedUnderTheirHolder, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   const int rank = mp::rank();
   {
     torch::nn::Linear model = same_linear_on_both_workers();

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "autograd/dist_autograd.h"
 #include "gtest/gtest.h"
-#include "rpc/internal/fault.h"
+#include "rpc/core/internal/fault.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
 #include "rpc/testing/raw_peer.h"
@@ -68,7 +68,7 @@ void expect_error(const rpc::internal::Frame& reply, rpc::ErrorCode code, const 
 }
 
 MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   rpc::Store& store = rpc::current_agent()->store();
   if (mp::rank() == 0) {
     dist_autograd::Context context;
@@ -119,7 +119,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext
 // A context that another worker's message created and that nothing uses
 // any more is dropped after the idle timeout.
 MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     rpc::rpc_sync<int64_t>("worker1", "set_idle_timeout_ms", 300);
     const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
@@ -140,7 +140,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped,
 // A reply carrying a context that arrives after its creator left the
 // context does not create it again (it would never be freed).
 MULTIPROCESS_TEST(DistAutogradHostileTest, LateReplyDoesNotRecreateALeftContext, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     ASSERT_EQ(dist_autograd::num_contexts(), 0u);
     const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
@@ -172,7 +172,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, LateReplyDoesNotRecreateALeftContext,
 // The thread that sends context releases survives an exception, and the
 // releases it held go out on its next round.
 MULTIPROCESS_TEST(DistAutogradHostileTest, ReleaseFlusherSurvivesAnException, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   rpc::Store& store = rpc::current_agent()->store();
   if (mp::rank() == 0) {
     rpc::internal::arm_fault("dist_autograd.flush");

@@ -66,7 +66,7 @@ at::Tensor loss_of(const at::Tensor& out, const at::Tensor& target) {
 }
 
 MULTIPROCESS_TEST(DistAutogradTest, SplitModelMatchesLocalTraining, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   if (mp::rank() == 0) {
     auto emb = rpc::remote<RemoteEmbedding>("worker1", 10, 5);
     auto lin = rpc::remote<RemoteLinear>("worker2", 5, 3);
@@ -131,7 +131,7 @@ at::Tensor two_calls(std::string next, at::Tensor x) {
 DDPRPC_REGISTER_FUNCTION(two_calls);
 
 MULTIPROCESS_TEST(DistAutogradTest, NodesReachedThroughSeveralSendsMatchLocalAutograd, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   if (mp::rank() == 0) {
     const at::Tensor start = at::arange(1, 5, at::kFloat) / 4;
     auto local = [&](auto f) {
@@ -181,7 +181,7 @@ MULTIPROCESS_TEST(DistAutogradTest, NodesReachedThroughSeveralSendsMatchLocalAut
 // a leaf (a pre-hook of its AccumulateGrad, which the pass does not run) and
 // on a tensor in between.
 MULTIPROCESS_TEST(DistAutogradTest, TensorHooksRunInTheDistributedBackward, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     auto run = [](bool distributed) {
       at::Tensor x = at::ones({3}).requires_grad_(true);
@@ -218,7 +218,7 @@ DDPRPC_REGISTER_FUNCTION(graph_of);
 // worker0 -> worker1 -> worker2: each worker records a send function per
 // tensor-carrying message it sent and a recv function per one it received.
 MULTIPROCESS_TEST(DistAutogradTest, GraphOfAContextIsVisibleOnEachWorker, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({4}).requires_grad_(true);
     dist_autograd::Context context;
@@ -255,7 +255,7 @@ DDPRPC_REGISTER_FUNCTION(sum_of_squares);
 // RRef.backward(context_id): the pass starts on the RRef's owner, here
 // another worker (rpc::remote in the context) or this one.
 MULTIPROCESS_TEST(DistAutogradTest, BackwardFromAnRRefStartsOnItsOwner, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::randn({3}).requires_grad_(true);
     {
@@ -298,7 +298,7 @@ DDPRPC_REGISTER_FUNCTION(table_grad_rows);
 // a sparse gradient naming the rows looked up, and SGD changes those rows
 // only (a row looked up twice by twice as much).
 MULTIPROCESS_TEST(DistAutogradTest, SparseTableGradientsTouchOnlyTheRowsLookedUp, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     auto table = rpc::remote<models::EmbeddingTable>("worker1", int64_t{1000}, int64_t{4});
     table.rpc_sync(&models::EmbeddingTable::set_sparse, true);
@@ -335,7 +335,7 @@ DDPRPC_REGISTER_FUNCTION(sparse_twice);
 // Sparse COO tensors as arguments and results, and as gradients coming
 // back: the distributed backward gives what local autograd gives.
 MULTIPROCESS_TEST(DistAutogradTest, SparseTensorsAsArgumentsResultsAndGradients, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor indices = at::tensor(std::vector<int64_t>{0, 2, 2, 1, 0, 3}, at::kLong).view({2, 3});
     at::Tensor s = at::sparse_coo_tensor(indices, at::randn({3}), {3, 4}).requires_grad_(true);
@@ -359,7 +359,7 @@ MULTIPROCESS_TEST(DistAutogradTest, SparseTensorsAsArgumentsResultsAndGradients,
 }
 
 MULTIPROCESS_TEST(DistAutogradTest, GradientsInContextThroughNestedCalls, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({4}).requires_grad_(true);
     dist_autograd::Context context;
@@ -392,7 +392,7 @@ at::Tensor fragile(at::Tensor x) { return ExplodingBackward::apply(x); }
 DDPRPC_REGISTER_FUNCTION(fragile);
 
 MULTIPROCESS_TEST(DistAutogradTest, RemoteBackwardErrorReachesTheCaller, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({2}).requires_grad_(true);
     dist_autograd::Context context;
@@ -415,7 +415,7 @@ DDPRPC_REGISTER_FUNCTION(num_contexts);
 
 MULTIPROCESS_TEST_WITH_TIMEOUT(DistAutogradTest, ContextsDoNotGrowOverTenThousandIterations, 2,
                                absl::Seconds(150)) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({2}).requires_grad_(true);
     for (int i = 0; i < 10000; ++i) {
@@ -442,7 +442,7 @@ namespace {
 // fails before it leaves (here: over max_message_bytes), the release must
 // ride again instead of being lost with it.
 MULTIPROCESS_TEST(DistAutogradTest, ReleaseOutlivesAFailedCallThatCarriedIt, 2) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.max_message_bytes = 1 << 16;
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
   if (mp::rank() == 0) {
@@ -465,7 +465,7 @@ MULTIPROCESS_TEST(DistAutogradTest, ReleaseOutlivesAFailedCallThatCarriedIt, 2) 
 }
 
 MULTIPROCESS_TEST(DistAutogradTest, TensorUsedTwiceAccumulatesBothGradients, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({3}).requires_grad_(true);
     dist_autograd::Context context;
@@ -478,7 +478,7 @@ MULTIPROCESS_TEST(DistAutogradTest, TensorUsedTwiceAccumulatesBothGradients, 2) 
 }
 
 MULTIPROCESS_TEST(DistAutogradTest, ConcurrentContextsOnFourThreadsDoNotMix, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor x = at::ones({4}).requires_grad_(true);  // shared by all threads
     std::vector<std::thread> threads;

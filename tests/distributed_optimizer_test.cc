@@ -102,7 +102,7 @@ void every_kind_matches_torch_optim(at::ScalarType dtype, double rtol, double at
   if (ddprpc_build::kPython[0] == '\0') GTEST_SKIP() << "no PyTorch known to this build";
   ASSERT_EQ(std::system((std::string(ddprpc_build::kPython) + " -c 'import torch'").c_str()), 0)
       << "no PyTorch at " << ddprpc_build::kPython;
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     const auto expected = torch_results(dtype == at::kBFloat16 ? "bfloat16" : "float32");
     ASSERT_EQ(expected.size(), kCases.size());

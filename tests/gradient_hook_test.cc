@@ -41,7 +41,7 @@ int64_t index_of(const std::vector<at::Tensor>& params, const at::Tensor& param)
 }
 
 MULTIPROCESS_TEST(GradientHookTest, HooksRunInOrderEachSeeingTheEarlierOnesGradients, 1) {
-  rpc::init_rpc(mp::worker_name(), 0, 1);
+  rpc::init_rpc(mp::worker_name(), 0, 1, mp::backend_options());
   {
     const at::Tensor w = at::ones({2}).requires_grad_(true);
     const at::Tensor plain = at::full({2}, 3.0);
@@ -98,7 +98,7 @@ MULTIPROCESS_TEST(GradientHookTest, HooksRunInOrderEachSeeingTheEarlierOnesGradi
 }
 
 MULTIPROCESS_TEST(GradientHookTest, RemoveWaitsForTheCallsUnderWay, 1) {
-  rpc::init_rpc(mp::worker_name(), 0, 1);
+  rpc::init_rpc(mp::worker_name(), 0, 1, mp::backend_options());
   {
     const at::Tensor w = at::ones({2}).requires_grad_(true);
     absl::Notification entered, release;
@@ -131,7 +131,7 @@ MULTIPROCESS_TEST(GradientHookTest, RemoveWaitsForTheCallsUnderWay, 1) {
 }
 
 MULTIPROCESS_TEST(GradientHookTest, AHookMayRemoveItself, 1) {
-  rpc::init_rpc(mp::worker_name(), 0, 1);
+  rpc::init_rpc(mp::worker_name(), 0, 1, mp::backend_options());
   {
     const at::Tensor w = at::ones({2}).requires_grad_(true);
     int calls = 0;

@@ -48,6 +48,7 @@ void train(bool with_ddp, const std::string& tag) {
   std::unique_ptr<ddp::DistributedDataParallel> averaged;
   if (with_ddp) {
     ddp::ProcessGroupOptions options;
+    options.same_host_allreduce = !mp::network_paths_only();
     options.timeout = absl::Seconds(30);
     group = ddp::make_gloo_group(mp::connect_rpc_store(), "test/" + tag + "/", rank, kTrainers,
                                  options);
@@ -84,7 +85,7 @@ at::Tensor others(rpc::Store& store, const std::string& tag) {
 }
 
 MULTIPROCESS_TEST(HybridModelDdpTest, DenseReplicasStayIdenticalOnlyWithDdp, 3) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 3);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   if (mp::rank() < kTrainers) {
     auto store = mp::connect_rpc_store();
     train(/*with_ddp=*/true, "ddp");

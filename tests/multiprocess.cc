@@ -12,6 +12,7 @@ namespace ddprpc::testing {
 namespace {
 
 constexpr char kWorkerEnv[] = "DDPRPC_TEST_WORKER";
+constexpr char kNetworkPathsEnv[] = "DDPRPC_TEST_NETWORK_PATHS";
 
 }  // namespace
 
@@ -20,6 +21,17 @@ bool is_worker() { return std::getenv(kWorkerEnv) != nullptr; }
 void prepare_worker() { rpc::use_low_latency_polling(); }
 int rank() { return rpc::launch_env().rank; }
 int world_size() { return rpc::launch_env().world_size; }
+
+bool network_paths_only() {
+  const char* v = std::getenv(kNetworkPathsEnv);
+  return v != nullptr && std::string(v) == "1";
+}
+
+rpc::RpcBackendOptions backend_options() {
+  rpc::RpcBackendOptions options;
+  options.same_host_transport = !network_paths_only();
+  return options;
+}
 
 std::string worker_name(int r) { return "worker" + std::to_string(r < 0 ? rank() : r); }
 

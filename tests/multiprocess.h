@@ -13,6 +13,7 @@
 
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "rpc/agent.h"
 
 namespace ddprpc::testing {
 
@@ -24,6 +25,14 @@ bool is_worker();
 void prepare_worker();
 int rank();
 int world_size();
+
+// DDPRPC_TEST_NETWORK_PATHS=1 in the test's environment: the ranks take
+// the paths of workers on separate hosts (gRPC for every peer, Gloo's TCP
+// algorithms for every allreduce). CI runs the tests once this way.
+bool network_paths_only();
+// The options the tests' workers start from: the library's defaults, with
+// the same-host transport off when network_paths_only().
+rpc::RpcBackendOptions backend_options();
 // "worker<rank>"
 std::string worker_name(int rank = -1);
 

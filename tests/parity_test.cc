@@ -45,16 +45,16 @@ DDPRPC_REGISTER_FUNCTION(add_ints);
 MULTIPROCESS_TEST(ParityTest, InitErrorsAndInitAgainAfterShutdown, 2) {
   for (const char* bad : {"", "two\nlines"}) {
     try {
-      rpc::init_rpc(bad, mp::rank(), 2);
+      rpc::init_rpc(bad, mp::rank(), 2, mp::backend_options());
       ADD_FAILURE() << "a bad name was accepted";
     } catch (const rpc::RpcError& e) {
       EXPECT_EQ(e.code(), rpc::ErrorCode::kInvalidArgument) << e.what();
     }
   }
-  EXPECT_THROW(rpc::init_rpc(mp::worker_name(), 2, 2), rpc::RpcError);  // rank outside the world
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  EXPECT_THROW(rpc::init_rpc(mp::worker_name(), 2, 2, mp::backend_options()), rpc::RpcError);  // rank outside the world
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   try {
-    rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+    rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
     ADD_FAILURE() << "init_rpc twice was accepted";
   } catch (const rpc::RpcError& e) {
     EXPECT_NE(std::string(e.what()).find("already initialized"), std::string::npos) << e.what();
@@ -63,14 +63,14 @@ MULTIPROCESS_TEST(ParityTest, InitErrorsAndInitAgainAfterShutdown, 2) {
   EXPECT_TRUE(rpc::shutdown());
   EXPECT_THROW(rpc::rpc_sync<int64_t>(other(), "add_ints", 1, 2), rpc::RpcError);
   // Again, under new names.
-  rpc::init_rpc(absl::StrCat("again", mp::rank()), mp::rank(), 2);
+  rpc::init_rpc(absl::StrCat("again", mp::rank()), mp::rank(), 2, mp::backend_options());
   EXPECT_EQ(rpc::rpc_sync<int64_t>(absl::StrCat("again", 1 - mp::rank()), "add_ints", 2, 3), 5);
   EXPECT_TRUE(rpc::shutdown());
 }
 
 MULTIPROCESS_TEST(ParityTest, DuplicateNamesAreRefused, 2) {
   try {
-    rpc::init_rpc("same", mp::rank(), 2);
+    rpc::init_rpc("same", mp::rank(), 2, mp::backend_options());
     ADD_FAILURE() << "two workers named 'same' were accepted";
     rpc::shutdown(false);
   } catch (const rpc::RpcError& e) {
@@ -124,7 +124,7 @@ rpc::Future<int64_t> fails_at_once() { throw std::runtime_error("failed before a
 DDPRPC_REGISTER_FUNCTION(fails_at_once);
 
 MULTIPROCESS_TEST(ParityTest, FuturesInCalleesAndAsyncFunctionsChainedFannedOutAndFailing, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "call_and_chain", "worker0", 4), 50);
     // 20 hops between the two workers, none holding a thread while it waits.
@@ -173,7 +173,7 @@ rpc::RRef<int64_t> make_rref(int64_t x) { return rpc::RRef<int64_t>(x * 2); }
 DDPRPC_REGISTER_FUNCTION(make_rref);
 
 MULTIPROCESS_TEST(ParityTest, AsyncRRefMethodsAndRRefsOfRRefs, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     rpc::RRef<Gate> gate = rpc::remote<Gate>("worker1");
     rpc::Future<int64_t> waiting = gate.rpc_async(&Gate::wait_open, 5);
@@ -218,7 +218,7 @@ MULTIPROCESS_TEST(ParityTest, RpcAndAProcessGroupInEitherOrder, 2) {
     // The group first (its own store, on the next port), then RPC.
     auto group = ddp::init_process_group("gloo", absl::StrCat("tcp://127.0.0.1:", port + 1),
                                          mp::rank(), 2);
-    rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+    rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
     at::Tensor t = at::full({3}, mp::rank() + 1.0);
     group->allreduce({t}, ddp::ReduceOp::kSum)->wait(absl::Seconds(30));
     EXPECT_TRUE(at::allclose(t, at::full({3}, 3.0)));
@@ -227,8 +227,11 @@ MULTIPROCESS_TEST(ParityTest, RpcAndAProcessGroupInEitherOrder, 2) {
   }
   {
     // RPC first, then a group through the RPC agent's store.
-    rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
-    auto group = ddp::make_gloo_group(mp::connect_rpc_store(), "parity/", mp::rank(), 2);
+    rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+    ddp::ProcessGroupOptions group_options;
+    group_options.same_host_allreduce = !mp::network_paths_only();
+    auto group =
+        ddp::make_gloo_group(mp::connect_rpc_store(), "parity/", mp::rank(), 2, group_options);
     at::Tensor t = at::full({3}, mp::rank() * 10.0);
     group->allreduce({t}, ddp::ReduceOp::kMax)->wait(absl::Seconds(30));
     EXPECT_TRUE(at::allclose(t, at::full({3}, 10.0)));
@@ -258,7 +261,7 @@ at::Tensor fragile(at::Tensor x) { return DieInBackward::apply(x); }
 DDPRPC_REGISTER_FUNCTION(fragile);
 
 MULTIPROCESS_TEST(ParityTest, LargerGraphsRetainGraphAndArgumentChecks, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
     at::Tensor a = at::randn({4}).requires_grad_(true);
     at::Tensor b = at::randn({4});  // needs no grad
@@ -303,7 +306,7 @@ MULTIPROCESS_TEST(ParityTest, LargerGraphsRetainGraphAndArgumentChecks, 2) {
 // function's part here, and the send function's part on the worker that
 // continued the pass (sent back with its reply).
 MULTIPROCESS_TEST(ParityTest, ProfilerSeesTheSendAndRecvFunctionsOfABackwardPass, 2) {
-  rpc::init_rpc(mp::worker_name(), mp::rank(), 2);
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 1) {
     at::Tensor a = at::randn({4}).requires_grad_(true);
     dist_autograd::Context context;

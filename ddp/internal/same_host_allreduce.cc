@@ -29,7 +29,7 @@ constexpr int64_t kScratchBytes = int64_t{256} << 10;  // stays in cache while i
 }  // namespace
 
 std::unique_ptr<SameHostAllreduce> SameHostAllreduce::connect(
-    const std::shared_ptr<gloo::Context>& context) {
+    const std::shared_ptr<gloo::Context>& context, bool willing) {
   const int n = context->size;
   // {pid, address of the nonce, nonce (2 words)}, from every rank.
   std::random_device random;
@@ -39,7 +39,7 @@ std::unique_ptr<SameHostAllreduce> SameHostAllreduce::connect(
   const std::vector<int64_t> info = allgather(
       context, {::getpid(), static_cast<int64_t>(reinterpret_cast<uintptr_t>(nonce.get())),
                 nonce[0], nonce[1]});
-  int64_t ok = same_host_willing() ? 1 : 0;
+  int64_t ok = willing ? 1 : 0;
   for (int r = 0; r < n && ok; ++r) {
     if (r == context->rank) continue;
     int64_t seen[2] = {0, 0};

@@ -7,7 +7,7 @@
 // The Gloo group sets it up once (connect, collective): every rank
 // publishes its pid and a random nonce, and reads every other rank's nonce
 // back. Only when every rank read every other's correctly (same host,
-// ptrace rules allow it, and willing: DDPRPC_GLOO_SAME_HOST=0 opts out) is
+// ptrace rules allow it, and willing: ProcessGroupOptions::same_host_allreduce) is
 // it used, by all ranks alike. Peers are the job's own ranks, which Gloo
 // trusts already; nothing is ever written into another process.
 #pragma once
@@ -34,7 +34,8 @@ class SameHostAllreduce {
 
   // Collective over `context` (every rank calls it, in the same order as
   // the group's other operations). nullptr when some rank cannot take part.
-  static std::unique_ptr<SameHostAllreduce> connect(const std::shared_ptr<gloo::Context>& context);
+  static std::unique_ptr<SameHostAllreduce> connect(const std::shared_ptr<gloo::Context>& context,
+                                                    bool willing);
 
   // Collective: `flat` (contiguous, the same numel and dtype on every rank:
   // float, double, int64, int32 or half) becomes the reduction of every

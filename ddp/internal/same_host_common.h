@@ -152,11 +152,4 @@ inline std::vector<int64_t> allgather(const std::shared_ptr<gloo::Context>& cont
   return all;
 }
 
-// False when this process opts out of the same-host paths
-// (DDPRPC_GLOO_SAME_HOST=0); every rank then keeps Gloo's.
-inline bool same_host_willing() {
-  const char* v = std::getenv("DDPRPC_GLOO_SAME_HOST");
-  return v == nullptr || std::string(v) != "0";
-}
-
 }  // namespace ddprpc::ddp::internal

@@ -119,7 +119,8 @@ void divide(T* x, int64_t n, T d) {
 }  // namespace
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(const std::shared_ptr<gloo::Context>& context,
-                                                    absl::Duration timeout) {
+                                                    absl::Duration timeout, bool willing,
+                                                    absl::Duration max_spin) {
   const int n = context->size, me = context->rank;
   const size_t bytes = segment_bytes(n);
   // Rank 0 names and stamps the segment; {created, name (2 words), nonce
@@ -129,7 +130,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(const std::shared_ptr<gloo::
   const uint64_t nonce[2] = {word(), word() ^ static_cast<uint64_t>(::getpid())};
   const int64_t a = static_cast<int64_t>(word()), b = static_cast<int64_t>(word());
   void* base = nullptr;
-  if (me == 0 && n <= kMaxRanks && same_host_willing()) {
+  if (me == 0 && n <= kMaxRanks && willing) {
     base = map_segment(segment_name(a, b), bytes, /*create=*/true, nonce);
   }
   const std::vector<int64_t> offer =
@@ -137,7 +138,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(const std::shared_ptr<gloo::
                           static_cast<int64_t>(nonce[1])});
   const std::string name = segment_name(offer[1], offer[2]);
   if (offer[0] == 0) return nullptr;  // the same answer on every rank
-  if (me != 0 && same_host_willing()) {
+  if (me != 0 && willing) {
     const uint64_t expected[2] = {static_cast<uint64_t>(offer[3]), static_cast<uint64_t>(offer[4])};
     base = map_segment(name, bytes, /*create=*/false, expected);
   }
@@ -165,11 +166,12 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(const std::shared_ptr<gloo::
     return nullptr;
   }
   return std::unique_ptr<ShmAllreduce>(
-      new ShmAllreduce(me, n, base, bytes, std::move(pids), std::move(pidfds), timeout));
+      new ShmAllreduce(me, n, base, bytes, std::move(pids), std::move(pidfds), timeout, max_spin));
 }
 
 ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::vector<int64_t> pids,
-                           std::vector<int> pidfds, absl::Duration timeout)
+                           std::vector<int> pidfds, absl::Duration timeout,
+                           absl::Duration max_spin)
     : rank_(rank),
       size_(size),
       base_(base),
@@ -178,7 +180,7 @@ ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::ve
       pidfds_(std::move(pidfds)),
       timeout_(timeout),
       spin_(size <= rpc::transport::usable_cpus()
-                ? absl::Nanoseconds(rpc::transport::max_spin_ns())
+                ? absl::Nanoseconds(rpc::transport::spin_ns(max_spin))
                 : absl::ZeroDuration()),
       accumulator_(kBlockBytes) {}
 

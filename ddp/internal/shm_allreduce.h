@@ -13,7 +13,7 @@
 // it unlinks the name once every rank tried to open it. The segment is used
 // only when every rank mapped it, read rank 0's nonce in it and can watch
 // every peer's pid (so all are on this host): by all ranks alike, or by
-// none (DDPRPC_GLOO_SAME_HOST=0 on any rank opts the group out).
+// none (same_host_allreduce false on any rank opts the group out).
 //
 // A wait fails with std::runtime_error naming the ranks that did not
 // arrive, when a rank exits, when a rank's object is destroyed without
@@ -46,9 +46,12 @@ class ShmAllreduce {
   static constexpr int kMaxRanks = 64;
 
   // Collective over `context` (every rank calls it, in the same order as
-  // the group's other operations). nullptr when some rank cannot take part.
+  // the group's other operations). nullptr when some rank cannot or, not
+  // `willing`, will not take part. Barriers spin for up to `max_spin`
+  // before they sleep while the group has a CPU per rank.
   static std::unique_ptr<ShmAllreduce> connect(const std::shared_ptr<gloo::Context>& context,
-                                               absl::Duration timeout);
+                                               absl::Duration timeout, bool willing,
+                                               absl::Duration max_spin);
   ~ShmAllreduce();
   ShmAllreduce(const ShmAllreduce&) = delete;
   ShmAllreduce& operator=(const ShmAllreduce&) = delete;
@@ -69,7 +72,7 @@ class ShmAllreduce {
 
  private:
   ShmAllreduce(int rank, int size, void* base, size_t bytes, std::vector<int64_t> pids,
-               std::vector<int> pidfds, absl::Duration timeout);
+               std::vector<int> pidfds, absl::Duration timeout, absl::Duration max_spin);
   char* slot(int set, int rank) const;
   void barrier();
   // Waits until the barrier generation moves past `generation`.

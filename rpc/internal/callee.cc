@@ -9,9 +9,9 @@
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
-#include "rpc/internal/fault.h"
-#include "rpc/internal/held_work.h"
-#include "rpc/internal/thread_pool.h"
+#include "rpc/core/internal/fault.h"
+#include "rpc/core/internal/held_work.h"
+#include "rpc/core/internal/thread_pool.h"
 #include "rpc/worker.h"
 
 namespace ddprpc::rpc {

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "rpc/errors.h"
+#include "rpc/core/errors.h"
 #include "rpc/registry.h"
 #include "rpc/wire/codec.h"
 

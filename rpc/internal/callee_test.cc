@@ -10,7 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "rpc/internal/thread_pool.h"
+#include "rpc/core/internal/thread_pool.h"
 #include "rpc/rref/internal/rref_context.h"
 
 namespace ddprpc::rpc::internal {

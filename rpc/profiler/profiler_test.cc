@@ -87,7 +87,7 @@ std::vector<std::string> stop_server_profile() {
 }
 DDPRPC_REGISTER_FUNCTION(stop_server_profile);
 
-void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size); }
+void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size, mp::backend_options()); }
 
 const prof::Event* find(const std::vector<prof::Event>& events, const std::string& name) {
   for (const auto& e : events) {
@@ -399,7 +399,7 @@ MULTIPROCESS_TEST(ProfilerTest, ChromeTraceIsJsonWithOneProcessPerNode, 2) {
 }
 
 MULTIPROCESS_TEST(ProfilerTest, QueuedRequestsLineUpSeriallyOnTheCallee, 2) {
-  rpc::RpcBackendOptions options;
+  rpc::RpcBackendOptions options = mp::backend_options();
   options.num_worker_threads = 1;  // the callee runs one request at a time
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, options);
   if (mp::rank() == 0) {

@@ -16,9 +16,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
-#include "rpc/errors.h"
-#include "rpc/internal/auth.h"
-#include "rpc/internal/fault.h"
+#include "rpc/core/errors.h"
+#include "rpc/core/internal/auth.h"
+#include "rpc/core/internal/fault.h"
 #include "rpc/rendezvous/internal/store_state.h"
 #include "rpc/rendezvous/store.grpc.pb.h"
 

@@ -14,7 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 
 namespace grpc {
 class Channel;

@@ -11,9 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "rpc/errors.h"
+#include "rpc/core/errors.h"
 #include "glog/logging.h"
-#include "rpc/internal/auth.h"
+#include "rpc/core/internal/auth.h"
 #include "rpc/rendezvous/internal/store_state.h"
 #include "rpc/testing/raw_http2.h"
 #include "rpc/testing/raw_peer.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "rpc/future.h"
+#include "rpc/core/future.h"
 
 namespace ddprpc::rpc::internal {
 

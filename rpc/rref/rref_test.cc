@@ -118,7 +118,7 @@ rpc::RRef<Unregistered> hold_unregistered(rpc::RRef<Unregistered> object) {
 }
 DDPRPC_REGISTER_FUNCTION(hold_unregistered);
 
-void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size); }
+void init(int world_size) { rpc::init_rpc(mp::worker_name(), mp::rank(), world_size, mp::backend_options()); }
 
 MULTIPROCESS_TEST(RRefTest, CreateCallFetch, 3) {
   init(3);

@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/internal/auth.h"
+#include "rpc/core/internal/auth.h"
 #include "rpc/transport/grpc_transport.h"
 
 namespace ddprpc::rpc::testing {

@@ -14,10 +14,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
-#include "rpc/errors.h"
-#include "rpc/internal/auth.h"
-#include "rpc/internal/fault.h"
-#include "rpc/internal/thread_policy.h"
+#include "rpc/core/errors.h"
+#include "rpc/core/internal/auth.h"
+#include "rpc/core/internal/fault.h"
+#include "rpc/core/internal/thread_policy.h"
+#include "rpc/transport/internal/frame_capture.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -50,27 +51,6 @@ void use_low_latency_polling() {
   ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "500", /*overwrite=*/0);
 }
 
-namespace {
-
-// With DDPRPC_CAPTURE_FRAMES=<directory>, every frame read is also written
-// there as a file (<kind>-<hash of its bytes>), e.g. to seed the fuzzers.
-const char* const kCaptureDir = std::getenv("DDPRPC_CAPTURE_FRAMES");
-
-void capture(const char* kind, const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  if (!buffer.Dump(&slices).ok()) return;
-  std::string bytes;
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : bytes) hash = (hash ^ c) * 1099511628211ull;
-  const std::string path = absl::StrCat(kCaptureDir, "/", kind, "-", absl::Hex(hash, absl::kZeroPad16));
-  if (FILE* f = std::fopen(path.c_str(), "wb")) {
-    std::fwrite(bytes.data(), 1, bytes.size(), f);
-    std::fclose(f);
-  }
-}
-
-}  // namespace
 
 namespace {
 // gRPC's message size limits are ints.
@@ -449,8 +429,9 @@ void GrpcResponder::send(Frame reply) {
 class TransportServer::Service {
  public:
   Service(const ServerLimits& limits, const Security& security, CheckRequest check,
-          OnRequest run_inline, OnRequest offload)
+          OnRequest run_inline, OnRequest offload, const transport::TransportOptions& options)
       : limits_(limits),
+        options_(options),
         auth_(security.authenticated() ? std::make_unique<AuthChecker>(security.token) : nullptr),
         check_(std::move(check)),
         run_inline_(std::move(run_inline)),
@@ -471,7 +452,7 @@ class TransportServer::Service {
       throw RpcError(ErrorCode::kInternal, "rpc transport: cannot start a polling thread");
     }
     watchdog_ = std::thread([this] {
-      apply_thread_policy();
+      apply_thread_policy(options_.batch_scheduling);
       watchdog_loop();
     });
   }
@@ -595,7 +576,7 @@ class TransportServer::Service {
     try {
       fault_point("transport.spawn_thread");
       threads_.emplace_back([this] {
-        apply_thread_policy();
+        apply_thread_policy(options_.batch_scheduling);
         poll_loop();
       });
       return true;
@@ -835,7 +816,9 @@ class TransportServer::Service {
                           absl::StrCat("frame of ", length, " bytes exceeds max_message_bytes (",
                                        limits_.max_message_bytes, ")"));
     }
-    if (kCaptureDir) capture("request", buffer);
+    if (!options_.capture_frames_dir.empty()) {
+      capture_frame(options_.capture_frames_dir, "request", buffer);
+    }
     absl::Status parsed = parse_frame(buffer, frame);
     if (!parsed.ok()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -911,6 +894,7 @@ class TransportServer::Service {
   }
 
   const ServerLimits limits_;
+  const transport::TransportOptions options_;
   const std::unique_ptr<AuthChecker> auth_;  // null: streams are not authenticated
   const CheckRequest check_;
   const OnRequest run_inline_;
@@ -948,10 +932,11 @@ std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,
                                                         const ServerLimits& limits,
                                                         const Security& security,
                                                         CheckRequest check, OnRequest run_inline,
-                                                        OnRequest offload) {
+                                                        OnRequest offload,
+                                                        const transport::TransportOptions& options) {
   std::unique_ptr<TransportServer> s(new TransportServer());
   s->service_ = std::make_unique<Service>(limits, security, std::move(check),
-                                          std::move(run_inline), std::move(offload));
+                                          std::move(run_inline), std::move(offload), options);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(host, ":0"), server_credentials(security), &s->port_);
   // gRPC enforces this only without a minimal stack (and after receiving
@@ -1028,7 +1013,11 @@ class ReadingScope {
 };
 }  // namespace
 
-ClientQueue::ClientQueue() : background_([this] { background_loop(); }) {}
+ClientQueue::ClientQueue(transport::TransportOptions options)
+    : options_(std::move(options)), background_([this] {
+        apply_thread_policy(options_.batch_scheduling);
+        background_loop();
+      }) {}
 
 ClientQueue::~ClientQueue() {
   {
@@ -1349,7 +1338,10 @@ void PeerStream::on_read(bool ok) {
         "reply of ", length, " bytes exceeds max_message_bytes (", max_message_bytes_, ")"));
   } else {
     fault_point("transport.client_read");
-    if (kCaptureDir) capture("reply", read_buffer_);
+    if (!client_queue_->options_.capture_frames_dir.empty()) {
+      capture_frame(client_queue_->options_.capture_frames_dir, "reply",
+                                         read_buffer_);
+    }
     parsed = parse_frame(read_buffer_, &frame);
   }
   read_buffer_.Clear();
@@ -1486,13 +1478,14 @@ namespace {
 
 class GrpcTransport : public transport::Transport {
  public:
-  GrpcTransport() : queue_(std::make_unique<ClientQueue>()) {}
+  explicit GrpcTransport(const transport::TransportOptions& options)
+      : options_(options), queue_(std::make_unique<ClientQueue>(options)) {}
 
   std::unique_ptr<transport::Server> listen(const std::string& host, const ServerLimits& limits,
                                             const Security& security, CheckRequest check,
                                             OnRequest run_inline, OnRequest offload) override {
     return TransportServer::start(host, limits, security, std::move(check),
-                                  std::move(run_inline), std::move(offload));
+                                  std::move(run_inline), std::move(offload), options_);
   }
 
   std::shared_ptr<transport::Channel> connect(const std::string& address,
@@ -1518,6 +1511,7 @@ class GrpcTransport : public transport::Transport {
   }
 
  private:
+  const transport::TransportOptions options_;
   // Every stream opened through connect() must be closed before the
   // transport goes (the queue's destructor drains it).
   const std::unique_ptr<ClientQueue> queue_;
@@ -1525,12 +1519,15 @@ class GrpcTransport : public transport::Transport {
 
 }  // namespace
 
-std::shared_ptr<transport::Transport> make_grpc_transport() {
-  return std::make_shared<GrpcTransport>();
+std::shared_ptr<transport::Transport> make_grpc_transport(
+    const transport::TransportOptions& options) {
+  return std::make_shared<GrpcTransport>(options);
 }
 
 }  // namespace ddprpc::rpc::internal
 
 namespace ddprpc::rpc::transport {
-std::shared_ptr<Transport> make_default_transport() { return internal::make_grpc_transport(); }
+std::shared_ptr<Transport> make_default_transport(const TransportOptions& options) {
+  return internal::make_grpc_transport(options);
+}
 }  // namespace ddprpc::rpc::transport

@@ -32,7 +32,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 #include "rpc/transport/transport.h"
 #include "rpc/wire/codec.h"
 
@@ -81,7 +81,8 @@ class TransportServer : public transport::Server {
   static std::unique_ptr<TransportServer> start(const std::string& host,
                                                 const ServerLimits& limits,
                                                 const Security& security, CheckRequest check,
-                                                OnRequest run_inline, OnRequest offload);
+                                                OnRequest run_inline, OnRequest offload,
+                                                const transport::TransportOptions& options = {});
   ~TransportServer() override;
   int port() const override { return port_; }
   // Ends all streams. Those whose callers are still connected get at most
@@ -107,7 +108,8 @@ class PeerStream;
 // thread, which reads while operations are outstanding and no caller does.
 class ClientQueue {
  public:
-  ClientQueue();
+  // `options.capture_frames_dir`: where the streams' replies are captured.
+  explicit ClientQueue(transport::TransportOptions options = {});
   // Drains the queue and joins the background thread; every stream must
   // have been closed.
   ~ClientQueue();
@@ -142,6 +144,7 @@ class ClientQueue {
   void run_events(const std::function<bool()>& done, absl::Time deadline);
   void background_loop();
 
+  const transport::TransportOptions options_;
   grpc::CompletionQueue cq_;
   Tag alarm_tag_{nullptr, -1};
   absl::Mutex mu_;

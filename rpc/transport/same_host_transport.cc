@@ -29,11 +29,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
-#include "rpc/internal/auth.h"
-#include "rpc/internal/fault.h"
-#include "rpc/internal/thread_policy.h"
-#include "rpc/security.h"
+#include "rpc/core/internal/auth.h"
+#include "rpc/core/internal/fault.h"
+#include "rpc/core/internal/thread_policy.h"
+#include "rpc/core/security.h"
 #include "rpc/transport/internal/cross_memory.h"
+#include "rpc/transport/internal/frame_capture.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 #include "rpc/transport/internal/spin_poll.h"
 #include "rpc/transport/spin_budget.h"
@@ -58,6 +59,21 @@ using same_host::kGoodbye;
 using same_host::kHello;
 using same_host::kMagic;
 using same_host::kWelcome;
+
+// What a transport's servers and channels share: its options, and the spin
+// its waits may take (set once the world is known).
+struct Settings {
+  explicit Settings(TransportOptions o) : options(std::move(o)) {}
+  const TransportOptions options;
+  std::atomic<int64_t> spin_ns{0};
+};
+
+// A frame read, written to the capture directory if there is one.
+void capture(const Settings& settings, const char* kind, const Frame& frame) {
+  if (settings.options.capture_frames_dir.empty()) return;
+  internal::capture_frame(settings.options.capture_frames_dir, kind,
+                          rpc::internal::serialize_frame(frame));
+}
 
 constexpr uint32_t kMaxHandshakeBody = 4096;
 constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
@@ -756,10 +772,11 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
 
   static std::shared_ptr<SameHostServer> start(const ServerLimits& limits,
                                                const Security& security, CheckRequest check,
-                                               OnRequest run_inline, OnRequest offload) {
-    auto s = std::shared_ptr<SameHostServer>(new SameHostServer(limits, security, std::move(check),
-                                                                std::move(run_inline),
-                                                                std::move(offload)));
+                                               OnRequest run_inline, OnRequest offload,
+                                               std::shared_ptr<const Settings> settings) {
+    auto s = std::shared_ptr<SameHostServer>(new SameHostServer(
+        limits, security, std::move(check), std::move(run_inline), std::move(offload),
+        std::move(settings)));
     static std::atomic<int> counter{0};
     s->name_ = absl::StrCat("ddprpc.", getpid(), ".", counter.fetch_add(1), ".",
                             Security::random_token().substr(0, 16));
@@ -785,11 +802,11 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
       s->spawn_thread([self = s.get()](int64_t me) { self->reading_thread(me); });
     }
     s->acceptor_ = std::thread([self = s.get()] {
-      internal::apply_thread_policy();
+      rpc::internal::apply_thread_policy(self->settings_->options.batch_scheduling);
       self->accept_loop();
     });
     s->watchdog_ = std::thread([self = s.get()] {
-      internal::apply_thread_policy();
+      rpc::internal::apply_thread_policy(self->settings_->options.batch_scheduling);
       self->watchdog_loop();
     });
     return s;
@@ -848,8 +865,9 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
 
  private:
   SameHostServer(const ServerLimits& limits, const Security& security, CheckRequest check,
-                 OnRequest run_inline, OnRequest offload)
+                 OnRequest run_inline, OnRequest offload, std::shared_ptr<const Settings> settings)
       : limits_(limits),
+        settings_(std::move(settings)),
         security_(security),
         auth_(security.authenticated() ? std::make_unique<internal::AuthChecker>(security.token)
                                        : nullptr),
@@ -1195,7 +1213,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     try {
       internal::fault_point("transport.spawn_thread");
       std::thread([self = shared_from_this(), me, body = std::move(body)] {
-        internal::apply_thread_policy();
+        rpc::internal::apply_thread_policy(self->settings_->options.batch_scheduling);
         body(me);
         absl::MutexLock lock(&self->mu_);
         --self->threads_;
@@ -1291,9 +1309,10 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     } else {
       const int timeout_ms =
           static_cast<int>(absl::ToInt64Milliseconds(limits_.keepalive_interval) + 1);
-      if (SpinPoll::enabled()) {
+      const int64_t spin_ns = settings_->spin_ns.load(std::memory_order_relaxed);
+      if (spin_ns > 0) {
         pollfd p{epoll_fd_, POLLIN, 0};
-        n = SpinPoll::this_thread().poll(&p, 1, timeout_ms) > 0
+        n = SpinPoll::this_thread(spin_ns).poll(&p, 1, timeout_ms) > 0
                 ? epoll_wait(epoll_fd_, events, kMaxEvents, 0)
                 : 0;
       } else {
@@ -1463,6 +1482,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
     ok = c->conn->read_frame(p, &frame);
     release_receive(c->caller, static_cast<int64_t>(claim));
     if (!ok.ok()) return ok;
+    capture(*settings_, "request", frame);
     if (p.num_remote > 0) c->conn->send_control(kAck, 0, p.seq);
     ok = check_(c->caller, frame);
     if (!ok.ok()) return ok;
@@ -1686,6 +1706,7 @@ class SameHostServer : public std::enable_shared_from_this<SameHostServer> {
   }
 
   const ServerLimits limits_;
+  const std::shared_ptr<const Settings> settings_;
   const Security security_;
   const std::unique_ptr<internal::AuthChecker> auth_;
   const CheckRequest check_;
@@ -1756,6 +1777,7 @@ thread_local int t_driver_fd = -1;
 // background reader.
 struct ReadGate {
   Transport* fallback = nullptr;  // set once, before any channel exists
+  std::shared_ptr<Settings> settings;  // likewise
   absl::Mutex mu;
   // State below is protected by mu.
   int reserved ABSL_GUARDED_BY(mu) = 0;
@@ -1868,8 +1890,8 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       absl::MutexLock lock(&gate->mu);
       gate->channels.push_back(ch);
     }
-    std::thread([ch] {
-      internal::apply_thread_policy();
+    std::thread([ch, batch = gate->settings->options.batch_scheduling] {
+      rpc::internal::apply_thread_policy(batch);
       ch->background_loop();
     }).detach();
     return ch;
@@ -2091,6 +2113,7 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
       Frame frame;
       ok = conn_->read_frame(p, &frame);
       if (!ok.ok()) return ok;
+      capture(*gate_->settings, "reply", frame);
       if (p.num_remote > 0) conn_->send_control(kAck, 0, p.seq);
       try {
         ok = on_frame_(std::move(frame));
@@ -2191,7 +2214,8 @@ class DriverRegistration {
 
 // One wait of a driver on the channels whose reading role it holds (and
 // its wake-up fd): reads what came, or checks the peers when nothing did.
-void poll_and_read(const std::vector<std::shared_ptr<SameHostChannel>>& reading,
+void poll_and_read(const ReadGate& gate,
+                   const std::vector<std::shared_ptr<SameHostChannel>>& reading,
                    absl::Duration wait) {
   std::vector<pollfd> fds;
   fds.reserve(1 + 2 * reading.size());
@@ -2201,8 +2225,9 @@ void poll_and_read(const std::vector<std::shared_ptr<SameHostChannel>>& reading,
     fds.push_back({ch->conn()->fd(), static_cast<short>(POLLIN | (out ? POLLOUT : 0)), 0});
     fds.push_back({ch->conn()->wake_fd(), POLLIN, 0});
   }
-  const int r = SpinPoll::this_thread().poll(fds.data(), fds.size(),
-                                             static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
+  const int r = SpinPoll::this_thread(gate.settings->spin_ns.load(std::memory_order_relaxed))
+                    .poll(fds.data(), fds.size(),
+                          static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
   if (r > 0 && (fds[0].revents & POLLIN)) {
     uint64_t v;
     ssize_t ignored = ::read(t_driver_fd, &v, sizeof(v));
@@ -2291,7 +2316,7 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       read_ahead = true;
       ch->read_one_or_end();
     }
-    if (!read_ahead) poll_and_read(reading, std::min(kSlice, deadline - now));
+    if (!read_ahead) poll_and_read(*gate_, reading, std::min(kSlice, deadline - now));
   }
   release();
 }
@@ -2345,9 +2370,12 @@ class FallbackChannel : public Channel {
 
 class SameHostTransport : public Transport {
  public:
-  explicit SameHostTransport(std::shared_ptr<Transport> fallback)
-      : fallback_(std::move(fallback)), gate_(std::make_shared<ReadGate>()) {
+  SameHostTransport(std::shared_ptr<Transport> fallback, const TransportOptions& options)
+      : fallback_(std::move(fallback)),
+        settings_(std::make_shared<Settings>(options)),
+        gate_(std::make_shared<ReadGate>()) {
     gate_->fallback = fallback_.get();
+    gate_->settings = settings_;
   }
 
   std::unique_ptr<Server> listen(const std::string& host, const ServerLimits& limits,
@@ -2356,8 +2384,9 @@ class SameHostTransport : public Transport {
     std::unique_ptr<Server> fallback =
         fallback_->listen(host, limits, security, check, run_inline, offload);
     return std::make_unique<PairServer>(
-        std::move(fallback), SameHostServer::start(limits, security, std::move(check),
-                                                   std::move(run_inline), std::move(offload)));
+        std::move(fallback),
+        SameHostServer::start(limits, security, std::move(check), std::move(run_inline),
+                              std::move(offload), settings_));
   }
 
   std::shared_ptr<Channel> connect(const std::string& address, const PeerOptions& options,
@@ -2416,11 +2445,14 @@ class SameHostTransport : public Transport {
       const size_t bar = endpoint.rfind('|');
       if (bar != std::string::npos && endpoint.substr(0, bar) == host_identity()) ++here;
     }
-    SpinPoll::set_enabled(here >= 2 && here <= usable_cpus());
+    settings_->spin_ns.store(
+        here >= 2 && here <= usable_cpus() ? spin_ns(settings_->options.max_spin) : 0,
+        std::memory_order_relaxed);
   }
 
  private:
   const std::shared_ptr<Transport> fallback_;
+  const std::shared_ptr<Settings> settings_;
   const std::shared_ptr<ReadGate> gate_;
 };
 
@@ -2433,13 +2465,10 @@ const std::string& host_identity() {
   return id;
 }
 
-bool same_host_transport_enabled() {
-  const char* v = std::getenv(kSameHostTransportEnv);
-  return v == nullptr || std::string(v) != "0";
-}
 
-std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback) {
-  return std::make_shared<SameHostTransport>(std::move(fallback));
+std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback,
+                                                    const TransportOptions& options) {
+  return std::make_shared<SameHostTransport>(std::move(fallback), options);
 }
 
 }  // namespace ddprpc::rpc::transport

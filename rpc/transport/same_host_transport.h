@@ -53,18 +53,13 @@ namespace ddprpc::rpc::transport {
 // than written to the socket (when the kernel allows it).
 inline constexpr uint64_t kCrossMemoryMinBytes = 32 << 10;
 
-// Environment switch: "0" turns the same-host path off (gRPC only).
-inline constexpr char kSameHostTransportEnv[] = "DDPRPC_SAME_HOST_TRANSPORT";
-
 // This process's host: boot id and network and PID namespaces. Workers
 // with the same identity can reach each other through the same-host path.
 const std::string& host_identity();
 
-// False when kSameHostTransportEnv is "0".
-bool same_host_transport_enabled();
-
 // Serves and connects through `fallback` and, for peers on this host, the
-// same-host path (see above).
-std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback);
+// same-host path (see above), with `options` (transport.h).
+std::shared_ptr<Transport> make_same_host_transport(std::shared_ptr<Transport> fallback,
+                                                    const TransportOptions& options = {});
 
 }  // namespace ddprpc::rpc::transport

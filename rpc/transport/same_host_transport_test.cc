@@ -29,7 +29,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "glog/logging.h"
-#include "rpc/internal/auth.h"
+#include "rpc/core/internal/auth.h"
 #include "rpc/testing/raw_http2.h"
 #include "rpc/testing/raw_peer.h"
 #include "rpc/transport/grpc_transport.h"

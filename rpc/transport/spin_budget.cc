@@ -3,20 +3,11 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace ddprpc::rpc::transport {
 
-int64_t max_spin_ns() {
-  static const int64_t max_ns = [] {
-    const char* v = std::getenv(kSpinEnv);
-    if (v == nullptr || *v == '\0') return kDefaultMaxSpinUs * 1000;
-    char* end = nullptr;
-    const long long us = std::strtoll(v, &end, 10);
-    if (end == v || *end != '\0' || us < 0) return kDefaultMaxSpinUs * 1000;
-    return static_cast<int64_t>(std::min<long long>(us, kMaxSpinUs)) * 1000;
-  }();
-  return max_ns;
+int64_t spin_ns(absl::Duration max_spin) {
+  return std::clamp<int64_t>(absl::ToInt64Nanoseconds(max_spin), 0, kMaxSpinUs * 1000);
 }
 
 int usable_cpus() {

@@ -1,24 +1,24 @@
-// How long a waiting thread may look before it sleeps, for every busy wait
-// of the job on one host (the same-host transport's polls, the shared-memory
-// allreduce's barriers).
-//
-// The budget is DDPRPC_SPIN_US microseconds (default kDefaultMaxSpinUs, at
-// most kMaxSpinUs; 0 turns spinning off; a value that does not parse keeps
-// the default), read once per process. Spinning pays only while the
-// processes that wait on each other have a CPU each: callers compare their
-// group with usable_cpus().
+// How long a waiting thread may look before it sleeps (the same-host
+// transport's polls, the shared-memory allreduce's barriers), and the CPUs
+// this process may use. Spinning is the program's choice
+// (TransportOptions::max_spin, ddp::ProcessGroupOptions::max_spin): off by
+// default, because it burns CPU time in someone else's process. It pays
+// only while the processes that wait on each other have a CPU each:
+// callers compare their group with usable_cpus().
 #pragma once
 
 #include <cstdint>
 
+#include "absl/time/time.h"
+
 namespace ddprpc::rpc::transport {
 
-inline constexpr char kSpinEnv[] = "DDPRPC_SPIN_US";
-inline constexpr int64_t kDefaultMaxSpinUs = 50;
+// What the benchmarks ask for, and the most any option takes.
+inline constexpr int64_t kSuggestedMaxSpinUs = 50;
 inline constexpr int64_t kMaxSpinUs = 10000;
 
-// The process's budget, in nanoseconds.
-int64_t max_spin_ns();
+// `max_spin` in nanoseconds, clamped to [0, kMaxSpinUs].
+int64_t spin_ns(absl::Duration max_spin);
 
 // CPUs this process may run on (at least 1).
 int usable_cpus();

@@ -25,12 +25,28 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 #include "rpc/wire/codec.h"
 
 namespace ddprpc::rpc::transport {
 
 using internal::Frame;
+
+// Settings of a transport as a whole, fixed when it is made. The defaults
+// change nothing outside the transport's own work.
+struct TransportOptions {
+  // The threads the transport starts run as SCHED_BATCH
+  // (rpc/internal/thread_policy.h).
+  bool batch_scheduling = false;
+  // A wait for a peer on this host (same-host transport) looks for up to
+  // this long before it sleeps, while the job's workers on this host fit
+  // its CPUs (spin_budget.h; at most kMaxSpinUs). Zero: waits sleep at once.
+  absl::Duration max_spin = absl::ZeroDuration();
+  // Every frame read, requests and replies of either transport, is also
+  // written into this directory, one file each named <kind>-<hash of its
+  // bytes>, in the wire codec's format (what the fuzzers read). Empty: none.
+  std::string capture_frames_dir;
+};
 
 // What one peer may make the server hold.
 struct ServerLimits {
@@ -214,6 +230,6 @@ class Transport {
 };
 
 // The transport workers use unless told otherwise: gRPC (grpc_transport.h).
-std::shared_ptr<Transport> make_default_transport();
+std::shared_ptr<Transport> make_default_transport(const TransportOptions& options = {});
 
 }  // namespace ddprpc::rpc::transport

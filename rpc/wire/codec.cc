@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/value.h"
+#include "rpc/core/value.h"
 
 namespace ddprpc::rpc::internal {
 namespace {

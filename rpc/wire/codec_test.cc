@@ -13,7 +13,7 @@
 #include <ATen/ops/empty.h>
 
 #include "gtest/gtest.h"
-#include "rpc/value.h"
+#include "rpc/core/value.h"
 
 namespace ddprpc::rpc::internal {
 namespace {

@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <memory>
 
-#include "rpc/errors.h"
+#include "rpc/core/errors.h"
 #include "rpc/registry.h"
 #include "rpc/rref/internal/rref_context.h"
 #include "rpc/wire/codec.h"

@@ -14,7 +14,7 @@
 
 #include "autograd/dist_autograd.h"
 #include "rpc/internal/callee.h"
-#include "rpc/internal/thread_pool.h"
+#include "rpc/core/internal/thread_pool.h"
 #include "rpc/registry.h"
 #include "rpc/rref/internal/rref_context.h"
 #include "rpc/wire/codec.h"

@@ -44,7 +44,7 @@
 #include "rpc/rendezvous/launch.h"
 #include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 #include "rpc/wire/codec.h"
 
 namespace ddp = ddprpc::ddp;

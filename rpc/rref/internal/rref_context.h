@@ -36,7 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/extension.h"
-#include "rpc/future.h"
+#include "rpc/core/future.h"
 #include "rpc/registry.h"
 #include "rpc/rref/rref_state.h"
 #include "rpc/wire/codec.h"

@@ -3,9 +3,6 @@
 #include <sched.h>
 #include <time.h>
 
-#include <atomic>
-
-#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -19,21 +16,16 @@ int64_t now_ns() {
 // Below this a budget is not worth a look.
 constexpr int64_t kMinSpinNs = 2000;
 
-std::atomic<bool> g_enabled{false};
-
 }  // namespace
 
-void SpinPoll::set_enabled(bool on) { g_enabled.store(on, std::memory_order_relaxed); }
-
-bool SpinPoll::enabled() { return g_enabled.load(std::memory_order_relaxed); }
-
-SpinPoll& SpinPoll::this_thread() {
-  thread_local SpinPoll spin(max_spin_ns());
+SpinPoll& SpinPoll::this_thread(int64_t max_ns) {
+  thread_local SpinPoll spin(0);
+  if (spin.max_ns_ != max_ns) spin = SpinPoll(max_ns);
   return spin;
 }
 
 int SpinPoll::poll(pollfd* fds, nfds_t n, int timeout_ms) {
-  if (timeout_ms != 0 && max_ns_ > 0 && enabled()) {
+  if (timeout_ms != 0 && max_ns_ > 0) {
     int64_t budget = budget_ns_;
     const bool probe = budget < kMinSpinNs && ++waits_without_budget_ >= kProbeEvery;
     if (probe) budget = max_ns_;

@@ -14,10 +14,10 @@
 // and threads of a quick exchange keep spinning.
 //
 // Spinning pays only while the processes that exchange messages have a CPU
-// each: it is off in a process until set_enabled(true) (the same-host
-// transport's call, once it knows how many of the job's workers share this
-// host). The maximum is the process's spin budget (spin_budget.h:
-// DDPRPC_SPIN_US).
+// each, and it costs CPU time the program may want elsewhere: the maximum
+// is the caller's (the transport's TransportOptions::max_spin, 0 unless the
+// program asks for it, and 0 when the job's workers on this host outnumber
+// its CPUs).
 #pragma once
 
 #include <poll.h>
@@ -30,10 +30,6 @@ class SpinPoll {
  public:
   static constexpr int kProbeEvery = 32;
 
-  // Whether any thread of this process spins (off until set).
-  static void set_enabled(bool on);
-  static bool enabled();
-
   // As ::poll(fds, n, timeout_ms), after spinning within `budget`'s
   // current allowance (updated here). timeout_ms 0 never spins.
   int poll(pollfd* fds, nfds_t n, int timeout_ms);
@@ -41,13 +37,14 @@ class SpinPoll {
   // This thread's current budget, in nanoseconds.
   int64_t budget_ns() const { return budget_ns_; }
 
-  // The calling thread's SpinPoll.
-  static SpinPoll& this_thread();
+  // The calling thread's SpinPoll for waits of at most `max_ns` spinning.
+  // A maximum other than the last call's starts the budget afresh.
+  static SpinPoll& this_thread(int64_t max_ns);
 
   explicit SpinPoll(int64_t max_ns) : max_ns_(max_ns), budget_ns_(max_ns) {}
 
  private:
-  const int64_t max_ns_;
+  int64_t max_ns_;
   int64_t budget_ns_;
   int waits_without_budget_ = 0;
 };

@@ -7,7 +7,6 @@
 #include <thread>
 
 #include "gtest/gtest.h"
-#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -16,7 +15,6 @@ class SpinPollTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds_), 0);
-    SpinPoll::set_enabled(true);
   }
   void TearDown() override {
     close(fds_[0]);
@@ -83,12 +81,19 @@ TEST_F(SpinPollTest, NoTimeoutAndNoMaximumNeverSpin) {
   EXPECT_EQ(poll_once(off, 1000), 1);
 }
 
-TEST_F(SpinPollTest, ADisabledProcessNeverSpins) {
-  SpinPoll::set_enabled(false);
-  SpinPoll spin(/*max_ns=*/64'000);
+TEST_F(SpinPollTest, EachThreadFollowsTheMaximumItIsGiven) {
+  SpinPoll& spin = SpinPoll::this_thread(64'000);
   EXPECT_EQ(poll_once(spin, 1), 0);
-  EXPECT_EQ(spin.budget_ns(), 64'000);  // no spin, so no miss either
-  EXPECT_GE(usable_cpus(), 1);
+  EXPECT_EQ(spin.budget_ns(), 32'000);
+  EXPECT_EQ(&SpinPoll::this_thread(64'000), &spin);
+  EXPECT_EQ(spin.budget_ns(), 32'000);  // the same maximum keeps what it learnt
+  EXPECT_EQ(SpinPoll::this_thread(0).budget_ns(), 0);
+  EXPECT_EQ(poll_once(SpinPoll::this_thread(0), 1), 0);
+  EXPECT_EQ(SpinPoll::this_thread(0).budget_ns(), 0);  // no spin, so no miss either
+  int64_t other = -1;
+  std::thread([&] { other = SpinPoll::this_thread(128'000).budget_ns(); }).join();
+  EXPECT_EQ(other, 128'000);
+  EXPECT_EQ(SpinPoll::this_thread(64'000).budget_ns(), 64'000);
 }
 
 }  // namespace

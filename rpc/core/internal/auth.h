@@ -18,7 +18,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "rpc/security.h"
+#include "rpc/core/security.h"
 
 namespace ddprpc::rpc::internal {
 

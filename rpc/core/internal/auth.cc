@@ -1,4 +1,4 @@
-#include "rpc/internal/auth.h"
+#include "rpc/core/internal/auth.h"
 
 #include <openssl/crypto.h>
 #include <openssl/hmac.h>
@@ -18,7 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "rpc/errors.h"
+#include "rpc/core/errors.h"
 
 namespace ddprpc::rpc {
 namespace {

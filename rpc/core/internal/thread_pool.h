@@ -14,7 +14,9 @@ namespace ddprpc::rpc::internal {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int num_threads);
+  // Its threads apply the runtime's thread policy with `batch_scheduling`
+  // (thread_policy.h).
+  explicit ThreadPool(int num_threads, bool batch_scheduling = false);
   // Runs the tasks still queued, then joins the threads.
   ~ThreadPool();
 
@@ -26,7 +28,7 @@ class ThreadPool {
   int size() const { return static_cast<int>(threads_.size()); }
 
  private:
-  void loop();
+  void loop(bool batch_scheduling);
 
   mutable absl::Mutex mu_;
   // State below is protected by mu_.

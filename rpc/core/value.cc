@@ -1,4 +1,4 @@
-#include "rpc/value.h"
+#include "rpc/core/value.h"
 
 namespace ddprpc::rpc {
 

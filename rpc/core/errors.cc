@@ -1,4 +1,4 @@
-#include "rpc/errors.h"
+#include "rpc/core/errors.h"
 
 #include <string>
 

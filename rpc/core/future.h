@@ -26,7 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "rpc/errors.h"
+#include "rpc/core/errors.h"
 
 namespace ddprpc::rpc {
 

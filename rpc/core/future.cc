@@ -1,7 +1,7 @@
-#include "rpc/future.h"
+#include "rpc/core/future.h"
 
-#include "rpc/internal/future_driver.h"
-#include "rpc/internal/held_work.h"
+#include "rpc/core/internal/future_driver.h"
+#include "rpc/core/internal/held_work.h"
 
 namespace ddprpc::rpc {
 namespace internal {

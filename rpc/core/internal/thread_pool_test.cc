@@ -1,7 +1,7 @@
 // ThreadPool: every task runs once, in order per thread count one; bounded
 // queueing; a throwing task does not take its thread down. Also run under
 // --config=tsan.
-#include "rpc/internal/thread_pool.h"
+#include "rpc/core/internal/thread_pool.h"
 
 #include <atomic>
 #include <stdexcept>

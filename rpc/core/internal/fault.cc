@@ -1,4 +1,4 @@
-#include "rpc/internal/fault.h"
+#include "rpc/core/internal/fault.h"
 
 #include <map>
 #include <stdexcept>

@@ -1,15 +1,17 @@
-#include "rpc/internal/thread_pool.h"
+#include "rpc/core/internal/thread_pool.h"
 
 #include <exception>
 
 #include "glog/logging.h"
-#include "rpc/internal/thread_policy.h"
+#include "rpc/core/internal/thread_policy.h"
 
 namespace ddprpc::rpc::internal {
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, bool batch_scheduling) {
   threads_.reserve(num_threads);
-  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { loop(); });
+  for (int i = 0; i < num_threads; ++i) {
+    threads_.emplace_back([this, batch_scheduling] { loop(batch_scheduling); });
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -37,8 +39,8 @@ int ThreadPool::busy() const {
   return busy_;
 }
 
-void ThreadPool::loop() {
-  apply_thread_policy();
+void ThreadPool::loop(bool batch_scheduling) {
+  apply_thread_policy(batch_scheduling);
   while (true) {
     std::function<void()> task;
     {
