@@ -60,8 +60,10 @@ DEFINE_bool(allow_insecure, false,
 namespace ddprpc::benchmarks {
 
 void parse_flags(int* argc, char*** argv, const char* flag_file_filter) {
-  // Before anything here uses gRPC; the ranks this process starts inherit it.
-  rpc::use_low_latency_polling();
+  // gRPC's fastest settings for the transport (rpc.h), before anything here
+  // uses gRPC; the ranks this process starts inherit them. Values already in
+  // the environment win.
+  for (const auto& s : rpc::kLowLatencyGrpcEnvironment) ::setenv(s.name, s.value, /*overwrite=*/0);
   gflags::ParseCommandLineNonHelpFlags(argc, argv, /*remove_flags=*/false);
   if (!FLAGS_mutex_deadlock_detection) {
     absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
@@ -105,12 +107,20 @@ ddp::ProcessGroupOptions group_options() {
   return options;
 }
 
+namespace {
+// The engine gRPC was told to use, "(gRPC's default)" if none.
+std::string poll_engine() {
+  const char* v = std::getenv("GRPC_POLL_STRATEGY");
+  return v != nullptr && *v != '\0' ? v : "(gRPC's default)";
+}
+}  // namespace
+
 std::string runtime_settings() {
   return absl::StrCat(
       "runtime: threads ", FLAGS_sched_batch ? "SCHED_BATCH" : "as started", ", spin ",
       FLAGS_spin_us, " us, same-host transport ", FLAGS_same_host_transport ? "on" : "off",
       ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off",
-      ", gRPC poll engine 'poll', abseil deadlock detection ",
+      ", gRPC poll engine '", poll_engine(), "', abseil deadlock detection ",
       FLAGS_mutex_deadlock_detection ? "on" : "off");
 }
 

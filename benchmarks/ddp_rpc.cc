@@ -258,8 +258,9 @@ models::HybridTrainerOptions trainer_options() {
   o.run_timeout = absl::Seconds(FLAGS_timeout_s);
   o.collective_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   o.fetch_tables = FLAGS_check_convergence;
-  o.same_host_allreduce = bench::group_options().same_host_allreduce;
-  o.max_spin = bench::group_options().max_spin;
+  const ddprpc::ddp::ProcessGroupOptions group = bench::group_options();
+  o.same_host_allreduce = group.same_host_allreduce;
+  o.max_spin = group.max_spin;
   return o;
 }
 

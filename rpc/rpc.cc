@@ -14,7 +14,6 @@
 #include "absl/synchronization/mutex.h"
 #include "rpc/rendezvous/launch_env.h"
 #include "rpc/rendezvous/store.h"
-#include "rpc/transport/grpc_transport.h"
 
 namespace ddprpc::rpc {
 namespace {
@@ -43,8 +42,6 @@ void fill_from_environment(int* rank, int* world_size) {
 }
 
 }  // namespace
-
-void use_low_latency_polling() { internal::use_low_latency_polling(); }
 
 void init_rpc(const std::string& name, int rank, int world_size, RpcBackendOptions options) {
   if (rank < 0 || world_size < 0) fill_from_environment(&rank, &world_size);

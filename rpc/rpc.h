@@ -26,16 +26,23 @@
 
 namespace ddprpc::rpc {
 
-// Switches gRPC, for the whole process, to the polling the transport is
-// fastest with: the thread waiting for a reply reads its socket itself (no
-// hop through another gRPC thread, ~40 us per message on small VMs), and a
-// 500 ms backup poller keeps idle connections answering keepalive pings.
-// Sets GRPC_POLL_STRATEGY=poll and GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS
-// unless the environment has them. Takes effect only if called before
-// anything in the process uses gRPC (first thing in main). The library never
-// calls it: it is the program's choice, as it changes gRPC for every user of
-// it in the process.
-void use_low_latency_polling();
+// The gRPC settings the transport is fastest with, as the environment
+// variables gRPC reads when it starts: the "poll" engine, with which the
+// thread waiting for a reply reads its socket itself (no hop through
+// another gRPC thread, ~40 us per message on small VMs), and a 500 ms backup
+// poller that keeps idle connections answering keepalive pings under it.
+// They change gRPC for everything in the process, so the library never sets
+// them: a program that wants them exports them, or sets them first thing in
+// main, before anything uses gRPC (the benchmarks do, keeping values
+// already in the environment).
+struct GrpcEnvironmentSetting {
+  const char* name;
+  const char* value;
+};
+inline constexpr GrpcEnvironmentSetting kLowLatencyGrpcEnvironment[] = {
+    {"GRPC_POLL_STRATEGY", "poll"},
+    {"GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "500"},
+};
 
 // rank / world_size < 0: read RANK / WORLD_SIZE from the environment.
 void init_rpc(const std::string& name, int rank = -1, int world_size = -1,

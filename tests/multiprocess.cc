@@ -18,7 +18,9 @@ constexpr char kNetworkPathsEnv[] = "DDPRPC_TEST_NETWORK_PATHS";
 
 bool is_worker() { return std::getenv(kWorkerEnv) != nullptr; }
 
-void prepare_worker() { rpc::use_low_latency_polling(); }
+void prepare_worker() {
+  for (const auto& s : rpc::kLowLatencyGrpcEnvironment) ::setenv(s.name, s.value, /*overwrite=*/0);
+}
 int rank() { return rpc::launch_env().rank; }
 int world_size() { return rpc::launch_env().world_size; }
 

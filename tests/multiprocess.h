@@ -20,7 +20,7 @@ namespace ddprpc::testing {
 // True inside a spawned rank.
 bool is_worker();
 // What a spawned rank does before the test's body: gRPC's polling as the
-// benchmarks set it (rpc::use_low_latency_polling), so that the tests run
+// benchmarks set it (rpc::kLowLatencyGrpcEnvironment), so that the tests run
 // the transport as it is measured.
 void prepare_worker();
 int rank();

@@ -36,22 +36,6 @@ int millis(absl::Duration d) {
 
 constexpr int kMinReadChunk = 64 << 10;
 
-// gRPC's default epoll1 poller lets any blocked gRPC thread pick up a
-// socket event and then wake the thread waiting for it: an extra thread hop
-// per message, which costs ~40 us on small VMs. The "poll" engine lets the
-// waiting thread poll for itself. An explicit variable in the environment
-// wins.
-void use_low_latency_polling() {
-  ::setenv("GRPC_POLL_STRATEGY", "poll", /*overwrite=*/0);
-  // With "poll", sockets are read only by threads that poll a queue, and a
-  // caller's queue is polled only while it waits for replies. gRPC's backup
-  // poller reads an idle connection meanwhile, so that keepalive pings are
-  // answered and their acks seen well within the keepalive timeout (its
-  // default interval, 5 s, is not).
-  ::setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "500", /*overwrite=*/0);
-}
-
-
 namespace {
 // gRPC's message size limits are ints.
 int grpc_message_limit(int64_t max_message_bytes) {

@@ -249,7 +249,5 @@ class PeerStream : public transport::Channel {
 // keepalive; gRPC refuses received messages over its max_message_bytes.
 grpc::ChannelArguments channel_arguments(const PeerOptions& options);
 
-// See rpc::use_low_latency_polling (rpc.h).
-void use_low_latency_polling();
 
 }  // namespace ddprpc::rpc::internal

@@ -414,19 +414,19 @@ absl::Status check_tensor_meta(const wire::TensorMeta& meta, int index, uint64_t
     return absl::DataLossError(absl::StrCat("tensor ", index, " has ", meta.sizes_size(),
                                             " dimensions (at most ", kMaxTensorDims, ")"));
   }
-  // Element counts fit in int64 (libtorch's numel), bytes in uint64. So do
-  // the contiguous strides libtorch computes when it allocates the tensor,
-  // the products of the sizes with zeros counted as ones: a shape with a
-  // zero has no elements, yet huge other sizes would overflow its strides.
+  // The contiguous strides libtorch computes when it allocates the tensor,
+  // the products of the sizes with zeros counted as ones, fit in int64: a
+  // shape with a zero has no elements, yet huge other sizes would overflow
+  // its strides. The element count (libtorch's numel), never larger, fits
+  // then too; bytes must fit in uint64.
   uint64_t numel = 1, span = 1;
-  constexpr uint64_t kMax = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
   for (int64_t s : meta.sizes()) {
     if (s < 0) return absl::DataLossError(absl::StrCat("tensor ", index, " has a negative size"));
-    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(s), &numel) || numel > kMax ||
-        __builtin_mul_overflow(span, static_cast<uint64_t>(std::max<int64_t>(s, 1)), &span) ||
-        span > kMax) {
+    if (__builtin_mul_overflow(span, static_cast<uint64_t>(std::max<int64_t>(s, 1)), &span) ||
+        span > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
       return absl::DataLossError(absl::StrCat("tensor ", index, " has too many elements"));
     }
+    numel *= static_cast<uint64_t>(s);
   }
   const uint64_t item = c10::elementSize(static_cast<c10::ScalarType>(meta.dtype()));
   uint64_t bytes = 0;
