@@ -20,22 +20,13 @@ corpus is read, new inputs go to a scratch directory) and the test
 crash, leak or timeout.
 """
 
-load("@libtorch//:defs.bzl", "LIBTORCH_VERSION")
+load("//third_party:copts.bzl", "DDPRPC_COPTS")
 
 _CLANG = "clang++-14"
 
-def _cxx_std(version):
-    # libtorch 2.14 and later need C++20; 2.13's headers build with C++17.
-    parts = version.split(".")
-    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
-        if (int(parts[0]), int(parts[1])) >= (2, 14):
-            return "-std=c++20"
-    return "-std=c++17"
-
-_COPTS = [
-    _cxx_std(LIBTORCH_VERSION),
+_COPTS = DDPRPC_COPTS + [
     "-O1",
-    "-g",
+    "-gline-tables-only",
     "-fno-omit-frame-pointer",
     "-fsanitize=fuzzer-no-link,address,undefined",
     "-fno-sanitize-recover=undefined",

@@ -6,6 +6,8 @@ the main repository and when ddprpc is an external repository of another
 workspace (sources under external/<name>/, outputs under $(GENDIR)/external/<name>/).
 """
 
+load("//third_party:copts.bzl", "DDPRPC_COPTS")
+
 def cc_grpc_library(name, src, grpc = True, deps = [], visibility = None):
     base = src[:-len(".proto")]
     pkg = native.package_name()
@@ -25,6 +27,7 @@ def cc_grpc_library(name, src, grpc = True, deps = [], visibility = None):
     )
     native.cc_library(
         name = name,
+        copts = DDPRPC_COPTS,
         srcs = [o for o in outs if o.endswith(".cc")],
         hdrs = [o for o in outs if o.endswith(".h")],
         deps = deps + ["//third_party:protobuf"] + (["//third_party:grpc"] if grpc else []),

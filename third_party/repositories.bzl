@@ -1,7 +1,10 @@
 """External dependencies of ddprpc that are not Bazel packages.
 
-A workspace that depends on @ddprpc calls ddprpc_system_deps() from its
-WORKSPACE too, so libtorch and CUDA resolve the same way.
+A workspace that depends on @ddprpc declares it and calls ddprpc_deps():
+
+    local_repository(name = "ddprpc", path = "/path/to/ddprpc")
+    load("@ddprpc//third_party:repositories.bzl", "ddprpc_deps")
+    ddprpc_deps()
 
 libtorch is the one of a PyTorch installation, or a libtorch tree:
   - DDPRPC_LIBTORCH names a libtorch tree (include/ and lib/, as in
@@ -12,6 +15,8 @@ libtorch is the one of a PyTorch installation, or a libtorch tree:
 .venv/ddprpc.bazelrc. Another PyTorch, e.g. a CUDA build:
     ./bazelw build --repo_env=DDPRPC_PYTHON=/opt/venv/bin/python3 //...
 """
+
+load("@bazel_tools//tools/build_defs/repo:utils.bzl", "maybe")
 
 _TORCH_BUILD = """
 # libtorch {version} from {root}{cuda_note}.
@@ -130,10 +135,43 @@ _libtorch = repository_rule(
     local = True,
 )
 
-def ddprpc_system_deps():
-    _libtorch(name = "libtorch")
+def _stand_in_impl(ctx):
+    # ddprpc's own checkout, wherever the workspace using it keeps it.
+    root = ctx.path(Label("//:WORKSPACE")).dirname
+    source = root.get_child("third_party").get_child(ctx.attr.directory)
+    if not source.exists:
+        fail("ddprpc: no stand-in at %s" % source)
+    for entry in source.readdir():
+        ctx.symlink(entry, entry.basename)
 
-    _local_cuda(name = "local_cuda")
+# A repository made of one of ddprpc's third_party/ directories.
+_stand_in = repository_rule(
+    implementation = _stand_in_impl,
+    attrs = {"directory": attr.string(mandatory = True)},
+    local = True,
+)
+
+def ddprpc_deps(nccl = None):
+    """Declares what ddprpc's targets need.
+
+    - rules_cc, rules_java and remote_coverage_tools, which Bazel's own rules
+      refer to and which Debian's offline Bazel cannot download: ddprpc's
+      stand-ins, only where the workspace has not declared them already.
+    - @libtorch: the libtorch of DDPRPC_PYTHON's PyTorch, or the tree named by
+      DDPRPC_LIBTORCH (--repo_env).
+    - @local_cuda: NCCL and the CUDA runtime, only when asked for: nccl =
+      True here, or --repo_env=DDPRPC_WITH_NCCL=1 when nccl is left None.
+      Asked for and not found, the build fails and says where it looked.
+      Whatever /usr/local/cuda holds, nothing of it is used otherwise.
+    """
+    maybe(_stand_in, name = "rules_cc", directory = "rules_cc")
+    maybe(_stand_in, name = "rules_java", directory = "rules_java")
+    maybe(_stand_in, name = "remote_coverage_tools", directory = "remote_coverage_tools")
+    _libtorch(name = "libtorch")
+    _local_cuda(
+        name = "local_cuda",
+        nccl = "" if nccl == None else ("on" if nccl else "off"),
+    )
 
 def _nccl_root(ctx):
     """A directory with include/nccl.h and lib/libnccl.so*, or None."""
@@ -155,9 +193,20 @@ def _nccl_root(ctx):
     return root
 
 def _local_cuda_impl(ctx):
-    nccl = _nccl_root(ctx)
-    has_cudart = ctx.path("/usr/local/cuda/include/cuda_runtime.h").exists
-    has_nccl = nccl != None and has_cudart
+    wanted = ctx.attr.nccl
+    if wanted == "":
+        wanted = "on" if ctx.os.environ.get("DDPRPC_WITH_NCCL", "") in ["1", "on", "true"] else "off"
+    has_nccl = False
+    nccl = None
+    if wanted == "on":
+        nccl = _nccl_root(ctx)
+        has_cudart = ctx.path("/usr/local/cuda/include/cuda_runtime.h").exists
+        if nccl == None or not has_cudart:
+            fail("ddprpc: NCCL was asked for (nccl = True or DDPRPC_WITH_NCCL=1) but " +
+                 ("the CUDA runtime is not at /usr/local/cuda" if not has_cudart else
+                  "no nccl.h is in /usr/local/cuda/include nor in the nvidia-nccl " +
+                  "package of DDPRPC_PYTHON's PyTorch"))
+        has_nccl = True
     if has_nccl:
         ctx.symlink("/usr/local/cuda/include", "include")
         if nccl != "/usr/local/cuda":
@@ -190,11 +239,12 @@ cc_library(
     ctx.file("BUILD.bazel", build)
     ctx.file("defs.bzl", "HAS_NCCL = %s\n" % has_nccl)
 
-# NCCL (from /usr/local/cuda, or the nvidia-nccl package beside
-# DDPRPC_PYTHON's CUDA PyTorch) and the CUDA runtime of /usr/local/cuda when
-# both are there; an empty library (and HAS_NCCL = False) otherwise.
+# When asked for: NCCL (from /usr/local/cuda, or the nvidia-nccl package
+# beside DDPRPC_PYTHON's CUDA PyTorch) and the CUDA runtime of
+# /usr/local/cuda. Otherwise an empty library (and HAS_NCCL = False).
 _local_cuda = repository_rule(
     implementation = _local_cuda_impl,
-    environ = ["DDPRPC_PYTHON"],
+    attrs = {"nccl": attr.string(values = ["", "on", "off"], default = "")},
+    environ = ["DDPRPC_PYTHON", "DDPRPC_WITH_NCCL"],
     local = True,
 )

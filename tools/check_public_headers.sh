@@ -5,14 +5,17 @@
 #   tools/check_public_headers.sh [-I DIR | -D MACRO]... [ROOT]
 # Public headers: every *.h under those directories except paths containing
 # /internal/, /testing/ or /fuzz/, and except rpc/wire/ and rpc/transport/
-# (the wire format's and the transport's own headers). Each is compiled with
-# `g++ -std=c++17 -fsyntax-only -H`, with ROOT (default: the tree holding
-# this script) and the -I/-D flags given (default: .venv's libtorch) on the
-# include path; forbidden are files under a grpc/, grpcpp/, grpc++/ or
-# google/protobuf/ directory and any *.pb.h, also one that is missing (a
-# generated header). Prints, for each failing header, the forbidden header
-# and the chain of includes that reached it, or the compiler's errors; exits
-# 1 if any header fails. JOBS (default 2) compiles run at once.
+# (the wire format's and the transport's own headers). Each is run through
+# g++ -std=c++17 -H, with ROOT (default: the tree holding this script) and
+# the -I/-D flags given (default: .venv's libtorch) on the include path;
+# forbidden are files under a grpc/, grpcpp/, grpc++/ or google/protobuf/
+# directory and any *.pb.h, also one that is missing (a generated header).
+# A header whose own .cc includes it first already compiles on its own in
+# the build (that .cc's first lines are the header), so it is only
+# preprocessed (-E), which finds every include; any other header is
+# compiled (-fsyntax-only). Prints, for each failing header, the forbidden
+# header and the chain of includes that reached it, or the compiler's
+# errors; exits 1 if any header fails. JOBS (default 2) run at once.
 set -euo pipefail
 
 flags=()
@@ -52,8 +55,11 @@ trap 'rm -rf "$out"' EXIT
 # (absent when nothing is).
 check_one() {
   local header=$1 fail="$out/${1//\//__}.fail"
-  local log="$fail.log" status=0
-  g++ -std=c++17 -fsyntax-only -H -w -x c++ -I. "${flags[@]}" "$header" >"$log" 2>&1 || status=$?
+  local log="$fail.log" status=0 mode=-fsyntax-only own="${1%.h}.cc"
+  if [[ -f "$own" && "$(grep -m1 -E '^[[:space:]]*#[[:space:]]*include' "$own")" == "#include \"$header\"" ]]; then
+    mode=-E
+  fi
+  g++ -std=c++17 "$mode" -o /dev/null -H -w -x c++ -I. "${flags[@]}" "$header" >"$log" 2>&1 || status=$?
   # -H prints one line per file opened, dots giving its depth, so the lines
   # above a forbidden one give the chain that reached it; a forbidden header
   # that is not there (a generated *.pb.h) ends the compile with a fatal
