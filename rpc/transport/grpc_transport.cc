@@ -18,6 +18,7 @@
 #include "rpc/core/internal/auth.h"
 #include "rpc/core/internal/fault.h"
 #include "rpc/core/internal/thread_policy.h"
+#include "rpc/transport/internal/caller_table.h"
 #include "rpc/transport/internal/frame_capture.h"
 
 namespace ddprpc::rpc::internal {
@@ -352,13 +353,6 @@ class ServerStream {
   int caller_ = -1;
   std::string address_;
 
- public:
-  // Protected by the service's mutex: whether the stream holds one of its
-  // worker's slots, and its order among the accepted streams.
-  bool counted = false;
-  uint64_t accepted_seq = 0;
-
- private:
   // Used only by the thread handling the read's completion.
   grpc::ByteBuffer read_buffer_;
   absl::Mutex mu_;
@@ -420,7 +414,7 @@ class TransportServer::Service {
         check_(std::move(check)),
         run_inline_(std::move(run_inline)),
         offload_(std::move(offload)),
-        streams_of_worker_(std::max(limits.world_size, 1), 0) {}
+        callers_(limits.world_size, limits.max_streams_per_worker) {}
 
   ~Service() { stop_threads(); }
 
@@ -547,10 +541,7 @@ class TransportServer::Service {
     if (it == streams_.end()) return;
     keep = std::move(it->second);
     streams_.erase(it);
-    if (s->counted) {
-      s->counted = false;
-      --streams_of_worker_[s->caller()];
-    }
+    callers_.release(s->caller(), keep);
     s->release();
   }
 
@@ -625,7 +616,7 @@ class TransportServer::Service {
           return true;
         }
         accept_next();
-        grpc::Status bound = bind_identity(s);
+        grpc::Status bound = bind_identity(stream);
         if (!bound.ok()) {
           // Strangers may open streams as fast as they like: their
           // refusals are logged one in 100.
@@ -661,9 +652,11 @@ class TransportServer::Service {
   }
 
   // The worker a new stream belongs to, from its initial metadata; an
-  // error status if it names none, an unknown one, or one with too many
-  // streams open (the stream is then counted for nobody).
-  grpc::Status bind_identity(ServerStream* s) {
+  // error status if it names none or an unknown one, or fails the job's
+  // proof (the stream is then counted for nobody). At the worker's limit
+  // of streams, its oldest gives way (CallerTable).
+  grpc::Status bind_identity(const std::shared_ptr<ServerStream>& stream) {
+    ServerStream* s = stream.get();
     const std::string address = s->context()->peer();
     s->set_identity(-1, address);
     if (s->context()->method() != kStreamMethod) {
@@ -686,31 +679,8 @@ class TransportServer::Service {
     std::shared_ptr<ServerStream> replaced;
     {
       absl::MutexLock lock(&mu_);
-      if (streams_of_worker_[id] >= std::max(limits_.max_streams_per_worker, 1)) {
-        // The newest proven stream of a worker wins: its oldest gives way,
-        // so streams left behind (or opened by another holder of the
-        // token in its name) cannot keep the worker out.
-        for (auto& [ptr, other] : streams_) {
-          if (other->counted && other->caller() == id &&
-              (!replaced || other->accepted_seq < replaced->accepted_seq)) {
-            replaced = other;
-          }
-        }
-        if (replaced) {
-          replaced->counted = false;
-          --streams_of_worker_[id];
-        }
-      }
-      if (streams_of_worker_[id] >= std::max(limits_.max_streams_per_worker, 1)) {
-        LOG(WARNING) << "rpc transport: worker " << id << " has " << streams_of_worker_[id]
-                     << " streams open already; refusing another";
-        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                            "too many streams name this worker");
-      }
-      ++streams_of_worker_[id];
       s->set_identity(id, address);
-      s->counted = true;
-      s->accepted_seq = next_accepted_seq_++;
+      replaced = callers_.admit(id, stream);
     }
     if (replaced) {
       LOG(WARNING) << "rpc transport: a newer stream of worker " << id << " replaces the one from "
@@ -890,8 +860,8 @@ class TransportServer::Service {
   absl::Mutex mu_;
   // State below is protected by mu_.
   absl::flat_hash_map<ServerStream*, std::shared_ptr<ServerStream>> streams_ ABSL_GUARDED_BY(mu_);
-  std::vector<int> streams_of_worker_ ABSL_GUARDED_BY(mu_);  // open streams per worker id
-  uint64_t next_accepted_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  // The accepted streams that proved their worker.
+  CallerTable<std::shared_ptr<ServerStream>> callers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
   int idle_ ABSL_GUARDED_BY(mu_) = 0;           // threads waiting for the role
   bool role_free_ ABSL_GUARDED_BY(mu_) = true;  // no thread reads the queue
