@@ -679,6 +679,11 @@ class TransportServer::Service {
     std::shared_ptr<ServerStream> replaced;
     {
       absl::MutexLock lock(&mu_);
+      // A stream that shutdown already let go takes no slot (it would
+      // never be released).
+      if (streams_.find(s) == streams_.end()) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down");
+      }
       s->set_identity(id, address);
       replaced = callers_.admit(id, stream);
     }

@@ -47,11 +47,9 @@ struct ReadGate {
 };
 
 // Reads the same-host channels whose role is free (or held by this thread
-// Reads the same-host channels whose role is free (or held by this thread
 // further up) until done() or `deadline`.
 void drive_same_host(const std::shared_ptr<ReadGate>& gate, const std::function<bool()>& done,
                      absl::Time deadline);
-
 
 // The reservations this thread holds through `gate` (Transport::
 // reserve_reading), counted per thread.
