@@ -20,6 +20,7 @@
 #include "rpc/core/internal/thread_policy.h"
 #include "rpc/transport/internal/caller_table.h"
 #include "rpc/transport/internal/frame_capture.h"
+#include "rpc/transport/internal/reading_role.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
@@ -394,15 +395,15 @@ void GrpcResponder::send(Frame reply) {
   stream_.reset();
 }
 
-// The server's completion queue is read by one thread at a time, the one
-// holding the polling role. It runs a request it reads itself (unless the
+// The server's completion queue is read by the holder of the reading role
+// (internal/reading_role.h). It runs a request it reads itself (unless the
 // caller said more of its requests are in flight: those go to `offload`),
 // so that a request reaches its function with no thread hop, its reply goes
 // out before the stream's next read is posted (whose WINDOW_UPDATE then
 // follows the reply instead of waking the caller on its own), and only one
 // thread in the process wakes for each segment that arrives. A request that
 // runs longer than a watchdog tick or two (it blocks, or waits for a later
-// request) loses the role: its stream's next read is posted and an idle
+// request) loses the role: its stream's next read is posted and a waiting
 // thread (started if none) takes over the queue.
 class TransportServer::Service {
  public:
@@ -414,7 +415,12 @@ class TransportServer::Service {
         check_(std::move(check)),
         run_inline_(std::move(run_inline)),
         offload_(std::move(offload)),
-        callers_(limits.world_size, limits.max_streams_per_worker) {}
+        callers_(limits.world_size, limits.max_streams_per_worker),
+        role_(&mu_, {"rpc transport", options.batch_scheduling, /*max_idle=*/-1},
+              [this](int64_t me) { poll(me); }),
+        watchdog_(&mu_, kWatchdogTick, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return look();
+        }) {}
 
   ~Service() { stop_threads(); }
 
@@ -424,15 +430,14 @@ class TransportServer::Service {
   void start(std::unique_ptr<grpc::ServerCompletionQueue> cq) {
     cq_ = std::move(cq);
     accept_next();
-    absl::MutexLock lock(&mu_);
-    for (int i = 0; i < 2; ++i) spawn_thread();
-    if (threads_.empty()) {
-      throw RpcError(ErrorCode::kInternal, "rpc transport: cannot start a polling thread");
+    {
+      absl::MutexLock lock(&mu_);
+      for (int i = 0; i < 2; ++i) role_.add_thread();
+      if (role_.threads() == 0) {
+        throw RpcError(ErrorCode::kInternal, "rpc transport: cannot start a polling thread");
+      }
     }
-    watchdog_ = std::thread([this] {
-      apply_thread_policy(options_.batch_scheduling);
-      watchdog_loop();
-    });
+    watchdog_.start(options_.batch_scheduling);
   }
 
   void stop() {
@@ -465,7 +470,7 @@ class TransportServer::Service {
     bool no_threads;
     {
       absl::MutexLock lock(&mu_);
-      no_threads = threads_.empty();
+      no_threads = role_.threads() == 0;
     }
     if (no_threads) {  // start() could start none: drain here
       void* tag;
@@ -480,15 +485,10 @@ class TransportServer::Service {
       absl::MutexLock lock(&mu_);
       auto drained = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return drained_; };
       mu_.Await(absl::Condition(&drained));
-      watchdog_stop_ = true;
+      role_.stop();
     }
-    if (watchdog_.joinable()) watchdog_.join();
-    std::vector<std::thread> threads;
-    {
-      absl::MutexLock lock(&mu_);
-      threads.swap(threads_);
-    }
-    for (auto& t : threads) t.join();
+    watchdog_.stop();
+    role_.join();
     for (auto& s : streams) s->release();  // every operation has completed
     absl::MutexLock lock(&mu_);
     streams_.clear();
@@ -545,57 +545,31 @@ class TransportServer::Service {
     s->release();
   }
 
-  // False (logged) when no thread can be started: the role then waits for
-  // a thread already running.
-  bool spawn_thread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    try {
-      fault_point("transport.spawn_thread");
-      threads_.emplace_back([this] {
-        apply_thread_policy(options_.batch_scheduling);
-        poll_loop();
-      });
-      return true;
-    } catch (const std::exception& e) {
-      LOG(ERROR) << "rpc transport: cannot start a polling thread: " << e.what();
-      return false;
-    }
-  }
-
-  void poll_loop() {
+  // Reads the queue while thread `me` holds the reading role: until the
+  // queue is drained, or the watchdog took the role from a request `me`
+  // ran.
+  void poll(int64_t me) {
     while (true) {
-      {
+      void* got = nullptr;
+      bool ok = false;
+      if (!cq_->Next(&got, &ok)) {
         absl::MutexLock lock(&mu_);
-        ++idle_;
-        auto can_poll = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return role_free_ || drained_;
-        };
-        mu_.Await(absl::Condition(&can_poll));
-        --idle_;
-        if (drained_) return;
-        role_free_ = false;
+        drained_ = true;
+        role_.stop();
+        return;
       }
-      // This thread holds the role until the queue is drained or the
-      // watchdog takes the role from a request it runs.
-      while (true) {
-        void* got = nullptr;
-        bool ok = false;
-        if (!cq_->Next(&got, &ok)) {
-          absl::MutexLock lock(&mu_);
-          drained_ = true;
-          return;
-        }
-        const auto* tag = static_cast<ServerStream::Tag*>(got);
-        // Held while handling: stop() may forget a finished stream meanwhile.
-        std::shared_ptr<ServerStream> stream = find(tag->stream);
-        if (stream && !handle_guarded(stream, tag->op, ok)) break;
-      }
+      const auto* tag = static_cast<ServerStream::Tag*>(got);
+      // Held while handling: stop() may forget a finished stream meanwhile.
+      std::shared_ptr<ServerStream> stream = find(tag->stream);
+      if (stream && !handle_guarded(stream, tag->op, ok, me)) return;
     }
   }
 
   // handle(), with whatever it throws ending only the stream at hand.
-  bool handle_guarded(const std::shared_ptr<ServerStream>& stream, ServerStream::Op op, bool ok) {
+  bool handle_guarded(const std::shared_ptr<ServerStream>& stream, ServerStream::Op op, bool ok,
+                      int64_t me) {
     try {
-      return handle(stream, op, ok);
+      return handle(stream, op, ok, me);
     } catch (const std::exception& e) {
       reject(stream.get(), grpc::Status(grpc::StatusCode::INTERNAL,
                                         absl::StrCat("rpc transport: ", e.what())));
@@ -605,8 +579,9 @@ class TransportServer::Service {
     return true;
   }
 
-  // Handles one completion; false when this thread lost the polling role.
-  bool handle(const std::shared_ptr<ServerStream>& stream, ServerStream::Op op, bool ok) {
+  // Handles one completion; false when thread `me` lost the reading role.
+  bool handle(const std::shared_ptr<ServerStream>& stream, ServerStream::Op op, bool ok,
+              int64_t me) {
     ServerStream* s = stream.get();
     switch (op) {
       case ServerStream::kAccept: {
@@ -631,7 +606,7 @@ class TransportServer::Service {
         return true;
       }
       case ServerStream::kRead:
-        return on_read(stream, ok);
+        return on_read(stream, ok, me);
       case ServerStream::kWrite:
         s->write_done(ok);
         settle(s);
@@ -704,7 +679,7 @@ class TransportServer::Service {
     settle(s);
   }
 
-  bool on_read(const std::shared_ptr<ServerStream>& self, bool ok) {
+  bool on_read(const std::shared_ptr<ServerStream>& self, bool ok, int64_t me) {
     ServerStream* s = self.get();
     grpc::ByteBuffer buffer;
     if (!s->take_read(ok, &buffer)) {  // the caller closed the stream, or it broke
@@ -722,8 +697,7 @@ class TransportServer::Service {
     {
       absl::MutexLock lock(&mu_);
       // The caller has more requests coming: keep reading while this runs.
-      if (!frame.more_in_flight &&
-          static_cast<int>(threads_.size()) - idle_ < kMaxThreads) {
+      if (!frame.more_in_flight && role_.busy_threads() < kMaxThreads) {
         seq = ++inline_seq_;
         inline_active_ = true;
         inline_stream_ = self;
@@ -739,7 +713,7 @@ class TransportServer::Service {
       }
       return true;
     }
-    wake_watchdog();
+    watchdog_.wake();
     const std::weak_ptr<transport::Responder> mine = responder;
     try {
       run_inline_(std::move(responder), std::move(frame));
@@ -750,7 +724,8 @@ class TransportServer::Service {
     bool kept;
     {
       absl::MutexLock lock(&mu_);
-      kept = inline_active_ && inline_seq_ == seq;
+      // Unless the watchdog took the role (and the run) meanwhile.
+      kept = role_.held_by(me);
       if (kept) {
         inline_active_ = false;
         inline_stream_.reset();
@@ -761,7 +736,7 @@ class TransportServer::Service {
     if (s->defer_read(still_held && !still_held->answered())) {
       absl::MutexLock lock(&mu_);
       deferred_.push_back({self, watchdog_ticks_});
-      watchdog_parked_.store(false, std::memory_order_relaxed);
+      watchdog_.wake_locked();
     }
     return kept;
   }
@@ -794,62 +769,43 @@ class TransportServer::Service {
     return grpc::Status::OK;
   }
 
-  void wake_watchdog() {
-    if (!watchdog_parked_.load(std::memory_order_relaxed)) return;
-    absl::MutexLock lock(&mu_);
-    watchdog_parked_.store(false, std::memory_order_relaxed);
-  }
-
-  // Ticks while a request runs inline; parks after a tick that saw none.
-  void watchdog_loop() {
-    absl::MutexLock lock(&mu_);
-    while (!watchdog_stop_) {
-      auto stop_now = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return watchdog_stop_; };
-      mu_.AwaitWithTimeout(absl::Condition(&stop_now), kWatchdogTick);
-      if (watchdog_stop_) return;
-      ++watchdog_ticks_;
-      // A read deferred for a reply that has not come for a tick or two is
-      // posted: that reply may wait for the caller's next request.
-      std::vector<std::shared_ptr<ServerStream>> resume;
-      for (auto it = deferred_.begin(); it != deferred_.end();) {
-        if (watchdog_ticks_ - it->since >= 2) {
-          resume.push_back(std::move(it->stream));
-          it = deferred_.erase(it);
-        } else {
-          ++it;
-        }
-      }
-      if (!resume.empty()) {
-        mu_.Unlock();
-        for (auto& stream : resume) stream->resume_read();
-        resume.clear();
-        mu_.Lock();
-      }
-      // Parked before the look: a request that starts inline after it finds
-      // the flag set and unparks us.
-      watchdog_parked_.store(deferred_.empty(), std::memory_order_relaxed);
-      if (inline_active_) {
-        watchdog_parked_.store(false, std::memory_order_relaxed);
-        inline_ticks_ = inline_seq_ == watchdog_seq_ ? inline_ticks_ + 1 : 0;
-        if (inline_ticks_ >= handoff_ticks()) {  // the same request for that many ticks
-          inline_ticks_ = 0;
-          inline_active_ = false;
-          std::shared_ptr<ServerStream> stream = std::move(inline_stream_);
-          role_free_ = true;
-          if (idle_ == 0 && !drained_) spawn_thread();
-          mu_.Unlock();
-          stream->read_next();
-          stream.reset();
-          mu_.Lock();
-        }
-        watchdog_seq_ = inline_seq_;
+  // The watchdog's look, each tick while a request runs inline or a read
+  // is deferred; it parks otherwise.
+  absl::Duration look() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++watchdog_ticks_;
+    // A read deferred for a reply that has not come for a tick or two is
+    // posted: that reply may wait for the caller's next request.
+    std::vector<std::shared_ptr<ServerStream>> resume;
+    for (auto it = deferred_.begin(); it != deferred_.end();) {
+      if (watchdog_ticks_ - it->since >= 2) {
+        resume.push_back(std::move(it->stream));
+        it = deferred_.erase(it);
       } else {
-        auto unparked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return watchdog_stop_ || !watchdog_parked_.load(std::memory_order_relaxed);
-        };
-        mu_.Await(absl::Condition(&unparked));
+        ++it;
       }
     }
+    if (!resume.empty()) {
+      mu_.Unlock();
+      for (auto& stream : resume) stream->resume_read();
+      resume.clear();
+      mu_.Lock();
+    }
+    if (!inline_active_) {
+      return deferred_.empty() ? absl::InfiniteDuration() : kWatchdogTick;
+    }
+    inline_ticks_ = inline_seq_ == watchdog_seq_ ? inline_ticks_ + 1 : 0;
+    if (inline_ticks_ >= handoff_ticks()) {  // the same request for that many ticks
+      inline_ticks_ = 0;
+      inline_active_ = false;
+      std::shared_ptr<ServerStream> stream = std::move(inline_stream_);
+      role_.hand_off();
+      mu_.Unlock();
+      stream->read_next();
+      stream.reset();
+      mu_.Lock();
+    }
+    watchdog_seq_ = inline_seq_;
+    return kWatchdogTick;
   }
 
   const ServerLimits limits_;
@@ -860,16 +816,11 @@ class TransportServer::Service {
   const OnRequest offload_;
   grpc::AsyncGenericService generic_;
   std::unique_ptr<grpc::ServerCompletionQueue> cq_;
-  std::thread watchdog_;
-  std::atomic<bool> watchdog_parked_{false};
   absl::Mutex mu_;
   // State below is protected by mu_.
   absl::flat_hash_map<ServerStream*, std::shared_ptr<ServerStream>> streams_ ABSL_GUARDED_BY(mu_);
   // The accepted streams that proved their worker.
   CallerTable<std::shared_ptr<ServerStream>> callers_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> threads_ ABSL_GUARDED_BY(mu_);
-  int idle_ ABSL_GUARDED_BY(mu_) = 0;           // threads waiting for the role
-  bool role_free_ ABSL_GUARDED_BY(mu_) = true;  // no thread reads the queue
   bool inline_active_ ABSL_GUARDED_BY(mu_) = false;  // the role holder runs a request
   std::shared_ptr<ServerStream> inline_stream_ ABSL_GUARDED_BY(mu_);
   uint64_t inline_seq_ ABSL_GUARDED_BY(mu_) = 0;    // inline requests started
@@ -884,7 +835,9 @@ class TransportServer::Service {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;      // stop(): no new streams
   bool cq_shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;       // the queue returned its end
-  bool watchdog_stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Declared last: their threads use the state above.
+  ReadingRole role_;
+  RoleWatchdog watchdog_;
 };
 
 std::unique_ptr<TransportServer> TransportServer::start(const std::string& host,

@@ -29,6 +29,7 @@
 #include "rpc/core/internal/thread_policy.h"
 #include "rpc/core/security.h"
 #include "rpc/transport/internal/caller_table.h"
+#include "rpc/transport/internal/reading_role.h"
 #include "rpc/transport/internal/same_host_process.h"
 #include "rpc/transport/internal/same_host_protocol.h"
 #include "rpc/transport/internal/spin_poll.h"
@@ -51,6 +52,7 @@ class SameHostServer;
 
 // Who reads a connection (ServerConn::reader), besides the id of a thread.
 constexpr int64_t kNobody = 0;     // armed in the epoll set, queued, or parked while paused
+static_assert(kNobody == rpc::internal::ReadingRole::kNobody, "reading threads count from 1");
 constexpr int64_t kHandshake = -1;  // not yet in the server's table
 
 // A caller's connection as the server sees it.
@@ -138,16 +140,13 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     s->stop_fd_ = eventfd(0, EFD_CLOEXEC);
     {
       absl::MutexLock lock(&s->mu_);
-      s->spawn_thread([self = s.get()](int64_t me) { self->reading_thread(me); });
+      s->role_.add_thread();
     }
     s->acceptor_ = std::thread([self = s.get()] {
       rpc::internal::apply_thread_policy(self->settings_->options.batch_scheduling);
       self->accept_loop();
     });
-    s->watchdog_ = std::thread([self = s.get()] {
-      rpc::internal::apply_thread_policy(self->settings_->options.batch_scheduling);
-      self->watchdog_loop();
-    });
+    s->watchdog_.start(s->settings_->options.batch_scheduling);
     return s;
   }
 
@@ -188,13 +187,12 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     }
     {
       absl::MutexLock lock(&mu_);
-      threads_stop_ = true;
+      role_.stop();
     }
     poke();
-    if (watchdog_.joinable()) watchdog_.join();
+    watchdog_.stop();
+    role_.join();
     absl::MutexLock lock(&mu_);
-    auto gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return threads_ == 0; };
-    mu_.Await(absl::Condition(&gone));
     conns_.clear();
     ready_.clear();
     stopped_ = true;
@@ -216,7 +214,13 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
         epoll_fd_(epoll_create1(EPOLL_CLOEXEC)),
         poke_fd_(eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)),
         callers_(limits.world_size, limits.max_streams_per_worker),
-        buffered_of_worker_(std::max(limits.world_size, 1), 0) {}
+        buffered_of_worker_(std::max(limits.world_size, 1), 0),
+        role_(&mu_,
+              {"rpc same-host transport", settings_->options.batch_scheduling, kMaxIdleThreads},
+              [this](int64_t me) { hold_role(me); }),
+        watchdog_(&mu_, absl::ZeroDuration(), [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return look();
+        }) {}
 
   static constexpr int kMaxHandedOff = 64;
   // The watchdog parks after this long without a message, and looks at
@@ -527,64 +531,22 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     }
   }
 
-  // Starts a thread running `body` with its id; it holds the server. False
-  // (logged) when none can start.
-  bool spawn_thread(std::function<void(int64_t)> body) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const int64_t me = next_thread_++;
-    try {
-      internal::fault_point("transport.spawn_thread");
-      std::thread([self = shared_from_this(), me, body = std::move(body)] {
-        rpc::internal::apply_thread_policy(self->settings_->options.batch_scheduling);
-        body(me);
-        absl::MutexLock lock(&self->mu_);
-        --self->threads_;
-      }).detach();
-    } catch (const std::exception& e) {
-      LOG(ERROR) << "rpc same-host transport: cannot start a thread: " << e.what();
-      return false;
-    }
-    ++threads_;
-    return true;
-  }
-
   // Wakes the role holder to look at the poked connections (and at
-  // threads_stop_).
+  // whether the role stopped).
   void poke() {
     uint64_t one = 1;
     ssize_t ignored = ::write(poke_fd_, &one, sizeof(one));
     (void)ignored;
   }
 
-  // A thread that serves connections: it waits for the role, holds it
-  // until the watchdog gives it to another thread (while a message keeps
-  // this one), then waits again, or leaves when enough threads wait.
-  void reading_thread(int64_t me) {
-    for (;;) {
-      {
-        absl::MutexLock lock(&mu_);
-        ++idle_;
-        auto can_hold = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          return role_free_ || threads_stop_;
-        };
-        mu_.Await(absl::Condition(&can_hold));
-        --idle_;
-        if (threads_stop_) return;
-        role_free_ = false;
-        holder_ = me;
-      }
-      hold_role(me);
-      absl::MutexLock lock(&mu_);
-      if (threads_stop_ || idle_ >= kMaxIdleThreads) return;
-    }
-  }
-
+  // Serves connections while thread `me` holds the reading role.
   void hold_role(int64_t me) {
     for (;;) {
       std::shared_ptr<ServerConn> c;
       bool sweep = false;
       {
         absl::MutexLock lock(&mu_);
-        if (holder_ != me || threads_stop_) return;
+        if (!role_.held_by(me) || role_.stopped()) return;
         c = take_ready(me);
         const absl::Time now = absl::Now();
         if (!c && now >= next_sweep_) {
@@ -693,7 +655,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
       bool lost;
       {
         absl::MutexLock lock(&mu_);
-        lost = holder_ != me;
+        lost = !role_.held_by(me);
       }
       if (next != Next::kMore) return !lost && next != Next::kMoved;
       if (lost || ++served >= kFairShare) {
@@ -816,7 +778,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     {
       absl::MutexLock lock(&mu_);
       // A thread that lost the role runs nothing more.
-      run_here = !frame.more_in_flight && handed_off_ < kMaxHandedOff && holder_ == me;
+      run_here = !frame.more_in_flight && handed_off_ < kMaxHandedOff && role_.held_by(me);
       if (run_here) busy_running_ = true;
     }
     if (run_here) note_inline_run();
@@ -835,7 +797,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
       // One look: either the watchdog took the role during the run (and
       // counted it as handed off), or from here on it sees no run to take.
       absl::MutexLock lock(&mu_);
-      if (holder_ != me) {
+      if (!role_.held_by(me)) {
         --handed_off_;
         absl::MutexLock conn_lock(&c->mu);
         *moved = c->reader != me;
@@ -912,7 +874,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
   void set_busy(const std::shared_ptr<ServerConn>& c, int64_t me) {
     {
       absl::MutexLock lock(&mu_);
-      if (holder_ != me) return;
+      if (!role_.held_by(me)) return;
       busy_since_ = absl::Now();
       busy_conn_ = c;
       busy_running_ = false;
@@ -921,7 +883,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
   }
   void clear_busy(int64_t me) {
     absl::MutexLock lock(&mu_);
-    if (holder_ == me) clear_busy_locked();
+    if (role_.held_by(me)) clear_busy_locked();
   }
   void clear_busy_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     busy_since_ = absl::InfiniteFuture();
@@ -939,41 +901,21 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     return Next::kEnded;
   }
 
-  // The watchdog: gives the role to another thread when a message has kept
-  // the holder for inline_handoff. It looks when the message it saw would
-  // be overdue, or inline_handoff after it saw none (no message that
-  // starts later is overdue before that), and parks once kIdle has passed
-  // without a message; a message that finds it parked wakes it
-  // (note_inline_run). So the messages of a busy server wake it at most
-  // once per inline_handoff and take the server's mutex only for their
+  // The watchdog's look: gives the role to another thread when a message
+  // has kept the holder for inline_handoff. The next look comes when the
+  // message it saw would be overdue, or inline_handoff after it saw none
+  // (no message that starts later is overdue before that); it parks once
+  // kIdle has passed without a message, and a message that finds it parked
+  // wakes it (note_inline_run). So the messages of a busy server wake it at
+  // most once per inline_handoff and take the server's mutex only for their
   // own marks.
-  void watchdog_loop() {
-    absl::MutexLock lock(&mu_);
-    absl::Time last_message = absl::Now();
-    while (!threads_stop_) {
-      const absl::Time now = absl::Now();
-      if (now - last_message >= kIdle) {
-        watchdog_parked_.store(true);
-        // A message that started before the store above and was not seen
-        // by the last look would not wake the watchdog: look once more.
-        if (busy_since_ == absl::InfiniteFuture()) {
-          auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-            return threads_stop_ || !watchdog_parked_.load();
-          };
-          mu_.Await(absl::Condition(&wake));
-          if (threads_stop_) return;
-        }
-        watchdog_parked_.store(false);
-        last_message = absl::Now();
-      }
-      const absl::Duration wait =
-          busy_since_ == absl::InfiniteFuture()
-              ? limits_.inline_handoff
-              : std::max(busy_since_ + limits_.inline_handoff - now, kMinLook);
-      mu_.AwaitWithTimeout(absl::Condition(&threads_stop_), wait);
-      if (threads_stop_) return;
-      if (hand_off_overdue() || messages_since_look_.exchange(false)) last_message = absl::Now();
+  absl::Duration look() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time now = absl::Now();
+    if (hand_off_overdue() || messages_since_look_.exchange(false)) last_message_ = now;
+    if (busy_since_ == absl::InfiniteFuture()) {
+      return now - last_message_ >= kIdle ? absl::InfiniteDuration() : limits_.inline_handoff;
     }
+    return std::max(busy_since_ + limits_.inline_handoff - now, kMinLook);
   }
 
   // Gives the role to another thread if the holder has been on one message
@@ -995,9 +937,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
       ready_.push_front(busy_conn_->key);
     }
     clear_busy_locked();
-    holder_ = kNobody;
-    role_free_ = true;
-    if (idle_ == 0) spawn_thread([self = this](int64_t me) { self->reading_thread(me); });
+    role_.hand_off();
     return true;
   }
 
@@ -1005,12 +945,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
   // parked.
   void note_inline_run() {
     messages_since_look_.store(true, std::memory_order_relaxed);
-    // Sequentially consistent with the watchdog's store before it looks at
-    // the holder: either it sees this message, or this sees it parked.
-    if (watchdog_parked_.load()) {
-      absl::MutexLock lock(&mu_);
-      watchdog_parked_.store(false);
-    }
+    watchdog_.wake();
   }
 
   void reject(ServerConn* c, const absl::Status& why) {
@@ -1041,22 +976,15 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
   // Held to be let go when descriptors run out (see accept_some).
   int reserve_fd_ = -1;
   std::thread acceptor_;
-  std::thread watchdog_;
 
   absl::Mutex mu_;
   // State below is protected by mu_.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  bool threads_stop_ ABSL_GUARDED_BY(mu_) = false;  // reading threads and the watchdog leave
   std::map<uint64_t, std::shared_ptr<ServerConn>> conns_ ABSL_GUARDED_BY(mu_);
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = kPokeKey + 1;
   // The admitted connections, by the worker each proved it speaks for.
   rpc::internal::CallerTable<std::shared_ptr<ServerConn>> callers_ ABSL_GUARDED_BY(mu_);
-  int threads_ ABSL_GUARDED_BY(mu_) = 0;  // running reading threads
-  int idle_ ABSL_GUARDED_BY(mu_) = 0;     // reading threads waiting for the role
-  int64_t next_thread_ ABSL_GUARDED_BY(mu_) = 1;
-  bool role_free_ ABSL_GUARDED_BY(mu_) = true;
-  int64_t holder_ ABSL_GUARDED_BY(mu_) = kNobody;
   // Connections for the holder to serve before it waits, each at most once
   // (its `queued`).
   std::deque<uint64_t> ready_ ABSL_GUARDED_BY(mu_);
@@ -1071,10 +999,12 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
   absl::Mutex budget_mu_;
   int64_t buffered_ ABSL_GUARDED_BY(budget_mu_) = 0;
   std::vector<int64_t> buffered_of_worker_ ABSL_GUARDED_BY(budget_mu_);
+  absl::Time last_message_ ABSL_GUARDED_BY(mu_) = absl::Now();  // seen by the watchdog
   // Set by every message; each look of the watchdog clears it.
   std::atomic<bool> messages_since_look_{false};
-  // Written under mu_ (read without it by note_inline_run).
-  std::atomic<bool> watchdog_parked_{false};
+  // Declared last: their threads use the state above.
+  rpc::internal::ReadingRole role_;
+  rpc::internal::RoleWatchdog watchdog_;
 };
 
 }  // namespace
