@@ -181,6 +181,126 @@ class Server {
   virtual void shutdown(absl::Duration grace) = 0;
 };
 
+// ---------------------------------------------------------------------------
+// The reading-role protocol (both transports, both sides)
+//
+// A connection is read by one thread at a time, the holder of its reading
+// role, and on the caller's side the caller reads its own reply: a reply wakes
+// only the thread that wants it, with no hop through a reader thread.
+//
+// Roles. On gRPC every PeerStream of a transport posts to one completion queue
+// (ClientQueue) with one role (driving_). On the same host each
+// SameHostChannel has its own role (holder_); a transport's channels share a
+// ReadGate. A role is held by a waiting caller, the background reader
+// (ClientQueue::background_ or the channel's thread), the same-host
+// check_connection() on the timer thread (a free role only), or a closing gRPC
+// stream when nobody else reads. Each server has one role for all its
+// connections (internal/reading_role.h).
+//
+// Becoming the reader. RpcAgent::send_request gives each call's future a
+// FutureDriver: Channel::drive on the call's channel until the future
+// completes or the call's deadline. Future::wait, value and wait_for run the
+// thread's held work, then the driver, then sleep on the future;
+// rpc::wait_all, rpc::collect_all and then() pass an input's driver on.
+// ClientQueue::drive takes the role if it is free and reads in 50 ms slices;
+// if another thread holds it, the waiter counts itself in want_role_ and
+// sleeps until the role is free or its future is done. The background reader
+// yields after its current event when someone wants the role; a caller keeps
+// it until its own wait ends. drive_same_host claims every free channel of the
+// gate and keeps them until its wait ends (letting them go between polls would
+// wake their background readers), polling their sockets and its own eventfd;
+// if others hold every role, it waits for the gate's version to move.
+//
+// Reservations. In a SyncCallScope the first call reserves reading before its
+// request goes (Transport::reserve_reading). While any reservation is held the
+// background readers stay off (the whole gRPC queue, every channel of the
+// gate), so the reply waits for its caller. rpc::rpc_sync, RRef::rpc_sync,
+// RRef::to_here, HybridModel's lookups, DistributedOptimizer::step and
+// dist_autograd::backward open one. The same-host transport reserves both
+// transports, since a scope does not know which its calls use; a wait on one
+// kind lends the thread's reservations of the other kind back (Lend), so that
+// the other's background reader reads what the wait may depend on.
+//
+// Other replies. The holder handles every reply it reads: RpcAgent::on_reply
+// completes that call's future, whose callbacks run on the reading thread.
+// That reply's waiter wakes: on gRPC its condition is checked under the
+// queue's mutex after each event; on the same host the reader writes every
+// other driver's eventfd (ReadGate::wake_drivers). A reply on one transport
+// wakes the readers of the other too (interrupt_drive(): a gRPC alarm that
+// fires at once). A driving thread holds no work back (HeldWork::Suspend):
+// async-execution replies its callbacks complete go out at once, as one may be
+// what it waits for.
+//
+// Giving the role back. A waiter lets its roles go when its future completes
+// or its deadline passes (read_if_free clears driving_; drive_same_host
+// releases what it claimed and moves version). Callers that want a role get it
+// before the background reader, which reads only while nobody wants the role,
+// no reservation is held and replies are outstanding. ~SyncCallScope releases
+// the reservation, so that replies of calls nobody waits for (callbacks only)
+// are read again. A callback that waits for another call on the reading thread
+// reads on under the role it holds (nested: t_reading, or holder_ is this
+// thread) and keeps it after.
+//
+// Rules for a new kind of wait.
+//
+// 1. Wait on an rpc::Future. A future you complete yourself needs a driver:
+//    copy a call's (set_driver(f.driver()), as rpc::wait_all does) or chain
+//    with then(). A wait on a mutex, a condition variable or a sleep reads
+//    nothing; on a thread that holds a role, it stops every reply that role
+//    would read until it ends.
+// 2. Never block in a future's callback except on a future: it runs on the
+//    reading thread.
+// 3. Open a SyncCallScope before the first call of a thread that will wait at
+//    once, and inside it wait only for those calls: it keeps all of the
+//    agent's background readers off.
+// 4. In a request handler, call rpc::send_completed_replies() before blocking
+//    on anything but a future: replies the handler completed are held until it
+//    returns or waits, and one may be what it waits for.
+// 5. A new source of completions outside the transports should call
+//    Transport::interrupt_drive(), or readers see it only at their next 50 ms
+//    slice.
+// 6. A FutureDriver must not throw and must return by its until.
+//
+// ddp::ProcessGroup::allreduce_and_wait is the same idea for collectives: a
+// caller that would wait at once runs the allreduce itself when the group's
+// queue is idle (OpQueue::run_now), so the group's thread is neither woken nor
+// waited for. DistributedDataParallel uses it for a single bucket.
+//
+// Thread-locals that steer control flow.
+//
+// - t_sync_scope (rpc/agent.cc): the innermost SyncCallScope; a call sent
+//   under it reserves reading.
+// - HeldWork::current_ (rpc/core/internal/held_work.h): holds the async
+//   replies a handler completes until it returns or waits; null while the
+//   thread drives.
+// - t_current_call (rpc/internal/callee.cc): the request being served; an
+//   async reply completed outside held work is then written at once, not by
+//   the reply sender.
+// - t_wait_all_scope (rpc/rpc.cc): the innermost WaitAllScope, which collects
+//   the futures of rpc::rpc_async.
+// - t_reading (rpc/transport/grpc_transport.cc): the ClientQueue whose role
+//   this thread holds; a wait on it nests instead of waiting for the role.
+// - t_reserved (rpc/transport/internal/same_host_read_gate.cc): this thread's
+//   reservations per gate, which Lend gives back during a wait on the other
+//   transport.
+// - t_driver_fd, t_driving (same file): the eventfd a reply handled elsewhere
+//   writes; the depth in drive_same_host (the outermost call registers the
+//   eventfd).
+// - SpinPoll::this_thread(max_ns) (rpc/transport/internal/spin_poll.cc): the
+//   thread's adaptive spin budget under the transport's maximum (its
+//   TransportOptions::max_spin, 0 unless asked): how long a poll looks before
+//   it sleeps.
+// - t_current (autograd/dist_autograd.cc): the current context; a call under
+//   it that carries tensors requiring grad records a send function.
+// - GradientHooks::t_running (same file): the gradient hooks this thread runs,
+//   so that a hook can remove itself without waiting for itself.
+// - t_state (rpc/profiler/profiler.cc): the profiler recorders pushed on this
+//   thread: whether its operators are recorded, and where.
+//
+// The servers' side of the role (one role per server, its threads and its
+// watchdog) is rpc/transport/internal/reading_role.h.
+// ---------------------------------------------------------------------------
+
 class Transport {
  public:
   using OnRequest = std::function<void(std::shared_ptr<Responder>, Frame)>;

@@ -18,7 +18,9 @@
 
 namespace ddprpc::rpc::transport::same_host {
 
-class SameHostChannel : public Channel, public std::enable_shared_from_this<SameHostChannel> {
+class SameHostChannel : public Channel,
+                        public DrivenChannel,
+                        public std::enable_shared_from_this<SameHostChannel> {
  public:
   // Null if the server's socket cannot be reached.
   static std::shared_ptr<SameHostChannel> open(const std::shared_ptr<ReadGate>& gate,
@@ -45,29 +47,26 @@ class SameHostChannel : public Channel, public std::enable_shared_from_this<Same
 
   void close(bool graceful) override;
 
-  // ---- for drive_same_host (gate_->mu held)
+  // ---- DrivenChannel, for drive_same_host
 
-  // Takes the role if free; returns whether this thread now holds it
-  // (already held by this thread counts, `nested` then set).
-  bool claim_for_driver(std::thread::id me, bool* nested) ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu);
-  void release_for_driver() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+  bool claim_for_driver(std::thread::id me, bool* nested) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu);
+  void release_for_driver() override ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
     holder_ = std::thread::id();
     ++gate_->version;
   }
-  // Ended, or being closed: a driver lets it go.
-  bool over() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) { return ended_ || closing_; }
-  bool held_by_other(std::thread::id me) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+  bool over() const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
+    return ended_ || closing_;
+  }
+  bool held_by_other(std::thread::id me) const override ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
     return !ended_ && ((holder_ != std::thread::id() && holder_ != me) || !welcomed_);
   }
-  Conn* conn() { return conn_.get(); }
-
-  // Reads and handles one message (the caller holds the role); an error
-  // ends the channel.
-  void read_one_or_end() {
+  Conn* conn() override { return conn_.get(); }
+  void read_one_or_end() override {
     absl::Status ok = read_one();
     if (!ok.ok()) end(failed(ok));
   }
-  void check_peer_or_end() {
+  void check_peer_or_end() override {
     absl::Status ok = conn_->check_peer_now_and_then();
     if (!ok.ok()) end(failed(ok));
   }

@@ -8,7 +8,6 @@
 #include <thread>
 #include <utility>
 
-#include "rpc/transport/internal/same_host_channel.h"
 #include "rpc/transport/internal/spin_poll.h"
 
 namespace ddprpc::rpc::transport::same_host {
@@ -71,7 +70,7 @@ class DriverRegistration {
 // One wait of a driver on the channels whose reading role it holds (and
 // its wake-up fd): reads what came, or checks the peers when nothing did.
 void poll_and_read(const ReadGate& gate,
-                   const std::vector<std::shared_ptr<SameHostChannel>>& reading,
+                   const std::vector<std::shared_ptr<DrivenChannel>>& reading,
                    absl::Duration wait) {
   std::vector<pollfd> fds;
   fds.reserve(1 + 2 * reading.size());
@@ -111,7 +110,7 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
   // The roles this thread holds, kept until it returns: letting them go
   // between its waits would wake the channels' background readers to take
   // them, only for this thread to wait for them back.
-  std::vector<std::shared_ptr<SameHostChannel>> reading;
+  std::vector<std::shared_ptr<DrivenChannel>> reading;
   std::vector<bool> nested;
   auto release = [&] {
     absl::MutexLock lock(&gate_->mu);
@@ -137,7 +136,7 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       }
       auto& list = gate_->channels;
       for (size_t i = 0; i < list.size();) {
-        std::shared_ptr<SameHostChannel> ch = list[i].lock();
+        std::shared_ptr<DrivenChannel> ch = list[i].lock();
         if (!ch) {
           list[i] = list.back();
           list.pop_back();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -15,7 +16,29 @@
 
 namespace ddprpc::rpc::transport::same_host {
 
-class SameHostChannel;
+// What drive_same_host needs of a channel (SameHostChannel implements
+// it): its reading role, claimed and let go with the gate's mutex held, and
+// its messages, read one at a time by the role's holder.
+class DrivenChannel {
+ public:
+  virtual ~DrivenChannel() = default;
+  // With the gate's mutex held. Takes the role if free; returns whether
+  // this thread now holds it (already held by this thread counts, `nested`
+  // then set).
+  virtual bool claim_for_driver(std::thread::id me, bool* nested) = 0;
+  virtual void release_for_driver() = 0;
+  // Ended, or being closed: a driver lets it go.
+  virtual bool over() const = 0;
+  // Another thread holds the role, or the channel is not ready to be read.
+  virtual bool held_by_other(std::thread::id me) const = 0;
+
+  // By the role's holder, without the gate's mutex.
+  virtual Conn* conn() = 0;
+  // Reads and handles one message; an error ends the channel.
+  virtual void read_one_or_end() = 0;
+  // Looks at the peer's process (now and then); ends the channel if gone.
+  virtual void check_peer_or_end() = 0;
+};
 
 // Who reads the replies of a transport's channels. A channel's socket is
 // read by one thread at a time, the holder of its reading role: a caller
@@ -43,7 +66,7 @@ struct ReadGate {
   // All but the calling thread's: a driver that handled the reply itself
   // looks at its done() before it waits again.
   void wake_drivers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  std::vector<std::weak_ptr<SameHostChannel>> channels ABSL_GUARDED_BY(mu);
+  std::vector<std::weak_ptr<DrivenChannel>> channels ABSL_GUARDED_BY(mu);
 };
 
 // Reads the same-host channels whose role is free (or held by this thread
