@@ -9,10 +9,7 @@
 #include <gflags/gflags.h>
 
 #include <cstdio>
-#include <fstream>
 #include <map>
-#include <regex>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -82,11 +79,14 @@ Results read_ours(const bench::JsonValue& result) {
   return r;
 }
 
-Results parse_reference(const std::string& json) {
+// The reference script's report: {"<bytes>": {"median_s": m, "busbw_gbps": b}, ...}.
+Results read_reference(const bench::JsonValue& report) {
   Results r;
-  std::regex re("\"([0-9]+)\"\\s*:\\s*\\{\\s*\"median_s\"\\s*:\\s*([0-9.eE+-]+)\\s*,\\s*\"busbw_gbps\"\\s*:\\s*([0-9.eE+-]+)");
-  for (std::sregex_iterator it(json.begin(), json.end(), re), end; it != end; ++it) {
-    r[std::stoll((*it)[1].str())] = {std::stod((*it)[2].str()), std::stod((*it)[3].str())};
+  if (!report.has_struct_value()) return r;
+  for (const auto& [key, v] : report.struct_value().fields()) {
+    int64_t bytes = 0;
+    if (!absl::SimpleAtoi(key, &bytes)) continue;
+    r[bytes] = {bench::json_number(v, {"median_s"}, 0), bench::json_number(v, {"busbw_gbps"}, 0)};
   }
   return r;
 }
@@ -118,16 +118,14 @@ int coordinator(int argc, char** argv) {
     const std::string script = bench::source_path("benchmarks/reference/allreduce_gloo.py");
     if (FLAGS_pytorch && !script.empty()) {
       std::fprintf(stderr, "allreduce: torch.distributed gloo, %d processes\n", n);
-      const std::string out = tmp + ".json";
-      std::string log;
-      bench::run_command({bench::reference_python(), script, "--nprocs", absl::StrCat(n), "--port",
-                          absl::StrCat(ddprpc::rpc::pick_free_port()), "--json", out},
-                         &log);
-      std::ifstream in(out);
-      std::stringstream s;
-      s << in.rdbuf();
-      theirs = parse_reference(s.str());
-      std::remove(out.c_str());
+      const bench::ReferenceRun run = bench::run_reference(
+          script, {"--nprocs", absl::StrCat(n), "--port",
+                   absl::StrCat(ddprpc::rpc::pick_free_port())});
+      theirs = read_reference(run.report);
+      if (!run.ok()) {
+        std::fprintf(stderr, "allreduce: torch.distributed gloo failed: %s\n",
+                     run.failure().c_str());
+      }
     }
     bench::Table table({absl::StrCat("allreduce, ", n, " processes"), "ddprpc", "busbw",
                         "torch.distributed", "busbw", "ratio"});

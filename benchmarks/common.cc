@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -310,58 +311,64 @@ std::string Table::str() const {
   return out;
 }
 
-void Json::separate() {
-  if (after_key_) {
-    after_key_ = false;
-    return;
+JsonValue* Json::next() {
+  if (open_.empty()) {
+    root_.Clear();
+    return &root_;
   }
-  if (!first_.back()) out_ += ",";
-  first_.back() = false;
+  JsonValue* at = open_.back();
+  if (at->has_list_value()) return at->mutable_list_value()->add_values();
+  return &(*at->mutable_struct_value()->mutable_fields())[key_];
 }
 
 Json& Json::begin_object() {
-  separate();
-  out_ += "{";
-  first_.push_back(true);
+  JsonValue* v = next();
+  v->mutable_struct_value();
+  open_.push_back(v);
   return *this;
 }
 
 Json& Json::end_object() {
-  first_.pop_back();
-  out_ += "}";
+  if (!open_.empty()) open_.pop_back();
   return *this;
 }
 
 Json& Json::begin_array() {
-  separate();
-  out_ += "[";
-  first_.push_back(true);
+  JsonValue* v = next();
+  v->mutable_list_value();
+  open_.push_back(v);
   return *this;
 }
 
-Json& Json::end_array() {
-  first_.pop_back();
-  out_ += "]";
-  return *this;
-}
+Json& Json::end_array() { return end_object(); }
 
 Json& Json::key(const std::string& k) {
-  separate();
-  write_string(k);
-  out_ += ":";
-  after_key_ = true;
+  key_ = k;
   return *this;
 }
 
 Json& Json::value(double v) {
-  separate();
-  out_ += std::isfinite(v) ? absl::StrFormat("%.6g", v) : std::string("null");
+  JsonValue* at = next();
+  if (std::isfinite(v)) {
+    at->set_number_value(v);
+  } else {
+    at->set_null_value(google::protobuf::NULL_VALUE);
+  }
   return *this;
 }
 
 Json& Json::value(const std::string& s) {
-  separate();
-  write_string(s);
+  next()->set_string_value(s);
+  return *this;
+}
+
+Json& Json::value(bool b) {
+  next()->set_bool_value(b);
+  return *this;
+}
+
+Json& Json::value(const JsonValue& v) {
+  *next() = v;
   return *this;
 }
 
@@ -370,35 +377,50 @@ Json& Json::versions() {
       .key("python").value(reference_python()).key("runtime").value(runtime_settings());
 }
 
-void Json::write_string(const std::string& s) {
-  out_ += "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out_ += "\\\""; break;
-      case '\\': out_ += "\\\\"; break;
-      case '\n': out_ += "\\n"; break;
-      case '\t': out_ += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out_ += absl::StrFormat("\\u%04x", c);
-        } else {
-          out_ += c;
-        }
+std::string Json::str() const { return to_json(root_); }
+
+bool Json::write(const std::string& path) const { return write_json(root_, path); }
+
+bool write_json(const JsonValue& v, const std::string& path) {
+  std::ofstream f(path);
+  f << to_json(v) << "\n";
+  f.close();
+  if (!f) std::fprintf(stderr, "cannot write %s\n", path.c_str());
+  return static_cast<bool>(f);
+}
+
+std::string reference_script(const std::string& flag_value, const std::string& relative) {
+  return flag_value.empty() ? source_path(relative) : flag_value;
+}
+
+std::string ReferenceRun::failure(size_t tail) const {
+  std::string why = exit_code != 0 ? absl::StrCat("exit ", exit_code)
+                                   : std::string("exit 0 without a JSON report");
+  const size_t from = output.size() > tail ? output.size() - tail : 0;
+  return absl::StrCat(why, ":\n", output.substr(from));
+}
+
+ReferenceRun run_reference(const std::string& script, const std::vector<std::string>& args,
+                           const std::string& report_flag) {
+  static std::atomic<int> counter{0};
+  const std::string path =
+      absl::StrCat(temp_path(absl::StrCat("pytorch_report", counter.fetch_add(1))), ".json");
+  std::vector<std::string> argv = {reference_python(), script};
+  argv.insert(argv.end(), args.begin(), args.end());
+  if (!report_flag.empty()) argv.push_back(report_flag);
+  argv.push_back(path);
+  ReferenceRun run;
+  run.report.set_null_value(google::protobuf::NULL_VALUE);
+  run.exit_code = run_command(argv, &run.output);
+  if (run.exit_code == 0) {
+    std::string error;
+    if (!parse_json(read_file(path), &run.report, &error)) {
+      run.report.set_null_value(google::protobuf::NULL_VALUE);
+      absl::StrAppend(&run.output, "\nits report is not JSON: ", error);
     }
   }
-  out_ += "\"";
-}
-
-Json& Json::value(bool b) {
-  separate();
-  out_ += b ? "true" : "false";
-  return *this;
-}
-
-bool Json::write(const std::string& path) const {
-  std::ofstream f(path);
-  f << out_ << "\n";
-  return static_cast<bool>(f);
+  std::remove(path.c_str());
+  return run;
 }
 
 bool parse_json(const std::string& text, JsonValue* out, std::string* error) {

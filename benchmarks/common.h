@@ -1,5 +1,6 @@
 // Shared pieces of the benchmark binaries: flags with a focused --help,
-// percentiles, a text table, a small JSON writer, JSON reading, and paths.
+// percentiles, a text table, JSON (built, read and written through
+// protobuf's JsonValue), and paths.
 #pragma once
 
 #include <cstdint>
@@ -115,7 +116,15 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-// Streaming JSON writer: json.begin_object().key("a").value(1).end_object().
+// A parsed JSON document: protobuf's google.protobuf.Value holds any JSON
+// value, and protobuf's JSON parser and printer read and write it. Every
+// JSON document the benchmarks read or write is one of these.
+using JsonValue = google::protobuf::Value;
+
+// Builds a JsonValue in document order:
+//   json.begin_object().key("a").value(1).key("b").begin_array()...
+// A value goes where the document is (after a key in an object, at the end
+// of an array); a second top-level value replaces the first.
 class Json {
  public:
   Json& begin_object();
@@ -123,32 +132,58 @@ class Json {
   Json& begin_array();
   Json& end_array();
   Json& key(const std::string& k);
-  Json& value(double v);
+  Json& value(double v);  // not finite: null
   Json& value(int v) { return value(static_cast<double>(v)); }
   Json& value(int64_t v) { return value(static_cast<double>(v)); }
   Json& value(const std::string& s);
   Json& value(const char* s) { return value(std::string(s)); }
-  // "libtorch", "pytorch" and "python" keys with their values (versions()).
-  Json& versions();
   Json& value(bool b);
-  const std::string& str() const { return out_; }
+  // A document built elsewhere (a rank's figures, PyTorch's report).
+  Json& value(const JsonValue& v);
+  // "libtorch", "pytorch", "python" and "runtime" keys with their values
+  // (versions(), runtime_settings()).
+  Json& versions();
+
+  const JsonValue& root() const { return root_; }
+  std::string str() const;  // to_json(root())
   bool write(const std::string& path) const;
 
  private:
-  void separate();
-  void write_string(const std::string& s);
-  std::string out_;
-  std::vector<bool> first_{true};
-  bool after_key_ = false;
+  JsonValue* next();  // where the next value goes
+
+  JsonValue root_;
+  std::vector<JsonValue*> open_;  // the objects and arrays begun, innermost last
+  std::string key_;               // of the next value, in an object
 };
 
-// A parsed JSON document: protobuf's google.protobuf.Value holds any JSON
-// value, and protobuf's JSON parser and printer read and write it.
-using JsonValue = google::protobuf::Value;
+// PyTorch's side of a benchmark: the script, run once under
+// reference_python() with its report read back.
+//
+// `flag_value` when given (a --pytorch_script flag), else the repository's
+// file `relative` (source_path); "" when not found.
+std::string reference_script(const std::string& flag_value, const std::string& relative);
+
+struct ReferenceRun {
+  int exit_code = -1;
+  std::string output;  // its stdout and stderr
+  JsonValue report;    // null unless it exited 0 and wrote a JSON report
+  bool ok() const { return exit_code == 0 && report.kind_case() != JsonValue::kNullValue; }
+  // Why it failed, then the end of its output (at most `tail` bytes).
+  std::string failure(size_t tail = 2000) const;
+};
+
+// Runs `script` with `args`, then `report_flag` and a temporary path where
+// it writes its JSON report (with report_flag empty: the path alone, last),
+// and reads that report. The temporary file is removed.
+ReferenceRun run_reference(const std::string& script, const std::vector<std::string>& args,
+                           const std::string& report_flag = "--json");
+
 // Parses `text`; false (with *error, when given, saying why) if it is not JSON.
 bool parse_json(const std::string& text, JsonValue* out, std::string* error = nullptr);
 // Compact JSON text of `v` (an object's keys in no fixed order).
 std::string to_json(const JsonValue& v);
+// Writes to_json(v) and a newline to `path`; false (logged) when it cannot.
+bool write_json(const JsonValue& v, const std::string& path);
 // Follows object keys from `v`; nullptr where a key is missing or a value on
 // the way is not an object.
 const JsonValue* json_at(const JsonValue& v, std::initializer_list<std::string> keys);

@@ -37,7 +37,6 @@
 #include <fstream>
 #include <map>
 #include <memory>
-#include <regex>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -482,7 +481,7 @@ bool report_convergence(const RunFigures& f, std::ostream& out, bench::Json& jso
 // The report of a run with dense layers on `kernel`: its table in *text,
 // every figure in *report_json. False when --check_convergence failed.
 bool report(const RunFigures& f, const std::string& kernel, std::string* text,
-            std::string* report_json) {
+            bench::JsonValue* report_json) {
   const int trainers = static_cast<int>(f.trainers.size());
   std::ostringstream out;
   out << "------------------ ddprpc Distributed Benchmark (DDP and RPC), dense layers on "
@@ -525,7 +524,7 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
   if (FLAGS_check_convergence) converged = report_convergence(f, out, json);
   json.end_object();
   *text = out.str();
-  *report_json = json.str();
+  *report_json = json.root();
   return converged;
 }
 
@@ -586,18 +585,15 @@ void print_info(const std::string& processes) {
   std::fflush(stdout);
 }
 
-std::string trim_json(std::string s) {
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-  return s.empty() ? "null" : s;
-}
-
 // Every figure of the local launch: the first run of each side in full,
 // then each round's "All" p50 and the ratios.
 struct Report {
-  std::map<std::string, std::string> ours;  // kernel -> the first run's JSON
-  std::string theirs;                        // PyTorch's first run's JSON
+  std::map<std::string, bench::JsonValue> ours;  // kernel -> the first run's figures
+  bench::JsonValue theirs;                        // PyTorch's first run's; null when none
   std::map<std::string, std::vector<double>> ours_p50;  // kernel -> All p50 per round
   std::vector<double> theirs_p50;                       // per round
+
+  Report() { theirs.set_null_value(google::protobuf::NULL_VALUE); }
 };
 
 // PyTorch's All p50 over ours, per round (sec/iter: > 1 means ddprpc is faster).
@@ -629,38 +625,36 @@ void write_json(const Report& r) {
   config.key("percentiles").value("numpy linear interpolation");
   config.end_object();
   const std::string first_kernel = models::dense_kernel_name(dense_kernels()[0]);
-  std::string out = absl::StrCat("{\"config\":", config.str(), ",\"ddprpc\":",
-                                 trim_json(r.ours.count(first_kernel) ? r.ours.at(first_kernel) : ""),
-                                 ",\"ddprpc_by_kernel\":{");
-  bool first = true;
-  for (const auto& [kernel, json] : r.ours) {
-    absl::StrAppend(&out, first ? "" : ",", "\"", kernel, "\":", trim_json(json));
-    first = false;
-  }
-  absl::StrAppend(&out, "},\"pytorch\":", trim_json(r.theirs), ",\"rounds\":");
-  bench::Json rounds;
-  rounds.begin_object();
+  bench::JsonValue none;
+  none.set_null_value(google::protobuf::NULL_VALUE);
+  bench::Json json;
+  json.begin_object();
+  json.key("config").value(config.root());
+  json.key("ddprpc").value(r.ours.count(first_kernel) ? r.ours.at(first_kernel) : none);
+  json.key("ddprpc_by_kernel").begin_object();
+  for (const auto& [kernel, figures] : r.ours) json.key(kernel).value(figures);
+  json.end_object();
+  json.key("pytorch").value(r.theirs);
+  json.key("rounds").begin_object();
   for (const auto& [kernel, p50s] : r.ours_p50) {
-    rounds.key(absl::StrCat("ddprpc_", kernel, "_all_p50")).begin_array();
-    for (double v : p50s) rounds.value(v);
-    rounds.end_array();
+    json.key(absl::StrCat("ddprpc_", kernel, "_all_p50")).begin_array();
+    for (double v : p50s) json.value(v);
+    json.end_array();
   }
-  rounds.key("pytorch_all_p50").begin_array();
-  for (double v : r.theirs_p50) rounds.value(v);
-  rounds.end_array();
-  rounds.key("ratios").begin_object();
+  json.key("pytorch_all_p50").begin_array();
+  for (double v : r.theirs_p50) json.value(v);
+  json.end_array();
+  json.key("ratios").begin_object();
   for (const auto& [kernel, p50s] : r.ours_p50) {
     std::vector<double> ratios = round_ratios(r, kernel);
     if (ratios.empty()) continue;
-    rounds.key(kernel).begin_object().key("per_round").begin_array();
-    for (double v : ratios) rounds.value(v);
-    rounds.end_array().key("median").value(bench::percentile(ratios, 0.5)).end_object();
+    json.key(kernel).begin_object().key("per_round").begin_array();
+    for (double v : ratios) json.value(v);
+    json.end_array().key("median").value(bench::percentile(ratios, 0.5)).end_object();
   }
-  rounds.end_object().end_object();
-  absl::StrAppend(&out, rounds.str(), "}\n");
+  json.end_object().end_object().end_object();
   const std::string path = bench::output_path(FLAGS_json);
-  std::ofstream(path) << out;
-  std::printf("wrote %s\n", path.c_str());
+  if (json.write(path)) std::printf("wrote %s\n", path.c_str());
 }
 
 // ---------------------------------------------------------------------------
@@ -686,7 +680,8 @@ int run_master(bool standalone) {
     return kTrainingFailed;
   }
   const std::string kernel = models::dense_kernel_name(dense_kernels()[0]);
-  std::string text, report_json;
+  std::string text;
+  bench::JsonValue report_json;
   const bool converged = report(figures, kernel, &text, &report_json);
   if (standalone) {
     std::printf("%sPyTorch reference not run (roles started on their own)\n", text.c_str());
@@ -748,32 +743,26 @@ int worker(const Placement& where) {
 // ---------------------------------------------------------------------------
 // The local launch: every role on this host, then PyTorch's reference.
 
-// "All" p50 sec/iter of a results JSON ({"all": {"p50": {"sec_per_iter": x ...).
-double all_p50(const std::string& json) {
-  std::smatch m;
-  std::regex re("\"all\"\\s*:\\s*\\{\\s*\"p50\"\\s*:\\s*\\{\\s*\"sec_per_iter\"\\s*:\\s*([0-9.eE+-]+)");
-  return std::regex_search(json, m, re) ? std::stod(m[1].str()) : 0;
+// "All" p50 sec/iter of a run's figures ({"all": {"p50": {"sec_per_iter": x ...),
+// ours or PyTorch's; 0 when missing.
+double all_p50(const bench::JsonValue& figures) {
+  return bench::json_number(figures, {"all", "p50", "sec_per_iter"}, 0);
 }
 
 int pytorch_iters() { return FLAGS_pytorch_iters >= 0 ? FLAGS_pytorch_iters : FLAGS_iters; }
 int pytorch_warmup() { return FLAGS_pytorch_warmup >= 0 ? FLAGS_pytorch_warmup : FLAGS_warmup; }
 
-// Runs the reference with the same workload; returns its JSON ("" when it
-// failed). `full`: prints its table, else only its "All" line.
-std::string run_pytorch_reference(const std::string& script, const std::string& tmp, bool full) {
+// Runs the reference with the same workload; returns its figures (null
+// when it failed). `full`: prints its table, else only its "All" line.
+bench::JsonValue run_pytorch_reference(const std::string& script, const std::string& tmp, bool full) {
   std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s)\n", script.c_str());
-  const std::string json = tmp + ".pytorch.json";
-  std::string output;
-  int rc = bench::run_command(
-      {bench::reference_python(), script, "--trainers", absl::StrCat(FLAGS_trainers), "--ps",
-       absl::StrCat(FLAGS_ps), "--emb", absl::StrCat(FLAGS_num_embeddings), "--dim",
-       absl::StrCat(FLAGS_embedding_dim), "--iters", absl::StrCat(pytorch_iters()), "--warmup",
-       absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--sparse",
-       FLAGS_sparse ? "1" : "0", "--port",
-       absl::StrCat(rpc::pick_free_port()), "--json", json},
-      &output);
-  const std::string theirs = rc == 0 ? bench::read_file(json) : "";
-  std::remove(json.c_str());
+  const bench::ReferenceRun run = bench::run_reference(
+      script, {"--trainers", absl::StrCat(FLAGS_trainers), "--ps", absl::StrCat(FLAGS_ps), "--emb",
+               absl::StrCat(FLAGS_num_embeddings), "--dim", absl::StrCat(FLAGS_embedding_dim),
+               "--iters", absl::StrCat(pytorch_iters()), "--warmup",
+               absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--sparse",
+               FLAGS_sparse ? "1" : "0", "--port", absl::StrCat(rpc::pick_free_port())});
+  const std::string& output = run.output;
   if (full) {
     std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
     std::printf("(%d measured + %d warm-up iterations of 10 batches, lr 0.05, %s lookups, its own "
@@ -790,18 +779,15 @@ std::string run_pytorch_reference(const std::string& script, const std::string& 
       std::printf("%s%s\n", full ? "" : "PyTorch          ", line.c_str());
     }
   }
-  if (rc != 0) {
-    std::printf("PyTorch reference failed (exit %d):\n%s\n", rc,
-                output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
-  }
+  if (!run.ok()) std::printf("PyTorch reference failed (%s)\n", run.failure().c_str());
   std::fflush(stdout);
-  return theirs;
+  return run.report;
 }
 
 // Starts every role of one run of ours with `kernel`; prints its table
-// (`full`) or its "All" line. Returns 0 with the master's JSON in *json, or
-// the exit code of a failed run.
-int run_ours(int argc, char** argv, const std::string& kernel, bool full, std::string* json) {
+// (`full`) or its "All" line. Returns 0 with the master's figures in *json,
+// or the exit code of a failed run.
+int run_ours(int argc, char** argv, const std::string& kernel, bool full, bench::JsonValue* json) {
   const models::HybridWorld roles = world();
   bench::RolesOptions launch;
   launch.nprocs = roles.size();
@@ -815,7 +801,7 @@ int run_ours(int argc, char** argv, const std::string& kernel, bool full, std::s
   const bench::RolesResult r = bench::run_roles(argc, argv, launch);
   // The master's figures, also when the convergence check failed.
   std::string table;
-  json->clear();
+  json->Clear();
   RunFigures figures;
   if (r.has_result && from_result(r.result, &figures)) report(figures, kernel, &table, json);
   if (full) {
@@ -881,9 +867,8 @@ int coordinator(int argc, char** argv) {
   print_info(absl::StrFormat("processes on this host: %d trainers + %d parameter servers + 1 "
                              "master",
                              FLAGS_trainers, FLAGS_ps));
-  const std::string script = FLAGS_pytorch_script.empty()
-                                 ? bench::source_path("benchmarks/reference/ddp_rpc.py")
-                                 : FLAGS_pytorch_script;
+  const std::string script =
+      bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/ddp_rpc.py");
   const bool pytorch = FLAGS_pytorch && !FLAGS_check_convergence && !script.empty();
   const int rounds = pytorch ? FLAGS_pairs : 1;
   Report report;
@@ -892,14 +877,14 @@ int coordinator(int argc, char** argv) {
     if (rounds > 1) std::fprintf(stderr, "ddp_rpc: round %d of %d\n", round + 1, rounds);
     for (models::DenseKernel k : dense_kernels()) {
       const std::string kernel = models::dense_kernel_name(k);
-      std::string json;
+      bench::JsonValue json;
       const int rc = run_ours(argc, argv, kernel, round == 0, &json);
       if (rc != 0) return rc;
       if (round == 0) report.ours[kernel] = json;
       report.ours_p50[kernel].push_back(all_p50(json));
     }
     if (!pytorch) break;
-    std::string theirs = run_pytorch_reference(script, tmp, round == 0);
+    bench::JsonValue theirs = run_pytorch_reference(script, tmp, round == 0);
     if (round == 0) report.theirs = theirs;
     report.theirs_p50.push_back(all_p50(theirs));
   }

@@ -19,12 +19,9 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <optional>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -83,46 +80,27 @@ double trial(const std::function<void()>& fn) {
   return n / absl::ToDoubleSeconds(now - start);
 }
 
-std::string reference_script() {
-  const std::string relative = "benchmarks/reference/policy_eager.py";
-  std::string path = bench::source_path(relative);
-  if (path.empty()) {
-    const std::string runfile = absl::StrCat(bench::self_exe(), ".runfiles/ddprpc/", relative);
-    if (::access(runfile.c_str(), R_OK) == 0) path = runfile;
-  }
-  return path;
-}
-
 // Eager PyTorch calls/s by "model/threads/batch"; empty (with a note on
 // stderr) when it cannot be measured.
 std::map<std::string, double> measure_pytorch() {
   std::map<std::string, double> out;
-  const std::string script = reference_script();
+  const std::string script = bench::reference_script("", "benchmarks/reference/policy_eager.py");
   if (script.empty()) {
     std::fprintf(stderr, "policy_compile: PyTorch not measured: benchmarks/reference/policy_eager.py not found\n");
     return out;
   }
   std::fprintf(stderr, "policy_compile: eager PyTorch reference (%s)\n", script.c_str());
-  const std::string json_path = bench::temp_path("policy_eager") + ".json";
-  std::string log;
-  const int rc = bench::run_command(
-      {bench::reference_python(), script, "--models", FLAGS_models, "--batches", FLAGS_batches, "--threads",
-       FLAGS_threads, "--trials", absl::StrCat(FLAGS_trials), "--trial_ms", absl::StrCat(FLAGS_trial_ms),
-       "--json", json_path},
-      &log);
-  std::ifstream in(json_path);
-  std::stringstream s;
-  s << in.rdbuf();
-  std::remove(json_path.c_str());
-  const std::string json = s.str();
-  std::regex cell(R"re("([a-z]+/[0-9]+/[0-9]+)"\s*:\s*([0-9.eE+-]+))re");
-  for (std::sregex_iterator it(json.begin(), json.end(), cell), end; it != end; ++it) {
-    out[(*it)[1].str()] = std::stod((*it)[2].str());
+  const bench::ReferenceRun run = bench::run_reference(
+      script, {"--models", FLAGS_models, "--batches", FLAGS_batches, "--threads", FLAGS_threads,
+               "--trials", absl::StrCat(FLAGS_trials), "--trial_ms", absl::StrCat(FLAGS_trial_ms)});
+  // Its report: {"model/threads/batch": calls per second, ...}.
+  if (run.report.has_struct_value()) {
+    for (const auto& [key, v] : run.report.struct_value().fields()) {
+      if (v.kind_case() == bench::JsonValue::kNumberValue) out[key] = v.number_value();
+    }
   }
-  if (rc != 0 || out.empty()) {
-    std::vector<std::string> lines = absl::StrSplit(log, '\n', absl::SkipEmpty());
-    std::fprintf(stderr, "policy_compile: PyTorch not measured (exit %d): %s\n", rc,
-                 lines.empty() ? "" : lines.back().c_str());
+  if (!run.ok() || out.empty()) {
+    std::fprintf(stderr, "policy_compile: PyTorch not measured: %s\n", run.failure(500).c_str());
   }
   return out;
 }

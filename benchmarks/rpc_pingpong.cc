@@ -13,10 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <map>
-#include <regex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -130,18 +127,20 @@ std::map<std::string, double> read_results(const bench::JsonValue& result) {
   return out;
 }
 
-// Parses the reference script's flat JSON ({"sync_16B": {"p50_us": x, ...}, ...}).
-std::map<std::string, double> parse_reference_json(const std::string& text) {
+// The reference script's report ({"sync_16B": {"p50_us": x, "p90_us": y},
+// ..., "async_16B_calls_per_s": z}) in the keys of ours.
+std::map<std::string, double> read_reference(const bench::JsonValue& report) {
   std::map<std::string, double> out;
-  std::regex nested("\"(sync_\\d+B)\"\\s*:\\s*\\{\\s*\"p50_us\"\\s*:\\s*([0-9.eE+-]+)\\s*,"
-                    "\\s*\"p90_us\"\\s*:\\s*([0-9.eE+-]+)");
-  for (std::sregex_iterator it(text.begin(), text.end(), nested), end; it != end; ++it) {
-    out[(*it)[1].str() + ".p50_us"] = std::stod((*it)[2].str());
-    out[(*it)[1].str() + ".p90_us"] = std::stod((*it)[3].str());
-  }
-  std::smatch m;
-  if (std::regex_search(text, m, std::regex("\"async_16B_calls_per_s\"\\s*:\\s*([0-9.eE+-]+)"))) {
-    out["async_16B_calls_per_s"] = std::stod(m[1].str());
+  if (!report.has_struct_value()) return out;
+  for (const auto& [k, v] : report.struct_value().fields()) {
+    if (v.has_struct_value()) {
+      for (const char* p : {"p50_us", "p90_us"}) {
+        const double x = bench::json_number(v, {p});
+        if (x >= 0) out[absl::StrCat(k, ".", p)] = x;
+      }
+    } else if (v.kind_case() == bench::JsonValue::kNumberValue) {
+      out[k] = v.number_value();
+    }
   }
   return out;
 }
@@ -159,21 +158,14 @@ int coordinator(int argc, char** argv) {
   std::map<std::string, double> ours = read_results(r.result);
 
   std::map<std::string, double> theirs;
-  std::string script = FLAGS_pytorch_script.empty()
-                           ? bench::source_path("benchmarks/reference/rpc_pingpong.py")
-                           : FLAGS_pytorch_script;
+  const std::string script =
+      bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/rpc_pingpong.py");
   std::string pytorch_note;
   if (FLAGS_pytorch && !script.empty()) {
     std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", script.c_str());
-    const std::string json = bench::temp_path("pytorch_pingpong") + ".json";
-    std::string output;
-    int rc = bench::run_command({bench::reference_python(), script, json}, &output);
-    std::ifstream in(json);
-    std::stringstream text;
-    text << in.rdbuf();
-    theirs = parse_reference_json(text.str());
-    std::remove(json.c_str());
-    if (rc != 0 || theirs.empty()) pytorch_note = "PyTorch reference failed: " + output;
+    const bench::ReferenceRun run = bench::run_reference(script, {}, /*report_flag=*/"");
+    theirs = read_reference(run.report);
+    if (!run.ok() || theirs.empty()) pytorch_note = "PyTorch reference failed: " + run.failure();
   } else {
     pytorch_note = "PyTorch reference not run (reference script not found; pass --pytorch_script)";
   }

@@ -36,7 +36,6 @@
 #include <chrono>
 #include <cstring>
 #include <cstdio>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -628,31 +627,24 @@ bool run_ours(int argc, char** argv, const std::string& x_name, const std::vecto
 std::vector<Figures> run_pytorch(const std::string& script, size_t xs, bench::JsonValue* report) {
   std::fprintf(stderr, "rpc_rl: running PyTorch's benchmark (%s), same configuration\n",
                script.c_str());
-  report->set_null_value(google::protobuf::NULL_VALUE);
-  const std::string tmp = bench::temp_path("rpc_rl_pytorch") + ".json";
-  std::string output;
-  const int rc = bench::run_command(
-      {bench::reference_python(), script, "--world_size", FLAGS_world_size, "--batch", FLAGS_batch,
-       "--state_size", FLAGS_state_size, "--nlayers", FLAGS_nlayers, "--out_features",
-       FLAGS_out_features, "--episodes", FLAGS_episodes, "--episode_steps", FLAGS_episode_steps,
-       "--master_addr", FLAGS_master_addr, "--master_port", absl::StrCat(rpc::pick_free_port()),
-       "--output_file_path", tmp},
-      &output);
-  std::string parse_error;
-  if (rc == 0 && !bench::parse_json(bench::read_file(tmp), report, &parse_error)) {
-    output += "\nits report is not JSON: " + parse_error;
-  }
-  std::remove(tmp.c_str());
+  bench::ReferenceRun run = bench::run_reference(
+      script,
+      {"--world_size", FLAGS_world_size, "--batch", FLAGS_batch, "--state_size", FLAGS_state_size,
+       "--nlayers", FLAGS_nlayers, "--out_features", FLAGS_out_features, "--episodes",
+       FLAGS_episodes, "--episode_steps", FLAGS_episode_steps, "--master_addr", FLAGS_master_addr,
+       "--master_port", absl::StrCat(rpc::pick_free_port())},
+      "--output_file_path");
   std::vector<Figures> theirs;
-  if (const bench::JsonValue* results = bench::json_at(*report, {"benchmark_results"})) {
+  if (const bench::JsonValue* results = bench::json_at(run.report, {"benchmark_results"})) {
     for (const auto& r : results->list_value().values()) theirs.push_back(parse_figures(r));
   }
-  if (rc != 0 || theirs.size() != xs) {
-    std::printf("PyTorch's benchmark failed (exit %d):\n%s\n", rc,
-                output.substr(output.size() > 2000 ? output.size() - 2000 : 0).c_str());
+  if (!run.ok() || theirs.size() != xs) {
+    std::printf("PyTorch's benchmark failed (%s)\n", run.failure().c_str());
     theirs.clear();
     report->set_null_value(google::protobuf::NULL_VALUE);
+    return theirs;
   }
+  *report = std::move(run.report);
   return theirs;
 }
 
@@ -788,7 +780,7 @@ int launcher(int argc, char** argv) {
   fields["pytorch"] = std::move(theirs_json);
   fields["ratios_p50"] = std::move(ratios_json);
   const std::string path = bench::output_path(FLAGS_output_file_path);
-  std::ofstream(path) << bench::to_json(report) << "\n";
+  if (!bench::write_json(report, path)) return 1;
   std::printf("\nwrote %s (chart it: ./bazelw run //benchmarks:plot -- %s)\n", path.c_str(),
               path.c_str());
   return 0;
