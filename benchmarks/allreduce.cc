@@ -136,7 +136,7 @@ int coordinator(int argc, char** argv) {
       table.add({human(bytes), absl::StrFormat("%.1f us", m * 1e6), absl::StrFormat("%.3f GB/s", bw),
                  tm > 0 ? absl::StrFormat("%.1f us", tm * 1e6) : "-",
                  tm > 0 ? absl::StrFormat("%.3f GB/s", tbw) : "-",
-                 tm > 0 ? absl::StrFormat("%.2fx", tm / m) : "-"});
+                 bench::speedup_cell(m, tm, /*higher_is_better=*/false)});
       json.key(absl::StrCat(bytes)).begin_object();
       json.key("ddprpc_busbw_gbps").value(bw).key("ddprpc_median_s").value(m);
       json.key("pytorch_busbw_gbps").value(tbw).key("pytorch_median_s").value(tm);

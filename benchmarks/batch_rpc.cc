@@ -247,11 +247,6 @@ PytorchFigures run_pytorch(const std::string& mode) {
   return out;
 }
 
-std::string ratio_cell(double ours, double theirs, bool higher_is_better) {
-  if (ours <= 0 || theirs <= 0) return "-";
-  return absl::StrFormat("%.2fx", higher_is_better ? ours / theirs : theirs / ours);
-}
-
 int coordinator(int argc, char** argv) {
   std::vector<int> trainer_counts, world_sizes;
   const bool do_ps = FLAGS_mode == "ps" || FLAGS_mode == "all";
@@ -407,7 +402,7 @@ int coordinator(int argc, char** argv) {
         const double ours = our_updates_per_s.count(t) ? our_updates_per_s[t] : 0;
         const double pt = theirs.updates_per_s.count(t) ? theirs.updates_per_s.at(t) : 0;
         table.add({absl::StrCat(t), absl::StrFormat("%.1f", ours), absl::StrFormat("%.1f", pt),
-                   ratio_cell(ours, pt, true)});
+                   bench::speedup_cell(ours, pt, true)});
         json.begin_object().key("trainers").value(t).key("updates_per_s").value(pt);
         json.key("ddprpc_vs_pytorch").value(ours > 0 && pt > 0 ? ours / pt : 0.0).end_object();
       }
@@ -424,9 +419,9 @@ int coordinator(int argc, char** argv) {
         const auto ours = our_cartpole_s.count(w) ? our_cartpole_s[w] : std::make_pair(0.0, 0.0);
         const auto pt = theirs.cartpole_s.count(w) ? theirs.cartpole_s.at(w) : std::make_pair(0.0, 0.0);
         table.add({absl::StrCat(w), absl::StrFormat("%.3f", ours.first),
-                   absl::StrFormat("%.3f", pt.first), ratio_cell(ours.first, pt.first, false),
+                   absl::StrFormat("%.3f", pt.first), bench::speedup_cell(ours.first, pt.first, false),
                    absl::StrFormat("%.3f", ours.second), absl::StrFormat("%.3f", pt.second),
-                   ratio_cell(ours.second, pt.second, false)});
+                   bench::speedup_cell(ours.second, pt.second, false)});
         json.begin_object().key("world_size").value(w);
         json.key("batch_s").value(pt.first).key("nobatch_s").value(pt.second).end_object();
       }

@@ -389,6 +389,40 @@ bool write_json(const JsonValue& v, const std::string& path) {
   return static_cast<bool>(f);
 }
 
+double speedup(double ours, double theirs, bool higher_is_better) {
+  if (!(ours > 0) || !(theirs > 0)) return 0;
+  return higher_is_better ? ours / theirs : theirs / ours;
+}
+
+std::string speedup_cell(double ours, double theirs, bool higher_is_better, int decimals) {
+  const double s = speedup(ours, theirs, higher_is_better);
+  return s > 0 ? absl::StrFormat("%.*fx", decimals, s) : std::string("-");
+}
+
+std::string RoundSpeedups::list() const {
+  std::string out;
+  for (double v : per_round) absl::StrAppendFormat(&out, "%s%.2f", out.empty() ? "" : " ", v);
+  return out;
+}
+
+JsonValue RoundSpeedups::json() const {
+  Json j;
+  j.begin_object().key("per_round").begin_array();
+  for (double v : per_round) j.value(v);
+  j.end_array().key("median").value(median()).end_object();
+  return j.root();
+}
+
+RoundSpeedups round_speedups(const std::vector<double>& ours, const std::vector<double>& theirs,
+                             bool higher_is_better) {
+  RoundSpeedups r;
+  for (size_t i = 0; i < ours.size() && i < theirs.size(); ++i) {
+    const double s = speedup(ours[i], theirs[i], higher_is_better);
+    if (s > 0) r.per_round.push_back(s);
+  }
+  return r;
+}
+
 std::string reference_script(const std::string& flag_value, const std::string& relative) {
   return flag_value.empty() ? source_path(relative) : flag_value;
 }

@@ -17,6 +17,11 @@
 
 namespace ddprpc::benchmarks {
 
+// A parsed JSON document: protobuf's google.protobuf.Value holds any JSON
+// value, and protobuf's JSON parser and printer read and write it. Every
+// JSON document the benchmarks read or write is one of these.
+using JsonValue = google::protobuf::Value;
+
 // Parses gflags; --help lists only the flags defined in files whose path
 // contains `flag_file_filter` (not glog's), then exits.
 void parse_flags(int* argc, char*** argv, const char* flag_file_filter);
@@ -71,6 +76,27 @@ void keep_freed_memory();
 // p * (n - 1), interpolated; 0 for no samples.
 double percentile(std::vector<double> samples, double p);
 
+// How many times faster ddprpc is than PyTorch on one figure: ours /
+// theirs for a rate (`higher_is_better`), theirs / ours for a time; 0 when
+// either figure is missing (not above 0).
+double speedup(double ours, double theirs, bool higher_is_better);
+// speedup() as a table cell: "2.31x" (`decimals` after the point), "-"
+// when missing.
+std::string speedup_cell(double ours, double theirs, bool higher_is_better, int decimals = 2);
+
+// The speedups of interleaved rounds: round i of ours against round i of
+// PyTorch's (rounds missing on either side are left out).
+struct RoundSpeedups {
+  std::vector<double> per_round;
+  double median() const { return percentile(per_round, 0.5); }
+  // "2.10 2.31 2.52".
+  std::string list() const;
+  // {"per_round": [...], "median": m}.
+  JsonValue json() const;
+};
+RoundSpeedups round_speedups(const std::vector<double>& ours, const std::vector<double>& theirs,
+                             bool higher_is_better);
+
 std::string self_exe();
 std::string temp_path(const std::string& stem);
 // The environment variable (name, value) that tells a process this one
@@ -115,11 +141,6 @@ class Table {
  private:
   std::vector<std::vector<std::string>> rows_;
 };
-
-// A parsed JSON document: protobuf's google.protobuf.Value holds any JSON
-// value, and protobuf's JSON parser and printer read and write it. Every
-// JSON document the benchmarks read or write is one of these.
-using JsonValue = google::protobuf::Value;
 
 // Builds a JsonValue in document order:
 //   json.begin_object().key("a").value(1).key("b").begin_array()...

@@ -1,6 +1,10 @@
-// The percentile method both sides of every comparison use: numpy's default.
+// The percentile method both sides of every comparison use (numpy's
+// default), the JSON documents every benchmark builds, and the speedups.
 #include "benchmarks/common.h"
 
+#include <cmath>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "benchmarks/testing/subprocess.h"
@@ -28,6 +32,69 @@ TEST(PercentileTest, MatchesNumpysLinearInterpolation) {
 // not name an allocator that is not there (the benchmarks' tests see the
 // other side).
 TEST(AllocatorNameTest, NamesGlibcWithoutTcmalloc) { EXPECT_EQ(allocator_name(), "glibc malloc"); }
+
+TEST(JsonTest, BuildsTheDocumentInOrderAndReadsBackWhatItWrote) {
+  JsonValue sub;
+  (*sub.mutable_struct_value()->mutable_fields())["inner"].set_number_value(3);
+  Json json;
+  json.begin_object();
+  json.key("n").value(2).key("s").value("a\"b").key("t").value(true);
+  json.key("nan").value(std::nan(""));
+  json.key("inf").value(std::numeric_limits<double>::infinity());
+  json.key("list").begin_array().value(1).begin_object().key("k").value("v").end_object();
+  json.begin_array().end_array().end_array();
+  json.key("sub").value(sub);
+  json.end_object();
+
+  JsonValue back;
+  std::string error;
+  ASSERT_TRUE(parse_json(json.str(), &back, &error)) << error << ": " << json.str();
+  EXPECT_EQ(json_number(back, {"n"}), 2);
+  EXPECT_EQ(json_at(back, {"s"})->string_value(), "a\"b");
+  EXPECT_TRUE(json_at(back, {"t"})->bool_value());
+  EXPECT_EQ(json_at(back, {"nan"})->kind_case(), JsonValue::kNullValue) << "not finite: null";
+  EXPECT_EQ(json_at(back, {"inf"})->kind_case(), JsonValue::kNullValue);
+  const auto& list = json_at(back, {"list"})->list_value();
+  ASSERT_EQ(list.values_size(), 3);
+  EXPECT_EQ(list.values(0).number_value(), 1);
+  EXPECT_EQ(json_at(list.values(1), {"k"})->string_value(), "v");
+  EXPECT_EQ(list.values(2).list_value().values_size(), 0);
+  EXPECT_EQ(json_number(back, {"sub", "inner"}), 3);
+  EXPECT_EQ(json_number(back, {"missing"}, -7), -7);
+}
+
+TEST(JsonTest, ASecondTopLevelValueReplacesTheFirst) {
+  Json json;
+  json.value(1);
+  json.begin_array().value(2).end_array();
+  EXPECT_EQ(json.str(), "[2]");
+}
+
+TEST(SpeedupTest, RatesAndTimesAndMissingFigures) {
+  EXPECT_DOUBLE_EQ(speedup(200, 100, /*higher_is_better=*/true), 2);
+  EXPECT_DOUBLE_EQ(speedup(0.5, 2, /*higher_is_better=*/false), 4);
+  EXPECT_EQ(speedup(0, 2, false), 0);
+  EXPECT_EQ(speedup(1, -1, true), 0);
+  EXPECT_EQ(speedup_cell(1, 3, false), "3.00x");
+  EXPECT_EQ(speedup_cell(1, 3, false, 1), "3.0x");
+  EXPECT_EQ(speedup_cell(1, 0, false), "-");
+}
+
+TEST(SpeedupTest, RoundsArePairedInOrderAndMissingRoundsLeftOut) {
+  // Times: PyTorch / ours per round; round 2 has no PyTorch figure, round
+  // 4 none of ours.
+  const RoundSpeedups r =
+      round_speedups({1, 2, 1, 4, 1}, {3, 4, 0, 8}, /*higher_is_better=*/false);
+  ASSERT_EQ(r.per_round.size(), 3u);
+  EXPECT_DOUBLE_EQ(r.per_round[0], 3);
+  EXPECT_DOUBLE_EQ(r.per_round[1], 2);
+  EXPECT_DOUBLE_EQ(r.per_round[2], 2);
+  EXPECT_DOUBLE_EQ(r.median(), 2);
+  EXPECT_EQ(r.list(), "3.00 2.00 2.00");
+  const JsonValue j = r.json();
+  EXPECT_EQ(json_number(j, {"median"}), 2);
+  EXPECT_EQ(json_at(j, {"per_round"})->list_value().values_size(), 3);
+}
 
 }  // namespace
 }  // namespace ddprpc::benchmarks

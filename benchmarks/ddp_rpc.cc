@@ -597,14 +597,10 @@ struct Report {
 };
 
 // PyTorch's All p50 over ours, per round (sec/iter: > 1 means ddprpc is faster).
-std::vector<double> round_ratios(const Report& r, const std::string& kernel) {
-  std::vector<double> out;
+bench::RoundSpeedups round_ratios(const Report& r, const std::string& kernel) {
   const auto it = r.ours_p50.find(kernel);
-  if (it == r.ours_p50.end()) return out;
-  for (size_t i = 0; i < it->second.size() && i < r.theirs_p50.size(); ++i) {
-    if (it->second[i] > 0 && r.theirs_p50[i] > 0) out.push_back(r.theirs_p50[i] / it->second[i]);
-  }
-  return out;
+  if (it == r.ours_p50.end()) return {};
+  return bench::round_speedups(it->second, r.theirs_p50, /*higher_is_better=*/false);
 }
 
 void write_json(const Report& r) {
@@ -646,11 +642,8 @@ void write_json(const Report& r) {
   json.end_array();
   json.key("ratios").begin_object();
   for (const auto& [kernel, p50s] : r.ours_p50) {
-    std::vector<double> ratios = round_ratios(r, kernel);
-    if (ratios.empty()) continue;
-    json.key(kernel).begin_object().key("per_round").begin_array();
-    for (double v : ratios) json.value(v);
-    json.end_array().key("median").value(bench::percentile(ratios, 0.5)).end_object();
+    const bench::RoundSpeedups ratios = round_ratios(r, kernel);
+    if (!ratios.per_round.empty()) json.key(kernel).value(ratios.json());
   }
   json.end_object().end_object().end_object();
   const std::string path = bench::output_path(FLAGS_json);
@@ -837,19 +830,17 @@ void print_ratios(const Report& r) {
   }
   for (models::DenseKernel k : dense_kernels()) {
     const std::string kernel = models::dense_kernel_name(k);
-    const std::vector<double> ratios = round_ratios(r, kernel);
-    if (ratios.empty()) continue;
-    const double m = bench::percentile(ratios, 0.5);
-    std::vector<std::string> each;
-    for (double v : ratios) each.push_back(absl::StrFormat("%.2fx", v));
+    const bench::RoundSpeedups ratios = round_ratios(r, kernel);
+    if (ratios.per_round.empty()) continue;
+    const double m = ratios.median();
     std::printf(
         "All p50 sec/iter, PyTorch / ddprpc with %s dense layers (%s): %.2fx%s, median of %zu "
         "interleaved round(s) [%s]; ddprpc %s\n",
         kernel.c_str(),
         k == models::DenseKernel::kAten ? "the same kernels: the runtimes alone"
                                         : "our kernels: the product",
-        m, m >= 1 ? " (ddprpc faster)" : " (ddprpc slower)", ratios.size(),
-        absl::StrJoin(each, " ").c_str(),
+        m, m >= 1 ? " (ddprpc faster)" : " (ddprpc slower)", ratios.per_round.size(),
+        ratios.list().c_str(),
         absl::StrFormat("%.3fs, PyTorch %.3fs in the first round", r.ours_p50.at(kernel)[0],
                         r.theirs_p50[0])
             .c_str());

@@ -173,8 +173,8 @@ int coordinator(int argc, char** argv) {
   bench::Table table({"rpc_sync identity", "ddprpc p50", "ddprpc p90", "PyTorch p50",
                       "PyTorch p90", "p50 speedup"});
   auto fmt_us = [](double v) { return v > 0 ? absl::StrFormat("%.0f us", v) : std::string("-"); };
-  auto ratio = [](double a, double b) {
-    return a > 0 && b > 0 ? absl::StrFormat("%.1fx", b / a) : std::string("-");
+  auto ratio = [](double ours_us, double theirs_us) {
+    return bench::speedup_cell(ours_us, theirs_us, /*higher_is_better=*/false, 1);
   };
   for (const auto& size : kSizes) {
     const std::string k = size.key;
@@ -188,7 +188,7 @@ int coordinator(int argc, char** argv) {
   const double their_tput = theirs["async_16B_calls_per_s"];
   table.add({"rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",
              their_tput > 0 ? absl::StrFormat("%.0f calls/s", their_tput) : "-", "",
-             their_tput > 0 ? absl::StrFormat("%.1fx", our_tput / their_tput) : "-"});
+             bench::speedup_cell(our_tput, their_tput, /*higher_is_better=*/true, 1)});
   std::printf("\nrpc_pingpong: 2 workers on loopback, %d callee threads, %d CPUs, %s\n",
               FLAGS_num_worker_threads, bench::cpu_count(), bench::allocator_name().c_str());
   std::printf("%s\n", bench::versions().c_str());

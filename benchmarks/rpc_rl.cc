@@ -736,20 +736,15 @@ int launcher(int argc, char** argv) {
             "  %s%s%s policy on %-7s (%s):", x_name, x_name.empty() ? "" : "=", xs[i], kernel,
             kernel == "aten" ? "runtimes alone" : "the product");
         for (const char* metric : {"agent throughput", "observer throughput"}) {
-          std::vector<double> per_round;
+          std::vector<double> our_rounds, their_rounds;
           for (size_t r = 0; r < theirs.size() && r < ours[kernel].size(); ++r) {
-            const double t = theirs[r][i][metric][50];
-            if (t > 0) per_round.push_back(ours[kernel][r][i][metric][50] / t);
+            our_rounds.push_back(ours[kernel][r][i][metric][50]);
+            their_rounds.push_back(theirs[r][i][metric][50]);
           }
-          std::vector<std::string> each;
-          for (double v : per_round) each.push_back(absl::StrFormat("%.2f", v));
-          absl::StrAppendFormat(&line, " %s %.2fx [%s]", metric, bench::percentile(per_round, 0.5),
-                                absl::StrJoin(each, " "));
-          auto& entry = *ratio_fields[absl::StrCat(kernel, " ", x_name, "=", xs[i], " ", metric)]
-                             .mutable_struct_value()
-                             ->mutable_fields();
-          entry["median"].set_number_value(bench::percentile(per_round, 0.5));
-          for (double v : per_round) entry["per_round"].mutable_list_value()->add_values()->set_number_value(v);
+          const bench::RoundSpeedups ratios =
+              bench::round_speedups(our_rounds, their_rounds, /*higher_is_better=*/true);
+          absl::StrAppendFormat(&line, " %s %.2fx [%s]", metric, ratios.median(), ratios.list());
+          ratio_fields[absl::StrCat(kernel, " ", x_name, "=", xs[i], " ", metric)] = ratios.json();
         }
         std::printf("%s\n", line.c_str());
       }

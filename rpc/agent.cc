@@ -130,6 +130,9 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   if (options_.num_worker_threads < 1) {
     throw RpcError(ErrorCode::kInvalidArgument, "num_worker_threads must be at least 1");
   }
+  if (options_.inline_request_handoff <= absl::ZeroDuration()) {
+    throw RpcError(ErrorCode::kInvalidArgument, "inline_request_handoff must be above zero");
+  }
   StoreAddress store_address;
   try {
     store_address = parse_init_method(options_.init_method);

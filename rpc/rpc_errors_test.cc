@@ -303,6 +303,10 @@ TEST(RpcErrorsTest, InitErrorsAreClear) {
   bad.init_method = "udp://nowhere";
   expect_rpc_error([&] { rpc::RpcAgent("x", 0, 1, bad); }, rpc::ErrorCode::kInvalidArgument,
                    {"unsupported init_method"});
+  rpc::RpcBackendOptions no_handoff = mp::backend_options();
+  no_handoff.inline_request_handoff = absl::ZeroDuration();
+  expect_rpc_error([&] { rpc::RpcAgent("x", 0, 1, no_handoff); },
+                   rpc::ErrorCode::kInvalidArgument, {"inline_request_handoff must be above zero"});
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "rpc/transport/internal/reading_role.h"
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 
@@ -19,7 +20,6 @@ ReadingRole::~ReadingRole() {
 
 bool ReadingRole::add_thread() {
   if (stop_) return false;
-  reap();
   const int64_t me = next_id_++;
   try {
     fault_point("transport.spawn_thread");
@@ -52,14 +52,16 @@ void ReadingRole::join() {
   for (auto& [id, t] : threads) t.join();
 }
 
-void ReadingRole::reap() {
+std::vector<std::thread> ReadingRole::take_left() {
+  std::vector<std::thread> out;
   for (int64_t id : left_) {
     auto it = threads_.find(id);
     if (it == threads_.end()) continue;
-    it->second.join();  // past its last use of the mutex
+    out.push_back(std::move(it->second));
     threads_.erase(it);
   }
   left_.clear();
+  return out;
 }
 
 void ReadingRole::run(int64_t me) {
@@ -73,7 +75,11 @@ void ReadingRole::run(int64_t me) {
     if (stop_) break;
     role_free_ = false;
     holder_ = me;
+    // Threads that left are joined here, off the mutex: a holder is the one
+    // thread sure to come by after each hand-off.
+    std::vector<std::thread> left = take_left();
     mu_->Unlock();
+    for (std::thread& t : left) t.join();
     try {
       hold_(me);
     } catch (const std::exception& e) {
@@ -125,7 +131,9 @@ void RoleWatchdog::loop() {
     parked_.store(true);
     absl::Duration wait = look_();
     if (stop_) return;
-    if (wait == absl::InfiniteDuration()) {
+    if (wait != absl::InfiniteDuration()) {
+      wait = std::max(wait, kMinWait);
+    } else {
       auto unparked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu_) {
         return stop_ || !parked_.load();
       };
@@ -134,6 +142,7 @@ void RoleWatchdog::loop() {
       wait = after_wake_;
     }
     parked_.store(false);
+    // Zero only right after a wake (after_wake of zero): look at once.
     if (wait > absl::ZeroDuration()) mu_->AwaitWithTimeout(absl::Condition(&stop_), wait);
   }
 }

@@ -54,7 +54,7 @@ class ReadingRole {
   ReadingRole& operator=(const ReadingRole&) = delete;
 
   // Starts a thread that waits for the role and holds it whenever it gets
-  // it. False (logged) when none can start, or after stop(). With the
+  // it. False when none can start (logged), or after stop(). With the
   // mutex held.
   bool add_thread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu_);
 
@@ -81,9 +81,10 @@ class ReadingRole {
 
  private:
   void run(int64_t me);
-  // Joins the threads that have left. With the mutex held: they no longer
-  // take it.
-  void reap() ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu_);
+  // Takes the threads that have left out of threads_, for the caller to
+  // join once it has let the mutex go (their exit may run thread-local
+  // destructors of other code, which must not wait on a held mutex).
+  std::vector<std::thread> take_left() ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu_);
 
   absl::Mutex* const mu_;
   const Options options_;
@@ -102,9 +103,9 @@ class ReadingRole {
 // A thread that looks at a server's role holder now and then and parks
 // while there is nothing to look at. `look` runs with the server's mutex
 // held (it may release it for a while, as long as it holds it again when it
-// returns) and says how long to wait before the next look, or
-// absl::InfiniteDuration() to park until wake(); after a wake the next look
-// comes `after_wake` later.
+// returns) and says how long to wait before the next look (at least
+// kMinWait: the wait lets the mutex go), or absl::InfiniteDuration() to
+// park until wake(); after a wake the next look comes `after_wake` later.
 //
 // Parking races with work that starts meanwhile: the watchdog raises its
 // parked flag before every look, so work marked (under the mutex) after a
@@ -112,6 +113,7 @@ class ReadingRole {
 class RoleWatchdog {
  public:
   using Look = std::function<absl::Duration()>;
+  static constexpr absl::Duration kMinWait = absl::Milliseconds(1);
 
   RoleWatchdog(absl::Mutex* mu, absl::Duration after_wake, Look look);
   // stop() must have been called (if start() was).

@@ -16,10 +16,10 @@ namespace {
 struct Server {
   absl::Mutex mu;
   int holding ABSL_GUARDED_BY(mu) = 0;  // threads inside hold() now
-  // A thread entered hold() while another that had not lost the role was
-  // inside it.
-  bool overlap ABSL_GUARDED_BY(mu) = false;
+  // A thread entered hold() without holding the role.
+  bool entered_without_role ABSL_GUARDED_BY(mu) = false;
   std::set<int64_t> holders ABSL_GUARDED_BY(mu);
+  int turns ABSL_GUARDED_BY(mu) = 0;  // times a thread took the role
   int64_t current ABSL_GUARDED_BY(mu) = ReadingRole::kNobody;
   bool throw_next ABSL_GUARDED_BY(mu) = false;
   ReadingRole role;
@@ -29,11 +29,9 @@ struct Server {
 
   void hold(int64_t me) {
     absl::MutexLock lock(&mu);
-    if (current != ReadingRole::kNobody && current != me && holders.count(current) > 0 &&
-        holding > 0 && role.held_by(current)) {
-      overlap = true;
-    }
+    if (!role.held_by(me)) entered_without_role = true;
     ++holding;
+    ++turns;
     holders.insert(me);
     current = me;
     if (throw_next) {
@@ -86,7 +84,7 @@ TEST(ReadingRoleTest, OneThreadHoldsTheRoleAndAHandOffGivesItToAnother) {
   }
   {
     absl::MutexLock lock(&s.mu);
-    EXPECT_FALSE(s.overlap) << "two threads held the role at once";
+    EXPECT_FALSE(s.entered_without_role);
     EXPECT_GE(s.holders.size(), 2u);
     EXPECT_EQ(s.role.threads(), 3) << "threads were waiting: none should have started";
     s.role.stop();
@@ -161,6 +159,76 @@ TEST(ReadingRoleTest, AHoldThatThrowsFreesTheRoleAndTheThreadGoesOn) {
     s.role.stop();
   }
   s.role.join();
+}
+
+// The two together, as a server uses them: the watchdog hands the role on
+// from a holder that has been on one message too long, and a holder that
+// stays stuck for good does not stop the others from taking turns.
+TEST(ReadingRoleTest, TheWatchdogTakesTheRoleFromAHolderStuckOnAMessage) {
+  Server s(/*max_idle=*/2);
+  absl::Time since ABSL_GUARDED_BY(s.mu) = absl::InfiniteFuture();  // the holder's message
+  int64_t busy ABSL_GUARDED_BY(s.mu) = ReadingRole::kNobody;
+  int hand_offs = 0;
+  RoleWatchdog dog(&s.mu, absl::ZeroDuration(), [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+    if (busy != s.current || busy == ReadingRole::kNobody) {
+      busy = s.current;
+      since = absl::Now();
+    }
+    if (busy != ReadingRole::kNobody && absl::Now() - since >= absl::Milliseconds(20)) {
+      s.role.hand_off();
+      ++hand_offs;
+      busy = ReadingRole::kNobody;
+    }
+    return absl::Milliseconds(5);
+  });
+  {
+    absl::MutexLock lock(&s.mu);
+    ASSERT_TRUE(s.role.add_thread());
+  }
+  dog.start(false);
+  {
+    absl::MutexLock lock(&s.mu);
+    // Every holder stays on its message until it loses the role (and until
+    // another holds it): only the watchdog moves the role on.
+    auto turns = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) { return s.turns >= 6; };
+    EXPECT_TRUE(s.mu.AwaitWithTimeout(absl::Condition(&turns), absl::Seconds(20)))
+        << s.turns << " turns, " << hand_offs << " hand-offs";
+    EXPECT_GE(hand_offs, 5);
+    // The thread that lost the role waits for it (max_idle 2) and takes it
+    // at the next hand-off: two threads take turns.
+    EXPECT_GE(s.holders.size(), 2u);
+    EXPECT_FALSE(s.entered_without_role);
+    EXPECT_LE(s.role.threads(), 4) << "threads that lost the role wait (2 at most) or leave";
+    s.role.stop();
+  }
+  dog.stop();
+  s.role.join();
+  absl::MutexLock lock(&s.mu);
+  EXPECT_EQ(s.role.threads(), 0);
+}
+
+TEST(RoleWatchdogTest, ALookOfZeroStillLetsTheMutexGo) {
+  absl::Mutex mu;
+  int looks ABSL_GUARDED_BY(mu) = 0;
+  RoleWatchdog dog(&mu, absl::ZeroDuration(), [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    ++looks;
+    return absl::ZeroDuration();
+  });
+  dog.start(false);
+  {
+    absl::MutexLock lock(&mu);
+    auto looked = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return looks >= 3; };
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(&looked), absl::Seconds(10)));
+  }
+  // Each look waits kMinWait with the mutex let go: this thread gets it.
+  for (int i = 0; i < 20; ++i) {
+    const absl::Time start = absl::Now();
+    {
+      absl::MutexLock lock(&mu);
+    }
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  }
+  dog.stop();
 }
 
 TEST(RoleWatchdogTest, ParksUntilWokenAndStopsWhileParked) {

@@ -150,7 +150,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     return s;
   }
 
-  // shutdown() must have been called (its threads hold it).
+  // shutdown() must have been called (it joins the threads).
   ~SameHostServer() override {
     if (epoll_fd_ >= 0) ::close(epoll_fd_);
     if (poke_fd_ >= 0) ::close(poke_fd_);

@@ -17,8 +17,9 @@
 namespace ddprpc::rpc::transport::same_host {
 
 // What drive_same_host needs of a channel (SameHostChannel implements
-// it): its reading role, claimed and let go with the gate's mutex held, and
-// its messages, read one at a time by the role's holder.
+// it): its reading role, claimed and let go with the gate's mutex held (a
+// channel's role is guarded by the mutex of the gate it was opened with),
+// and its messages, read one at a time by the role's holder.
 class DrivenChannel {
  public:
   virtual ~DrivenChannel() = default;
