@@ -34,7 +34,6 @@ bool ReadingRole::add_thread() {
 
 void ReadingRole::hand_off() {
   holder_ = kNobody;
-  role_free_ = true;
   if (idle_ == 0) add_thread();
 }
 
@@ -69,11 +68,12 @@ void ReadingRole::run(int64_t me) {
   absl::MutexLock lock(mu_);
   for (;;) {
     ++idle_;
-    auto can_hold = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu_) { return role_free_ || stop_; };
+    auto can_hold = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu_) {
+      return holder_ == kNobody || stop_;
+    };
     mu_->Await(absl::Condition(&can_hold));
     --idle_;
     if (stop_) break;
-    role_free_ = false;
     holder_ = me;
     // Threads that left are joined here, off the mutex: a holder is the one
     // thread sure to come by after each hand-off.
@@ -89,10 +89,7 @@ void ReadingRole::run(int64_t me) {
     }
     mu_->Lock();
     // Returned with the role (the server stops): the role is free.
-    if (holder_ == me) {
-      holder_ = kNobody;
-      role_free_ = true;
-    }
+    if (holder_ == me) holder_ = kNobody;
     if (stop_ || (options_.max_idle >= 0 && idle_ >= options_.max_idle)) break;
   }
   --running_;

@@ -95,8 +95,7 @@ class ReadingRole {
   int64_t next_id_ ABSL_GUARDED_BY(*mu_) = kNobody + 1;
   int running_ ABSL_GUARDED_BY(*mu_) = 0;  // threads in run()
   int idle_ ABSL_GUARDED_BY(*mu_) = 0;     // threads waiting for the role
-  bool role_free_ ABSL_GUARDED_BY(*mu_) = true;
-  int64_t holder_ ABSL_GUARDED_BY(*mu_) = kNobody;
+  int64_t holder_ ABSL_GUARDED_BY(*mu_) = kNobody;  // kNobody: the role is free
   bool stop_ ABSL_GUARDED_BY(*mu_) = false;
 };
 
