@@ -5,23 +5,35 @@
 // Bus bandwidth = bytes * 2(n-1)/n / time, the median of several calls.
 //
 //   ./bazelw run //benchmarks:allreduce
+//   ./bazelw run //benchmarks:allreduce -- --hosts=4   # root: one network namespace each
+//
+// With --hosts, rank r of both sides runs on network namespace r % hosts
+// (network_hosts.h), and ddprpc's same-host allreduce is off: Gloo over
+// TCP on both sides.
 #include <ATen/ops/ones.h>
 #include <gflags/gflags.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
+#include "benchmarks/network_hosts.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/launch.h"
 
 DEFINE_string(nprocs, "2,4", "comma-separated process counts");
 DEFINE_string(json, "allreduce.json", "where to write the figures");
 DEFINE_bool(pytorch, true, "also measure torch.distributed gloo (needs the Python of --python, with torch)");
+DEFINE_int32(hosts, 0,
+             "run the processes on this many network namespaces on a bridge, rank r on r % hosts "
+             "(needs root; ddprpc's same-host allreduce off); 0: all on this host's loopback");
+DECLARE_bool(same_host_allreduce);  // benchmarks/common.cc
 
 namespace bench = ddprpc::benchmarks;
 namespace ddp = ddprpc::ddp;
@@ -36,7 +48,10 @@ int iters_for(int64_t bytes) {
 }
 
 int worker() {
-  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, bench::group_options());
+  ddp::ProcessGroupOptions options = bench::group_options();
+  const char* master = std::getenv("MASTER_ADDR");
+  options.listen_address = bench::local_address_towards(master ? master : "127.0.0.1");
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
   const int n = pg->size();
   // Rank 0 hands back [bytes, median seconds, bus GB/s] per size.
   bench::JsonValue out;
@@ -97,16 +112,33 @@ std::string human(int64_t bytes) {
 }
 
 int coordinator(int argc, char** argv) {
+  std::unique_ptr<bench::NetworkHosts> hosts;
+  std::string where = "this host's loopback";
+  if (FLAGS_hosts > 0) {
+    std::string error;
+    hosts = bench::NetworkHosts::create(FLAGS_hosts, &error);
+    if (!hosts) {
+      std::fprintf(stderr, "allreduce: --hosts=%d: %s\n", FLAGS_hosts, error.c_str());
+      return 1;
+    }
+    where = absl::StrCat(hosts->describe(), ", rank r on host r % ", FLAGS_hosts);
+  }
   bench::Json json;
   json.begin_object();
   json.versions();
+  json.key("placement").value(where);
   std::printf("%s\n", bench::versions().c_str());
+  std::printf("processes on %s\n", where.c_str());
   for (const std::string& nstr : std::vector<std::string>(absl::StrSplit(FLAGS_nprocs, ','))) {
     const int n = std::stoi(nstr);
     const std::string tmp = bench::temp_path(absl::StrCat("allreduce", n));
     bench::RolesOptions launch;
     launch.nprocs = n;
     launch.timeout = absl::Minutes(10);
+    if (hosts) {
+      launch.network_namespaces = hosts->namespaces();
+      launch.master_addr = hosts->address(0);
+    }
     std::fprintf(stderr, "allreduce: ddprpc ProcessGroupGloo, %d processes\n", n);
     const bench::RolesResult r = bench::run_roles(argc, argv, launch);
     if (!r.ok()) {
@@ -118,9 +150,16 @@ int coordinator(int argc, char** argv) {
     const std::string script = bench::source_path("benchmarks/reference/allreduce_gloo.py");
     if (FLAGS_pytorch && !script.empty()) {
       std::fprintf(stderr, "allreduce: torch.distributed gloo, %d processes\n", n);
-      const bench::ReferenceRun run = bench::run_reference(
-          script, {"--nprocs", absl::StrCat(n), "--port",
-                   absl::StrCat(ddprpc::rpc::pick_free_port())});
+      bench::ReferenceRun run;
+      if (hosts) {
+        bench::RolesOptions ranks = launch;
+        ranks.master_port = 0;
+        ranks.env.emplace_back("GLOO_SOCKET_IFNAME", "eth0");
+        run = bench::run_reference_ranks(script, {"--nprocs", absl::StrCat(n)}, ranks);
+      } else {
+        run = bench::run_reference(script, {"--nprocs", absl::StrCat(n), "--port",
+                                            absl::StrCat(ddprpc::rpc::pick_free_port())});
+      }
       theirs = read_reference(run.report);
       if (!run.ok()) {
         std::fprintf(stderr, "allreduce: torch.distributed gloo failed: %s\n",
@@ -157,6 +196,7 @@ int coordinator(int argc, char** argv) {
 // After main's one-time set-up; also where ranks forked by run_roles start.
 int rank_main(int argc, char** argv) {
   bench::parse_flags(&argc, &argv, "benchmarks/allreduce");
+  if (FLAGS_hosts > 0) FLAGS_same_host_allreduce = false;
   if (bench::env_rank() >= 0) return worker();
   return coordinator(argc, argv);
 }

@@ -46,6 +46,7 @@
 #include "absl/strings/str_split.h"
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
+#include "benchmarks/network_hosts.h"
 #include "ddp/process_group.h"
 #include "models/hybrid_trainer.h"
 #include "rpc/rendezvous/launch.h"
@@ -108,9 +109,20 @@ DEFINE_string(master_addr, "127.0.0.1",
 DEFINE_int32(master_port, 0,
              "rendezvous port; 0: a free one when every role runs on this host, MASTER_PORT for a "
              "role started on its own");
+DEFINE_int32(hosts, 0,
+             "spread the roles over this many network namespaces on a bridge, each a host of its "
+             "own (rank r on host r % hosts; needs root), PyTorch's the same way; implies "
+             "--network_path. 0: every role on this host");
+DEFINE_bool(network_path, false,
+            "both sides on their network paths only: ddprpc with no same-host transport or "
+            "same-host allreduce (gRPC, Gloo over TCP), PyTorch with TensorPipe's TCP transport "
+            "and basic channel; implied by --hosts");
 DEFINE_string(listen_address, "",
               "address this process serves RPC and Gloo on; empty: the local address that routes "
               "to the rendezvous host (127.0.0.1 when every role runs on this host)");
+
+DECLARE_bool(same_host_transport);  // benchmarks/common.cc
+DECLARE_bool(same_host_allreduce);
 
 // Output and the PyTorch reference.
 DEFINE_string(json, "ddp_rpc.json",
@@ -210,30 +222,6 @@ Placement placement() {
         "--master_port or MASTER_PORT");
   }
   return p;
-}
-
-// The local address that routes to `host`: the one peers on other hosts can
-// reach this process at (127.0.0.1 when `host` is this one). "" if none.
-std::string local_address_towards(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || !found) return "";
-  std::string address;
-  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
-  sockaddr_in self{};
-  socklen_t len = sizeof(self);
-  char text[INET_ADDRSTRLEN];
-  // Connecting a UDP socket sends nothing; it only picks the route.
-  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &len) == 0 &&
-      ::inet_ntop(AF_INET, &self.sin_addr, text, sizeof(text))) {
-    address = text;
-  }
-  if (fd >= 0) ::close(fd);
-  ::freeaddrinfo(found);
-  return address;
 }
 
 // The workload of the flags, as the trainer library takes it.
@@ -701,7 +689,7 @@ int worker(const Placement& where) {
   options.rpc_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   options.init_method = absl::StrCat("tcp://", where.master_addr, ":", where.master_port);
   options.listen_address = FLAGS_listen_address.empty()
-                               ? local_address_towards(where.master_addr)
+                               ? bench::local_address_towards(where.master_addr)
                                : FLAGS_listen_address;
   if (options.listen_address.empty()) {
     usage_error(absl::StrCat("no local address routes to ", where.master_addr,
@@ -742,6 +730,20 @@ double all_p50(const bench::JsonValue& figures) {
   return bench::json_number(figures, {"all", "p50", "sec_per_iter"}, 0);
 }
 
+bool network_path() { return FLAGS_network_path || FLAGS_hosts > 0; }
+
+// The network namespaces of --hosts while the coordinator runs (it owns them).
+const bench::NetworkHosts* g_hosts = nullptr;
+const bench::NetworkHosts* network_hosts() { return g_hosts; }
+
+// Puts the ranks of `launch` on --hosts' namespaces (rank 0, the store, on the first).
+void place_on_hosts(bench::RolesOptions* launch) {
+  if (const bench::NetworkHosts* hosts = network_hosts()) {
+    launch->network_namespaces = hosts->namespaces();
+    launch->master_addr = hosts->address(0);
+  }
+}
+
 int pytorch_iters() { return FLAGS_pytorch_iters >= 0 ? FLAGS_pytorch_iters : FLAGS_iters; }
 int pytorch_warmup() { return FLAGS_pytorch_warmup >= 0 ? FLAGS_pytorch_warmup : FLAGS_warmup; }
 
@@ -749,12 +751,26 @@ int pytorch_warmup() { return FLAGS_pytorch_warmup >= 0 ? FLAGS_pytorch_warmup :
 // when it failed). `full`: prints its table, else only its "All" line.
 bench::JsonValue run_pytorch_reference(const std::string& script, const std::string& tmp, bool full) {
   std::fprintf(stderr, "ddp_rpc: running PyTorch's reference (%s)\n", script.c_str());
-  const bench::ReferenceRun run = bench::run_reference(
-      script, {"--trainers", absl::StrCat(FLAGS_trainers), "--ps", absl::StrCat(FLAGS_ps), "--emb",
-               absl::StrCat(FLAGS_num_embeddings), "--dim", absl::StrCat(FLAGS_embedding_dim),
-               "--iters", absl::StrCat(pytorch_iters()), "--warmup",
-               absl::StrCat(pytorch_warmup()), "--lookups", FLAGS_lookups, "--sparse",
-               FLAGS_sparse ? "1" : "0", "--port", absl::StrCat(rpc::pick_free_port())});
+  std::vector<std::string> args = {
+      "--trainers", absl::StrCat(FLAGS_trainers), "--ps", absl::StrCat(FLAGS_ps), "--emb",
+      absl::StrCat(FLAGS_num_embeddings), "--dim", absl::StrCat(FLAGS_embedding_dim),
+      "--iters", absl::StrCat(pytorch_iters()), "--warmup", absl::StrCat(pytorch_warmup()),
+      "--lookups", FLAGS_lookups, "--sparse", FLAGS_sparse ? "1" : "0"};
+  if (network_path()) args.push_back("--network_path");
+  bench::ReferenceRun run;
+  if (network_hosts()) {
+    // Its ranks placed as ours, each namespace's one interface named for
+    // TensorPipe and Gloo.
+    bench::RolesOptions ranks;
+    ranks.nprocs = world().size();
+    ranks.timeout = absl::Seconds(FLAGS_timeout_s);
+    ranks.env = {{"TP_SOCKET_IFNAME", "eth0"}, {"GLOO_SOCKET_IFNAME", "eth0"}};
+    place_on_hosts(&ranks);
+    run = bench::run_reference_ranks(script, args, ranks);
+  } else {
+    args.insert(args.end(), {"--port", absl::StrCat(rpc::pick_free_port())});
+    run = bench::run_reference(script, args);
+  }
   const std::string& output = run.output;
   if (full) {
     std::printf("------------------ PyTorch reference (same machine, same run) ---------------------\n");
@@ -764,7 +780,11 @@ bench::JsonValue run_pytorch_reference(const std::string& script, const std::str
   }
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);) {
-    // Its table and summary, without its processes' log lines.
+    // Its table and summary, without its processes' log lines (nor the
+    // launcher's "[rank N] " before them).
+    if (line.rfind("[rank ", 0) == 0 && line.find("] ") != std::string::npos) {
+      line = line.substr(line.find("] ") + 2);
+    }
     const bool all_row = line.find("All:") != std::string::npos;
     if ((full && (line.find(": p50:") != std::string::npos || line.rfind("PyTorch", 0) == 0 ||
                   line.rfind("wall", 0) == 0)) ||
@@ -789,6 +809,7 @@ int run_ours(int argc, char** argv, const std::string& kernel, bool full, bench:
   launch.master_port = FLAGS_master_port;
   launch.timeout = absl::Seconds(FLAGS_timeout_s);
   launch.grace_period = absl::Seconds(20);  // let the master report which call failed
+  place_on_hosts(&launch);
   std::fprintf(stderr, "ddp_rpc: starting %d processes (dense layers on %s)\n", roles.size(),
                kernel.c_str());
   const bench::RolesResult r = bench::run_roles(argc, argv, launch);
@@ -855,9 +876,24 @@ void print_ratios(const Report& r) {
 }
 
 int coordinator(int argc, char** argv) {
-  print_info(absl::StrFormat("processes on this host: %d trainers + %d parameter servers + 1 "
-                             "master",
-                             FLAGS_trainers, FLAGS_ps));
+  std::string where = "this host";
+  std::unique_ptr<bench::NetworkHosts> hosts;  // removed when the coordinator returns
+  if (FLAGS_hosts > 0) {
+    std::string error;
+    hosts = bench::NetworkHosts::create(FLAGS_hosts, &error);
+    if (!hosts) usage_error(absl::StrCat("--hosts=", FLAGS_hosts, ": ", error));
+    where = absl::StrCat(hosts->describe(), ", rank r on host r % ", FLAGS_hosts);
+  }
+  g_hosts = hosts.get();
+  struct Forget {
+    ~Forget() { g_hosts = nullptr; }
+  } forget;
+  print_info(absl::StrFormat("processes on %s: %d trainers + %d parameter servers + 1 master%s",
+                             where, FLAGS_trainers, FLAGS_ps,
+                             network_path() ? "; both sides on their network paths only (ddprpc: "
+                                              "gRPC and Gloo over TCP; PyTorch: TensorPipe uv + "
+                                              "basic, Gloo)"
+                                            : ""));
   const std::string script =
       bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/ddp_rpc.py");
   const bool pytorch = FLAGS_pytorch && !FLAGS_check_convergence && !script.empty();
@@ -910,6 +946,7 @@ void check_flags() {
   if (FLAGS_dense_kernel.empty()) FLAGS_dense_kernel = models::default_dense_kernels();
   dense_kernels();  // exits on a name it does not know
   if (FLAGS_pairs < 1) usage_error("--pairs must be at least 1");
+  if (FLAGS_hosts < 0 || FLAGS_hosts > 9) usage_error("--hosts is 0..9");
   if (FLAGS_pytorch_iters == 0 || FLAGS_pytorch_iters < -1 || FLAGS_pytorch_warmup < -1) {
     usage_error("--pytorch_iters must be at least 1 (or -1), --pytorch_warmup at least 0 (or -1)");
   }
@@ -919,6 +956,10 @@ void check_flags() {
 int rank_main(int argc, char** argv) {
   bench::keep_freed_memory();
   bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
+  if (network_path()) {
+    FLAGS_same_host_transport = false;
+    FLAGS_same_host_allreduce = false;
+  }
   check_flags();
   const Placement where = placement();
   return where.rank < 0 ? coordinator(argc, argv) : worker(where);

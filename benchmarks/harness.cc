@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "gflags/gflags.h"
 #include "rpc/rendezvous/launch.h"
@@ -74,6 +75,7 @@ RolesResult run_roles(int argc, char** argv, const RolesOptions& options) {
   launch.master_port = options.master_port;
   launch.timeout = options.timeout;
   launch.grace_period = options.grace_period;
+  launch.network_namespaces = options.network_namespaces;
   if (int (*entry)(int, char**) = options.entry ? options.entry : g_rank_main) {
     launch.entry = [entry](const std::vector<std::string>& args) {
       // As in a new process: every flag at its default before parsing.
@@ -122,5 +124,46 @@ bool write_result(const JsonValue& result, std::string* error) {
 }
 
 bool write_result(const Json& result, std::string* error) { return write_text(result.str(), error); }
+
+ReferenceRun run_reference_ranks(const std::string& script, const std::vector<std::string>& args,
+                                 const RolesOptions& options, const std::string& report_flag) {
+  static std::atomic<int> runs{0};
+  const std::string path =
+      temp_path(absl::StrCat("pytorch_ranks_report.", runs.fetch_add(1))) + ".json";
+  std::remove(path.c_str());
+  rpc::LaunchOptions launch;
+  launch.nprocs = options.nprocs;
+  launch.argv = {reference_python(), script};
+  launch.argv.insert(launch.argv.end(), args.begin(), args.end());
+  if (!report_flag.empty()) launch.argv.push_back(report_flag);
+  launch.argv.push_back(path);
+  launch.env = options.env;
+  launch.master_addr = options.master_addr;
+  launch.master_port = options.master_port;
+  launch.timeout = options.timeout;
+  launch.grace_period = options.grace_period;
+  launch.network_namespaces = options.network_namespaces;
+  // execv takes a path: find the interpreter on PATH as a shell would.
+  if (launch.argv[0].find('/') == std::string::npos) {
+    std::string found;
+    if (run_command({"sh", "-c", "command -v \"$0\"", launch.argv[0]}, &found) == 0) {
+      launch.argv[0] = std::string(absl::StripAsciiWhitespace(found));
+    }
+  }
+  ReferenceRun run;
+  launch.output = &run.output;
+  const rpc::LaunchResult launched = rpc::launch(launch);
+  run.report.set_null_value(google::protobuf::NULL_VALUE);
+  run.exit_code = launched.exit_code;
+  if (run.exit_code == 0) {
+    std::string error;
+    if (!parse_json(read_file(path), &run.report, &error)) {
+      run.report.set_null_value(google::protobuf::NULL_VALUE);
+      absl::StrAppend(&run.output, "\nits report is not JSON: ", error);
+    }
+  }
+  std::remove(path.c_str());
+  return run;
+}
 
 }  // namespace ddprpc::benchmarks

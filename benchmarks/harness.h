@@ -36,6 +36,10 @@ struct RolesOptions {
   // the binary again (rpc::LaunchOptions::entry; a launcher with threads
   // still starts it again).
   int (*entry)(int argc, char** argv) = nullptr;
+  // Network namespaces the ranks run in: rank r in network_namespaces[r %
+  // size] (NetworkHosts makes them; master_addr is then rank 0's address
+  // there). Ranks are then always started anew. Empty: this process's own.
+  std::vector<std::string> network_namespaces;
 };
 
 // A benchmark's main after setting its usage message: runs rank_main and
@@ -67,6 +71,16 @@ bool started_by_run_roles();
 // False, with *error saying why, outside such a rank or when it cannot be
 // written.
 bool write_result(const JsonValue& result, std::string* error = nullptr);
+
+// PyTorch's side as ranks of its own: reference_python() runs `script`
+// with `args`, `report_flag` and the report's path (as run_reference), as
+// `options.nprocs` processes
+// placed as run_roles places its ranks (RANK, WORLD_SIZE, MASTER_ADDR and
+// MASTER_PORT set; env, network_namespaces, timeout). One rank writes the
+// report. Their output, prefixed by rank, is the run's output.
+ReferenceRun run_reference_ranks(const std::string& script, const std::vector<std::string>& args,
+                                 const RolesOptions& options,
+                                 const std::string& report_flag = "--json");
 bool write_result(const Json& result, std::string* error = nullptr);
 
 }  // namespace ddprpc::benchmarks

@@ -1,17 +1,29 @@
 // rpc_pingpong: round-trip latency and pipelined throughput of ddprpc's RPC
-// on loopback, next to PyTorch's own RPC measured in the same run
-// (benchmarks/reference/rpc_pingpong.py with --python).
+// between two workers, next to PyTorch's own RPC measured in the same run
+// (benchmarks/reference/rpc_pingpong.py with --python), and next to what a
+// plain TCP socket pair moves between the same two processes.
 //
 //   ./bazelw run //benchmarks:rpc_pingpong
+//   ./bazelw run //benchmarks:rpc_pingpong -- --hosts=2   # root: 2 network namespaces
 //
-// Two workers: rank 0 calls rpc_sync(identity, t) on rank 1 for 16 B, 64 KiB
-// and 4 MiB float tensors (p50/p90 microseconds), then issues pipelined
+// Rank 0 calls rpc_sync(identity, t) on rank 1 for 16 B, 64 KiB, 4 MiB and
+// 64 MiB float tensors (p50/p90 microseconds), then issues pipelined
 // rpc_async calls with 16 B (calls/s). Prints a table and writes JSON.
+//
+// By default both workers run on this host, on loopback, and each side
+// takes its fastest path (ddprpc's same-host transport; TensorPipe's shm
+// and cma). --network_path measures both sides' network paths instead:
+// ddprpc over gRPC, PyTorch over TensorPipe's TCP transport and basic
+// channel (uv, basic). --hosts=2 puts the two workers (and PyTorch's two)
+// on two network namespaces joined by a bridge (network_hosts.h), each a
+// host of its own to the other, and implies --network_path.
 #include <ATen/ops/ones.h>
 #include <gflags/gflags.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -21,11 +33,16 @@
 #include "absl/strings/str_format.h"
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
+#include "benchmarks/network_hosts.h"
+#include "benchmarks/raw_tcp.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
 
+DECLARE_bool(same_host_transport);  // benchmarks/common.cc
+
 DEFINE_int32(iters, 2000, "timed rpc_sync calls per small tensor size");
 DEFINE_int32(big_iters, 200, "timed rpc_sync calls for the 4 MiB tensor");
+DEFINE_int32(huge_iters, 20, "timed rpc_sync calls for the 64 MiB tensor (after 5 untimed)");
 DEFINE_int32(warmup, 50, "untimed calls before each size");
 DEFINE_int32(async_calls, 5000, "pipelined rpc_async calls for the throughput figure");
 DEFINE_int32(num_worker_threads, 8, "callee threads (the PyTorch reference uses 8)");
@@ -36,6 +53,18 @@ DEFINE_string(pytorch_script, "",
               "PyTorch reference script; default: benchmarks/reference/rpc_pingpong.py from this "
               "binary's runfiles");
 DEFINE_bool(pytorch, true, "also measure PyTorch's RPC (needs the Python of --python, with torch)");
+DEFINE_bool(network_path, false,
+            "measure both sides' network paths: ddprpc over gRPC (no same-host transport), "
+            "PyTorch over TensorPipe's TCP transport and basic channel; implied by --hosts");
+DEFINE_int32(hosts, 0,
+             "run the two workers of each side on this many network namespaces on a bridge "
+             "(2: one each; needs root); 0: both on this host's loopback");
+DEFINE_bool(raw_tcp, true,
+            "also time the same round trips over plain TCP socket pairs between the two ddprpc "
+            "workers (the network's bound): one connection, and --raw_tcp_streams from 4 MiB up");
+DEFINE_int32(raw_tcp_streams, 3,
+             "connections (each with a thread on both ends) that the second raw TCP figure "
+             "splits 4 MiB and larger messages between");
 
 namespace rpc = ddprpc::rpc;
 namespace bench = ddprpc::benchmarks;
@@ -44,6 +73,18 @@ namespace {
 
 at::Tensor identity(at::Tensor t) { return t; }
 DDPRPC_REGISTER_FUNCTION(identity);
+
+// Rank 1's end of the raw TCP round trips: connects to rank 0 (the
+// rendezvous host) and echoes. 0, or -1 when the socket failed.
+int64_t tcp_echo(int64_t port, int64_t streams, int64_t bytes, int64_t rounds) {
+  const char* host = std::getenv("MASTER_ADDR");
+  const absl::Status s =
+      bench::raw_tcp_echo(host ? host : "127.0.0.1", static_cast<int>(port),
+                          static_cast<int>(streams), bytes, static_cast<int>(rounds));
+  if (!s.ok()) std::fprintf(stderr, "rpc_pingpong: %s\n", s.ToString().c_str());
+  return s.ok() ? 0 : -1;
+}
+DDPRPC_REGISTER_FUNCTION(tcp_echo);
 
 // The same identity as a method of a remote object, called through an RRef.
 struct Echo {
@@ -58,21 +99,39 @@ struct Sizes {
   int64_t numel;
 };
 constexpr Sizes kSizes[] = {
-    {"sync_16B", "16 B", 4}, {"sync_65536B", "64 KiB", 16384}, {"sync_4194304B", "4 MiB", 1048576}};
+    {"sync_16B", "16 B", 4},
+    {"sync_65536B", "64 KiB", 16384},
+    {"sync_4194304B", "4 MiB", 1048576},
+    {"sync_67108864B", "64 MiB", 16777216}};
+
+bool network_path() { return FLAGS_network_path || FLAGS_hosts > 0; }
+
+// Untimed and timed calls for a size (the reference script does the same).
+int warmup_calls(int64_t numel) { return numel > (4 << 20) ? std::min(FLAGS_warmup, 5) : FLAGS_warmup; }
+int timed_calls(int64_t numel) {
+  return numel > (4 << 20) ? FLAGS_huge_iters : numel >= 1000000 ? FLAGS_big_iters : FLAGS_iters;
+}
 
 // Runs in each of the two worker processes.
 int worker() {
   rpc::RpcBackendOptions options = bench::backend_options();
   options.allow_insecure = bench::allow_insecure();
   options.num_worker_threads = FLAGS_num_worker_threads;
+  const char* master = std::getenv("MASTER_ADDR");
+  options.listen_address = bench::local_address_towards(master ? master : "127.0.0.1");
+  if (options.listen_address.empty()) {
+    std::fprintf(stderr, "rpc_pingpong: no local address routes to %s\n", master);
+    return 1;
+  }
   rpc::init_rpc(absl::StrCat("w", bench::env_rank()), -1, 2, options);
   if (bench::env_rank() == 0) {
     std::map<std::string, double> results;
     for (const auto& size : kSizes) {
       std::fprintf(stderr, "rpc_pingpong: rpc_sync %s ...\n", size.label);
       at::Tensor t = at::ones({size.numel});
-      for (int i = 0; i < FLAGS_warmup; ++i) rpc::rpc_sync<at::Tensor>("w1", "identity", t);
-      const int n = size.numel < 1000000 ? FLAGS_iters : FLAGS_big_iters;
+      const int warmup = warmup_calls(size.numel);
+      for (int i = 0; i < warmup; ++i) rpc::rpc_sync<at::Tensor>("w1", "identity", t);
+      const int n = timed_calls(size.numel);
       std::vector<double> lat;
       lat.reserve(n);
       for (int i = 0; i < n; ++i) {
@@ -82,6 +141,28 @@ int worker() {
       }
       results[absl::StrCat(size.key, ".p50_us")] = bench::percentile(lat, 0.5);
       results[absl::StrCat(size.key, ".p90_us")] = bench::percentile(lat, 0.9);
+      for (const int streams : {1, FLAGS_raw_tcp_streams}) {
+        if (!FLAGS_raw_tcp || streams < 1 || (streams > 1 && size.numel < 1000000)) continue;
+        std::fprintf(stderr, "rpc_pingpong: raw TCP %s, %d stream(s) ...\n", size.label, streams);
+        lat.clear();
+        bench::RawTcpListener listener;
+        absl::Status s = bench::raw_tcp_listen(options.listen_address, &listener);
+        if (s.ok()) {
+          const int64_t bytes = size.numel * 4;
+          rpc::Future<int64_t> echo =
+              rpc::rpc_async<int64_t>("w1", "tcp_echo", int64_t{listener.port}, int64_t{streams},
+                                      bytes, int64_t{warmup + n});
+          s = bench::raw_tcp_round_trips(listener, streams, bytes, warmup, n, &lat);
+          if (echo.value() != 0 && s.ok()) s = absl::UnavailableError("the echo failed");
+        }
+        const std::string key = absl::StrCat("tcp", streams == 1 ? "1" : "n", "_", size.key);
+        if (s.ok()) {
+          results[key + ".p50_us"] = bench::percentile(lat, 0.5);
+          results[key + ".p90_us"] = bench::percentile(lat, 0.9);
+        } else {
+          std::fprintf(stderr, "rpc_pingpong: raw TCP %s: %s\n", size.label, s.ToString().c_str());
+        }
+      }
     }
     {
       std::fprintf(stderr, "rpc_pingpong: RRef method call 16 B ...\n");
@@ -149,7 +230,20 @@ int coordinator(int argc, char** argv) {
   bench::RolesOptions launch;
   launch.nprocs = 2;
   launch.timeout = absl::Minutes(10);
-  std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers on loopback\n");
+  std::unique_ptr<bench::NetworkHosts> hosts;
+  std::string where = "loopback";
+  if (FLAGS_hosts > 0) {
+    std::string error;
+    hosts = bench::NetworkHosts::create(FLAGS_hosts, &error);
+    if (!hosts) {
+      std::fprintf(stderr, "rpc_pingpong: --hosts=%d: %s\n", FLAGS_hosts, error.c_str());
+      return 1;
+    }
+    launch.network_namespaces = hosts->namespaces();
+    launch.master_addr = hosts->address(0);
+    where = hosts->describe();
+  }
+  std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers (%s)\n", where.c_str());
   const bench::RolesResult r = bench::run_roles(argc, argv, launch);
   if (!r.ok()) {
     std::fprintf(stderr, "rpc_pingpong: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
@@ -163,7 +257,18 @@ int coordinator(int argc, char** argv) {
   std::string pytorch_note;
   if (FLAGS_pytorch && !script.empty()) {
     std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", script.c_str());
-    const bench::ReferenceRun run = bench::run_reference(script, {}, /*report_flag=*/"");
+    std::vector<std::string> args = {absl::StrCat("--huge_iters=", FLAGS_huge_iters)};
+    if (network_path()) args.push_back("--network_path");
+    // PyTorch's two ranks are placed as ours were.
+    bench::RolesOptions ranks = launch;
+    ranks.master_port = 0;
+    if (hosts) {
+      // Each namespace's one interface, for TensorPipe and for the Gloo
+      // group init_rpc makes.
+      ranks.env.emplace_back("TP_SOCKET_IFNAME", "eth0");
+      ranks.env.emplace_back("GLOO_SOCKET_IFNAME", "eth0");
+    }
+    const bench::ReferenceRun run = bench::run_reference_ranks(script, args, ranks, /*report_flag=*/"");
     theirs = read_reference(run.report);
     if (!run.ok() || theirs.empty()) pytorch_note = "PyTorch reference failed: " + run.failure();
   } else {
@@ -171,28 +276,44 @@ int coordinator(int argc, char** argv) {
   }
 
   bench::Table table({"rpc_sync identity", "ddprpc p50", "ddprpc p90", "PyTorch p50",
-                      "PyTorch p90", "p50 speedup"});
+                      "PyTorch p90", "p50 speedup", "raw TCP p50",
+                      absl::StrCat("raw TCP x", FLAGS_raw_tcp_streams), "ddprpc / raw TCP"});
   auto fmt_us = [](double v) { return v > 0 ? absl::StrFormat("%.0f us", v) : std::string("-"); };
   auto ratio = [](double ours_us, double theirs_us) {
     return bench::speedup_cell(ours_us, theirs_us, /*higher_is_better=*/false, 1);
   };
+  auto over_bound = [](double ours_us, double bound_us) {
+    return ours_us > 0 && bound_us > 0 ? absl::StrFormat("%.2fx", ours_us / bound_us)
+                                       : std::string("-");
+  };
   for (const auto& size : kSizes) {
     const std::string k = size.key;
+    const double one = ours["tcp1_" + k + ".p50_us"];
+    const double several = ours["tcpn_" + k + ".p50_us"];
+    const double bound = several > 0 && several < one ? several : one;
     table.add({size.label, fmt_us(ours[k + ".p50_us"]), fmt_us(ours[k + ".p90_us"]),
                fmt_us(theirs[k + ".p50_us"]), fmt_us(theirs[k + ".p90_us"]),
-               ratio(ours[k + ".p50_us"], theirs[k + ".p50_us"])});
+               ratio(ours[k + ".p50_us"], theirs[k + ".p50_us"]), fmt_us(one), fmt_us(several),
+               over_bound(ours[k + ".p50_us"], bound)});
   }
   table.add({"RRef method 16 B", fmt_us(ours["rref_method_16B.p50_us"]),
-             fmt_us(ours["rref_method_16B.p90_us"]), "-", "-", "-"});
+             fmt_us(ours["rref_method_16B.p90_us"]), "-", "-", "-", "-", "-", "-"});
   const double our_tput = ours["async_16B_calls_per_s"];
   const double their_tput = theirs["async_16B_calls_per_s"];
   table.add({"rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",
              their_tput > 0 ? absl::StrFormat("%.0f calls/s", their_tput) : "-", "",
-             bench::speedup_cell(our_tput, their_tput, /*higher_is_better=*/true, 1)});
-  std::printf("\nrpc_pingpong: 2 workers on loopback, %d callee threads, %d CPUs, %s\n",
+             bench::speedup_cell(our_tput, their_tput, /*higher_is_better=*/true, 1), "", "", ""});
+  std::printf("\nrpc_pingpong: 2 workers, %s; %s; %d callee threads, %d CPUs, %s\n",
+              where.c_str(),
+              network_path() ? "network paths (ddprpc: gRPC; PyTorch: TensorPipe uv + basic)"
+                             : "each side's fastest path",
               FLAGS_num_worker_threads, bench::cpu_count(), bench::allocator_name().c_str());
   std::printf("%s\n", bench::versions().c_str());
   std::printf("%s", table.str().c_str());
+  std::printf("raw TCP: plain sockets between the two ddprpc workers, each message written whole "
+              "and echoed once whole; x%d: split between %d connections, a thread each; "
+              "ddprpc / raw TCP: against the faster of the two\n",
+              FLAGS_raw_tcp_streams, FLAGS_raw_tcp_streams);
   if (!pytorch_note.empty()) std::printf("%s\n", pytorch_note.c_str());
 
   bench::Json json;
@@ -201,7 +322,11 @@ int coordinator(int argc, char** argv) {
   json.key("config").begin_object();
   json.key("iters").value(FLAGS_iters);
   json.key("big_iters").value(FLAGS_big_iters);
+  json.key("huge_iters").value(FLAGS_huge_iters);
+  json.key("raw_tcp_streams").value(FLAGS_raw_tcp_streams);
   json.key("async_calls").value(FLAGS_async_calls);
+  json.key("network_path").value(network_path());
+  json.key("placement").value(where);
   json.key("num_worker_threads").value(FLAGS_num_worker_threads);
   json.key("cpus").value(bench::cpu_count());
   json.key("allocator").value(bench::allocator_name());
@@ -224,13 +349,15 @@ int coordinator(int argc, char** argv) {
 // After main's one-time set-up; also where ranks forked by run_roles start.
 int rank_main(int argc, char** argv) {
   bench::parse_flags(&argc, &argv, "benchmarks/rpc_pingpong");
+  if (network_path()) FLAGS_same_host_transport = false;
   if (bench::env_rank() >= 0) return worker();
   return coordinator(argc, argv);
 }
 
 int main(int argc, char** argv) {
   gflags::SetUsageMessage(
-      "round-trip latency and pipelined throughput of ddprpc RPC vs PyTorch RPC on loopback\n"
+      "round-trip latency and pipelined throughput of ddprpc RPC vs PyTorch RPC, on loopback or\n"
+      "  across network namespaces (--hosts), beside a plain TCP socket pair\n"
       "  usage: rpc_pingpong [flags]");
   return bench::run_main(argc, argv, &rank_main);
 }

@@ -1,6 +1,8 @@
 """torch.distributed (gloo) allreduce bus bandwidth, the reference for //benchmarks:allreduce.
 
 Run: .venv/bin/python3 benchmarks/reference/allreduce_gloo.py --nprocs 2 --json out.json
+With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment it runs that one rank
+(allreduce --hosts starts it so, on the namespaces of its own ranks).
 Prints one line per size and writes {"<bytes>": {"median_s": t, "busbw_gbps": b}}.
 """
 import argparse, json, os, time
@@ -13,8 +15,8 @@ SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 
 def iters_for(nbytes):
     return max(5, min(200, (256 << 20) // nbytes))
 
-def run(rank, n, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+def run(rank, n, port, out, host="127.0.0.1"):
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=n)
     res = {}
     for nbytes in SIZES:
         t = torch.ones(nbytes // 4)
@@ -39,4 +41,10 @@ if __name__ == "__main__":
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if "RANK" in os.environ:
+        # One rank of a launcher (allreduce --hosts): RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+        assert int(os.environ["WORLD_SIZE"]) == a.nprocs
+        run(int(os.environ["RANK"]), a.nprocs, int(os.environ["MASTER_PORT"]), a.json,
+            os.environ["MASTER_ADDR"])
+        raise SystemExit(0)
     mp.spawn(run, args=(a.nprocs, a.port, a.json), nprocs=a.nprocs, join=True)

@@ -87,7 +87,11 @@ def worker(rank, world, a):
     A = a
     torch.set_num_threads(1)  # every process single-threaded, as ddprpc's ranks are
     T, P = a["trainers"], a["ps"]
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{a['port']}", num_worker_threads=16, rpc_timeout=600)
+    host = a.get("master_addr", "127.0.0.1")
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{a['port']}", num_worker_threads=16, rpc_timeout=600)
+    if a["network_path"]:
+        opts._transports = ["uv"]  # TCP only: no shared memory, no cross-memory copies
+        opts._channels = ["basic"]
     if rank == T + P:
         rpc.init_rpc("master", rank=rank, world_size=world, rpc_backend_options=opts)
         t0 = time.time()
@@ -106,7 +110,7 @@ def worker(rank, world, a):
         if a["json"]:
             json.dump(res, open(a["json"], "w"), indent=1)
     elif rank < T:
-        dist.init_process_group("gloo", rank=rank, world_size=T, init_method=f"tcp://127.0.0.1:{a['port'] + 1}")
+        dist.init_process_group("gloo", rank=rank, world_size=T, init_method=f"tcp://{host}:{a['port'] + 1}")
         rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     else:
         rpc.init_rpc(f"ps{rank - T}", rank=rank, world_size=world, rpc_backend_options=opts)
@@ -120,10 +124,27 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, default=29700); ap.add_argument("--json", default="")
     ap.add_argument("--lookups", choices=["concurrent", "sequential"], default="concurrent")
     ap.add_argument("--sparse", type=int, default=0, help="1: EmbeddingBag(sparse=True)")
+    ap.add_argument("--network_path", action="store_true",
+                    help="TensorPipe's TCP transport and basic channel only (what crosses hosts)")
     a = vars(ap.parse_args())
     torch.set_num_threads(1)
-    print(f"PyTorch {torch.__version__} hybrid DDP+RPC reference: {a['trainers']} trainers, {a['ps']} PS, fc_in={a['ps']*a['dim']}, {'sparse' if a['sparse'] else 'dense'} embedding gradients", flush=True)
     world = a["trainers"] + a["ps"] + 1
+    if "RANK" in os.environ:
+        # One rank of a launcher (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. ddp_rpc's
+        # own with --hosts: the store on MASTER_ADDR:MASTER_PORT, the trainers' Gloo group on
+        # the next port.
+        a["master_addr"] = os.environ["MASTER_ADDR"]
+        a["port"] = int(os.environ["MASTER_PORT"])
+        rank = int(os.environ["RANK"])
+        assert int(os.environ["WORLD_SIZE"]) == world, "WORLD_SIZE must be trainers + ps + 1"
+        if rank == 0:
+            print(f"PyTorch {torch.__version__} hybrid DDP+RPC reference: {a['trainers']} trainers, {a['ps']} PS, fc_in={a['ps']*a['dim']}, {'sparse' if a['sparse'] else 'dense'} embedding gradients", flush=True)
+        t0 = time.time()
+        worker(rank, world, a)
+        if rank == world - 1:
+            print(f"wall {time.time() - t0:.1f}s", flush=True)
+        sys.exit(0)
+    print(f"PyTorch {torch.__version__} hybrid DDP+RPC reference: {a['trainers']} trainers, {a['ps']} PS, fc_in={a['ps']*a['dim']}, {'sparse' if a['sparse'] else 'dense'} embedding gradients", flush=True)
     t0 = time.time()
     mp.spawn(worker, args=(world, a), nprocs=world, join=True)
     print(f"wall {time.time() - t0:.1f}s", flush=True)

@@ -1,19 +1,29 @@
-"""PyTorch's side of rpc_pingpong: TensorPipe round trips between two processes on loopback.
+"""PyTorch's side of rpc_pingpong: TensorPipe round trips between two processes.
 
-Rank 0 calls rank 1 with rpc_sync(identity, tensor) for 16 B, 64 KiB and 4 MiB of float32 and
-records p50/p90 microseconds per call, then 5000 pipelined rpc_async calls (calls/s). Writes
-the figures as JSON to the path given (rpc_pingpong reads it and prints them beside its own).
+Rank 0 calls rank 1 with rpc_sync(identity, tensor) for 16 B, 64 KiB, 4 MiB and 64 MiB of
+float32 and records p50/p90 microseconds per call, then 5000 pipelined rpc_async calls
+(calls/s). Writes the figures as JSON to the path given (rpc_pingpong reads it and prints them
+beside its own).
 
     .venv/bin/python3 benchmarks/reference/rpc_pingpong.py out.json
+
+With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (rpc_pingpong starts
+it so, one process per rank, on the network namespaces of its own ranks) it runs that one
+rank; otherwise it spawns both on loopback. --network_path restricts TensorPipe to its TCP
+transport and basic channel (uv, basic): what crosses hosts, with no shared memory or
+cross-memory copies.
 """
+import argparse
 import json
+import os
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
+
+SIZES = [4, 16384, 1048576, 16777216]  # 16 B, 64 KiB, 4 MiB, 64 MiB of float32
 
 
 def identity(t):
@@ -26,16 +36,27 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(len(xs) * p))]
 
 
-def run(rank, port, out):
-    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, init_method=f"tcp://127.0.0.1:{port}")
+def counts(numel, huge_iters):
+    # (untimed, timed) calls, as rpc_pingpong's warmup_calls / timed_calls.
+    if numel > (4 << 20):
+        return 5, huge_iters
+    return 50, (2000 if numel < 1e6 else 200)
+
+
+def run(rank, addr, port, args):
+    opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8,
+                                           init_method=f"tcp://{addr}:{port}")
+    if args.network_path:
+        opts._transports = ["uv"]
+        opts._channels = ["basic"]
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
         res = {}
-        for numel in [4, 16384, 1048576]:  # 16 B, 64 KiB, 4 MiB of float32
+        for numel in SIZES:
             t = torch.ones(numel)
-            for _ in range(50):
+            warmup, n = counts(numel, args.huge_iters)
+            for _ in range(warmup):
                 rpc.rpc_sync("w1", identity, args=(t,))
-            n = 2000 if numel < 1e6 else 200
             lat = []
             for _ in range(n):
                 s = time.perf_counter()
@@ -48,7 +69,7 @@ def run(rank, port, out):
         torch.futures.wait_all(futs)
         res["async_16B_calls_per_s"] = 5000 / (time.perf_counter() - s)
         print(json.dumps(res, indent=1))
-        with open(out, "w") as f:
+        with open(args.out, "w") as f:
             json.dump(res, f)
     rpc.shutdown()
 
@@ -60,5 +81,13 @@ def free_port():
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "pytorch_rpc_pingpong.json"
-    mp.spawn(run, args=(free_port(), out), nprocs=2, join=True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--network_path", action="store_true")
+    parser.add_argument("--huge_iters", type=int, default=20)
+    parser.add_argument("out", nargs="?", default="pytorch_rpc_pingpong.json")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        run(int(os.environ["RANK"]), os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+            args)
+    else:
+        mp.spawn(run, args=("127.0.0.1", free_port(), args), nprocs=2, join=True)

@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sched.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <dirent.h>
@@ -33,6 +34,20 @@ struct Child {
   bool exited = false;
   int status = 0;
 };
+
+// In a forked child: joins the network namespace `name` (a name under
+// /var/run/netns, or a path). Says why on stderr when it cannot.
+bool join_network_namespace(const std::string& name) {
+  const std::string path = name.find('/') == std::string::npos ? "/var/run/netns/" + name : name;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) {
+    std::fprintf(stderr, "launch: cannot join the network namespace %s: %s\n", path.c_str(),
+                 std::strerror(errno));
+    return false;
+  }
+  ::close(fd);
+  return true;
+}
 
 void write_all(int fd, const std::string& s) {
   size_t done = 0;
@@ -199,8 +214,8 @@ LaunchResult launch(const LaunchOptions& options) {
   if (!token_given) token = random_token();
   std::vector<Child> children(options.nprocs);
   const int threads = options.entry ? thread_count() : 0;
-  const bool fork_only = options.entry && threads == 1;
-  if (options.entry && !fork_only) {
+  const bool fork_only = options.entry && threads == 1 && options.network_namespaces.empty();
+  if (options.entry && !fork_only && options.network_namespaces.empty()) {
     std::fprintf(stderr, "launch: %d threads run here, so the ranks start %s anew\n", threads,
                  options.argv[0].c_str());
   }
@@ -222,6 +237,11 @@ LaunchResult launch(const LaunchOptions& options) {
       if (::getppid() != parent) ::_exit(1);
       ::dup2(out_pipe[1], STDOUT_FILENO);
       ::dup2(err_pipe[1], STDERR_FILENO);
+      if (!options.network_namespaces.empty()) {
+        const std::string& ns =
+            options.network_namespaces[rank % options.network_namespaces.size()];
+        if (!join_network_namespace(ns)) ::_exit(126);
+      }
       ::setenv("RANK", std::to_string(rank).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(options.nprocs).c_str(), 1);
@@ -280,6 +300,10 @@ LaunchResult launch(const LaunchOptions& options) {
     ::fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
   }
 
+  // Where the ranks' lines go.
+  int out_fd = STDOUT_FILENO, err_fd = STDERR_FILENO;
+  FILE* capture = options.output != nullptr ? std::tmpfile() : nullptr;
+  if (capture != nullptr) out_fd = err_fd = ::fileno(capture);
   const absl::Time deadline = options.timeout == absl::InfiniteDuration()
                                   ? absl::InfiniteFuture()
                                   : absl::Now() + options.timeout;
@@ -298,10 +322,10 @@ LaunchResult launch(const LaunchOptions& options) {
       for (int rank = 0; rank < options.nprocs; ++rank) {
         Child& c = children[rank];
         const std::string prefix = options.prefix_output ? absl::StrCat("[rank ", rank, "] ") : "";
-        drain(&c.out, c.out_partial, prefix, STDOUT_FILENO);
-        drain(&c.err, c.err_partial, prefix, STDERR_FILENO);
-        emit(c.out_partial, prefix, STDOUT_FILENO, true);
-        emit(c.err_partial, prefix, STDERR_FILENO, true);
+        drain(&c.out, c.out_partial, prefix, out_fd);
+        drain(&c.err, c.err_partial, prefix, err_fd);
+        emit(c.out_partial, prefix, out_fd, true);
+        emit(c.err_partial, prefix, err_fd, true);
         if (c.out >= 0) ::close(c.out);
         if (c.err >= 0) ::close(c.err);
       }
@@ -315,8 +339,8 @@ LaunchResult launch(const LaunchOptions& options) {
     for (int rank = 0; rank < options.nprocs; ++rank) {
       Child& c = children[rank];
       const std::string prefix = options.prefix_output ? absl::StrCat("[rank ", rank, "] ") : "";
-      drain(&c.out, c.out_partial, prefix, STDOUT_FILENO);
-      drain(&c.err, c.err_partial, prefix, STDERR_FILENO);
+      drain(&c.out, c.out_partial, prefix, out_fd);
+      drain(&c.err, c.err_partial, prefix, err_fd);
       if (!c.exited && ::waitpid(c.pid, &c.status, WNOHANG) == c.pid) {
         c.exited = true;
         --running;
@@ -347,7 +371,14 @@ LaunchResult launch(const LaunchOptions& options) {
     if (now >= kill_at) kill_all(children, SIGKILL);
   }
   if (!result.message.empty()) {
-    write_all(STDERR_FILENO, "launch: " + result.message + "\n");
+    write_all(err_fd, "launch: " + result.message + "\n");
+  }
+  if (capture != nullptr) {
+    std::rewind(capture);
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), capture)) > 0) options.output->append(buf, n);
+    std::fclose(capture);
   }
   return result;
 }

@@ -28,6 +28,9 @@ struct LaunchOptions {
   int master_port = 0;  // 0: pick a free port
   absl::Duration timeout = absl::InfiniteDuration();
   bool prefix_output = true;  // "[rank N] " before every line
+  // When set, the ranks' lines (both streams) and the launcher's own are
+  // appended here instead of going to this process's stdout and stderr.
+  std::string* output = nullptr;
   // After the first failure, how long the other ranks may take to notice
   // and report it themselves before they are stopped.
   absl::Duration grace_period = absl::ZeroDuration();
@@ -39,6 +42,14 @@ struct LaunchOptions {
   // a child inherits no other thread but every lock another held; otherwise
   // argv[0] is executed as usual. The environment is set as for exec.
   std::function<int(const std::vector<std::string>& argv)> entry;
+  // Network namespaces (names under /var/run/netns, as `ip netns` makes
+  // them, or paths): rank r joins network_namespaces[r % size] before it
+  // starts, as on a host of its own. Needs CAP_SYS_ADMIN; a rank that
+  // cannot join fails at once (exit 126), saying why. Ranks in a namespace
+  // are always executed anew, never forked with `entry`, so nothing of the
+  // launcher's network state (sockets, cached addresses) comes with them.
+  // Empty: every rank in the launcher's own.
+  std::vector<std::string> network_namespaces;
 };
 
 struct LaunchResult {

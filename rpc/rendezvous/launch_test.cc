@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace ddprpc::rpc {
@@ -120,6 +121,54 @@ TEST(LaunchTest, EntryIsNotUsedWhenTheLauncherHasThreads) {
   __atomic_store_n(&stop, true, __ATOMIC_RELEASE);
   other.join();
   EXPECT_EQ(r.exit_code, 5) << "the entry ran instead of the program";
+}
+
+// With `output`, the ranks' lines of both streams, prefixed, and the
+// launcher's own end up there.
+TEST(LaunchTest, OutputIsCapturedWhenAsked) {
+  std::string output;
+  LaunchOptions o = sh(2, "echo out$RANK; echo err$RANK >&2; exit $RANK");
+  o.output = &output;
+  const LaunchResult r = launch(o);
+  EXPECT_EQ(r.exit_code, 1);
+  for (const char* line : {"[rank 0] out0\n", "[rank 1] out1\n", "[rank 0] err0\n",
+                           "[rank 1] err1\n", "launch: rank 1 exited with code 1"}) {
+    EXPECT_NE(output.find(line), std::string::npos) << line << " not in:\n" << output;
+  }
+}
+
+// A rank given a namespace that does not exist fails at once, saying so,
+// and stops the others.
+TEST(LaunchTest, AMissingNetworkNamespaceFailsTheRank) {
+  LaunchOptions o = sh(2, "sleep 30");
+  o.network_namespaces = {"ddprpc-no-such-namespace"};
+  const absl::Time start = absl::Now();
+  const LaunchResult r = launch(o);
+  EXPECT_EQ(r.exit_code, 126) << r.message;
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// Ranks run in the namespaces named, one after another by rank (root only:
+// `ip netns add`).
+TEST(LaunchTest, RanksJoinTheirNetworkNamespaces) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (ip netns)";
+  const std::string a = absl::StrCat("ddprpc-lt", ::getpid(), "a");
+  const std::string b = absl::StrCat("ddprpc-lt", ::getpid(), "b");
+  if (std::system(("ip netns add " + a + " && ip netns add " + b).c_str()) != 0) {
+    std::system(("ip netns del " + a + " 2>/dev/null; ip netns del " + b + " 2>/dev/null").c_str());
+    GTEST_SKIP() << "ip netns add failed here";
+  }
+  LaunchOptions o = sh(3, "");
+  o.env = {{"NS_A", a}, {"NS_B", b}};
+  o.argv = {"/bin/sh", "-c",
+            "if [ $RANK = 1 ]; then ns=$NS_B; else ns=$NS_A; fi; "
+            "test \"$(stat -L -c %i /proc/self/ns/net)\" = \"$(stat -L -c %i /var/run/netns/$ns)\" "
+            "&& test \"$(stat -L -c %i /proc/self/ns/net)\" != \"$(stat -L -c %i /proc/1/ns/net)\""};
+  o.network_namespaces = {a, b};
+  const LaunchResult r = launch(o);
+  std::system(("ip netns del " + a + "; ip netns del " + b).c_str());
+  EXPECT_EQ(r.exit_code, 0) << r.message;
 }
 
 }  // namespace

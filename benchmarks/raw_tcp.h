@@ -1,0 +1,38 @@
+// Round trips over plain TCP socket pairs: what the network between two
+// ranks moves with no RPC runtime on it, the bound beside rpc_pingpong's
+// figures. Each round the caller writes `bytes` and the echo, having read
+// all of them, writes them back (as an RPC identity does). With several
+// streams the bytes are split evenly between that many connections, each
+// written and read by a thread of its own on both ends (as iperf -P does):
+// one TCP stream is processed by one CPU at a time in the kernel, several
+// spread over the CPUs. TCP_NODELAY on every connection, the kernel's own
+// buffer sizes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace ddprpc::benchmarks {
+
+// A listening socket on `address`, port chosen by the kernel.
+struct RawTcpListener {
+  int fd = -1;
+  int port = 0;
+};
+absl::Status raw_tcp_listen(const std::string& address, RawTcpListener* out);
+
+// Accepts `streams` connections on `listener` (then closes it) and runs
+// `warmup` + `rounds` round trips of `bytes`; the microseconds of the last
+// `rounds` go to *micros.
+absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t bytes, int warmup,
+                                 int rounds, std::vector<double>* micros);
+
+// The other end: opens `streams` connections to host:port and echoes
+// `total_rounds` rounds of `bytes`.
+absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_t bytes,
+                          int total_rounds);
+
+}  // namespace ddprpc::benchmarks
