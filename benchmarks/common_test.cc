@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/rounds.h"
 #include "benchmarks/testing/subprocess.h"
 #include "gtest/gtest.h"
 
@@ -94,6 +95,78 @@ TEST(SpeedupTest, RoundsArePairedInOrderAndMissingRoundsLeftOut) {
   const JsonValue j = r.json();
   EXPECT_EQ(json_number(j, {"median"}), 2);
   EXPECT_EQ(json_at(j, {"per_round"})->list_value().values_size(), 3);
+}
+
+// Each round runs every variant of ours, then PyTorch's; ratios pair the
+// rounds in order.
+TEST(RoundsTest, RoundsInterleaveTheSidesAndPairInOrder) {
+  RoundsPlan plan;
+  plan.name = "test";
+  plan.rounds = 3;
+  plan.variants = {"a", "b"};
+  std::vector<std::string> calls;
+  Rounds<double> r;
+  const int rc = run_rounds<double>(
+      plan,
+      [&](const std::string& v, int round, double* f) {
+        calls.push_back(v + std::to_string(round));
+        *f = v == "a" ? 1.0 + round : 2.0;  // seconds
+        return 0;
+      },
+      [&](int round, double* f) {
+        calls.push_back("theirs" + std::to_string(round));
+        *f = 4.0;
+        return true;
+      },
+      &r);
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(calls, (std::vector<std::string>{"a0", "b0", "theirs0", "a1", "b1", "theirs1", "a2",
+                                             "b2", "theirs2"}));
+  auto seconds = [](const double& f) { return f; };
+  const RoundSpeedups a = r.speedups("a", seconds, /*higher_is_better=*/false);
+  EXPECT_EQ(a.per_round, (std::vector<double>{4.0, 2.0, 4.0 / 3}));
+  EXPECT_DOUBLE_EQ(r.speedups("b", seconds, false).median(), 2.0);
+  EXPECT_TRUE(r.speedups("c", seconds, false).per_round.empty());
+}
+
+// A failure of ours ends the run with its code; one of PyTorch's ends the
+// rounds, keeping what was measured; without PyTorch, one round.
+TEST(RoundsTest, FailuresEndTheRounds) {
+  RoundsPlan plan;
+  plan.rounds = 4;
+  plan.variants = {"a"};
+  int ours_runs = 0;
+  Rounds<double> r;
+  EXPECT_EQ(run_rounds<double>(
+                plan,
+                [&](const std::string&, int round, double* f) {
+                  ++ours_runs;
+                  *f = 1;
+                  return round == 1 ? 7 : 0;
+                },
+                [](int, double* f) { return (*f = 2), true; }, &r),
+            7);
+  EXPECT_EQ(ours_runs, 2);
+  EXPECT_EQ(r.theirs.size(), 1u);
+
+  Rounds<double> r2;
+  EXPECT_EQ(run_rounds<double>(
+                plan, [](const std::string&, int, double* f) { return (*f = 1), 0; },
+                [](int round, double* f) { return (*f = 2), round < 2; }, &r2),
+            0);
+  EXPECT_EQ(r2.ours["a"].size(), 3u);  // the third round's PyTorch failed: no fourth
+  EXPECT_EQ(r2.theirs.size(), 2u);
+  EXPECT_EQ(r2.speedups("a", [](const double& f) { return f; }, false).per_round.size(), 2u);
+
+  plan.with_theirs = false;
+  Rounds<double> r3;
+  int theirs_runs = 0;
+  EXPECT_EQ(run_rounds<double>(
+                plan, [](const std::string&, int, double* f) { return (*f = 1), 0; },
+                [&](int, double*) { return ++theirs_runs, true; }, &r3),
+            0);
+  EXPECT_EQ(r3.ours["a"].size(), 1u);
+  EXPECT_EQ(theirs_runs, 0);
 }
 
 }  // namespace

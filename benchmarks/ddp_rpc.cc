@@ -47,6 +47,7 @@
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
 #include "benchmarks/network_hosts.h"
+#include "benchmarks/rounds.h"
 #include "ddp/process_group.h"
 #include "models/hybrid_trainer.h"
 #include "rpc/rendezvous/launch.h"
@@ -575,20 +576,15 @@ void print_info(const std::string& processes) {
 
 // Every figure of the local launch: the first run of each side in full,
 // then each round's "All" p50 and the ratios.
-struct Report {
-  std::map<std::string, bench::JsonValue> ours;  // kernel -> the first run's figures
-  bench::JsonValue theirs;                        // PyTorch's first run's; null when none
-  std::map<std::string, std::vector<double>> ours_p50;  // kernel -> All p50 per round
-  std::vector<double> theirs_p50;                       // per round
+// The runs of both sides, round by round (rounds.h): each run's figures
+// as the master wrote them (PyTorch's as its script did).
+using Report = bench::Rounds<bench::JsonValue>;
 
-  Report() { theirs.set_null_value(google::protobuf::NULL_VALUE); }
-};
+double all_p50(const bench::JsonValue& figures);
 
 // PyTorch's All p50 over ours, per round (sec/iter: > 1 means ddprpc is faster).
 bench::RoundSpeedups round_ratios(const Report& r, const std::string& kernel) {
-  const auto it = r.ours_p50.find(kernel);
-  if (it == r.ours_p50.end()) return {};
-  return bench::round_speedups(it->second, r.theirs_p50, /*higher_is_better=*/false);
+  return r.speedups(kernel, all_p50, /*higher_is_better=*/false);
 }
 
 void write_json(const Report& r) {
@@ -614,22 +610,23 @@ void write_json(const Report& r) {
   bench::Json json;
   json.begin_object();
   json.key("config").value(config.root());
-  json.key("ddprpc").value(r.ours.count(first_kernel) ? r.ours.at(first_kernel) : none);
+  // The first round's figures, and every round's All p50.
+  json.key("ddprpc").value(r.ours.count(first_kernel) ? r.ours.at(first_kernel)[0] : none);
   json.key("ddprpc_by_kernel").begin_object();
-  for (const auto& [kernel, figures] : r.ours) json.key(kernel).value(figures);
+  for (const auto& [kernel, rounds] : r.ours) json.key(kernel).value(rounds[0]);
   json.end_object();
-  json.key("pytorch").value(r.theirs);
+  json.key("pytorch").value(r.theirs.empty() ? none : r.theirs[0]);
   json.key("rounds").begin_object();
-  for (const auto& [kernel, p50s] : r.ours_p50) {
+  for (const auto& [kernel, rounds] : r.ours) {
     json.key(absl::StrCat("ddprpc_", kernel, "_all_p50")).begin_array();
-    for (double v : p50s) json.value(v);
+    for (const bench::JsonValue& figures : rounds) json.value(all_p50(figures));
     json.end_array();
   }
   json.key("pytorch_all_p50").begin_array();
-  for (double v : r.theirs_p50) json.value(v);
+  for (const bench::JsonValue& figures : r.theirs) json.value(all_p50(figures));
   json.end_array();
   json.key("ratios").begin_object();
-  for (const auto& [kernel, p50s] : r.ours_p50) {
+  for (const auto& [kernel, rounds] : r.ours) {
     const bench::RoundSpeedups ratios = round_ratios(r, kernel);
     if (!ratios.per_round.empty()) json.key(kernel).value(ratios.json());
   }
@@ -667,7 +664,7 @@ int run_master(bool standalone) {
   if (standalone) {
     std::printf("%sPyTorch reference not run (roles started on their own)\n", text.c_str());
     Report r;
-    r.ours[kernel] = report_json;
+    r.ours[kernel].push_back(report_json);
     write_json(r);
   } else {
     std::string error;
@@ -862,8 +859,8 @@ void print_ratios(const Report& r) {
                                         : "our kernels: the product",
         m, m >= 1 ? " (ddprpc faster)" : " (ddprpc slower)", ratios.per_round.size(),
         ratios.list().c_str(),
-        absl::StrFormat("%.3fs, PyTorch %.3fs in the first round", r.ours_p50.at(kernel)[0],
-                        r.theirs_p50[0])
+        absl::StrFormat("%.3fs, PyTorch %.3fs in the first round", all_p50(r.ours.at(kernel)[0]),
+                        all_p50(r.theirs[0]))
             .c_str());
   }
   const auto kernels = dense_kernels();
@@ -897,24 +894,24 @@ int coordinator(int argc, char** argv) {
   const std::string script =
       bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/ddp_rpc.py");
   const bool pytorch = FLAGS_pytorch && !FLAGS_check_convergence && !script.empty();
-  const int rounds = pytorch ? FLAGS_pairs : 1;
+  bench::RoundsPlan plan;
+  plan.name = "ddp_rpc";
+  plan.rounds = FLAGS_pairs;
+  for (models::DenseKernel k : dense_kernels()) plan.variants.push_back(models::dense_kernel_name(k));
+  plan.with_theirs = pytorch;
   Report report;
   const std::string tmp = bench::temp_path("ddp_rpc_ref");
-  for (int round = 0; round < rounds; ++round) {
-    if (rounds > 1) std::fprintf(stderr, "ddp_rpc: round %d of %d\n", round + 1, rounds);
-    for (models::DenseKernel k : dense_kernels()) {
-      const std::string kernel = models::dense_kernel_name(k);
-      bench::JsonValue json;
-      const int rc = run_ours(argc, argv, kernel, round == 0, &json);
-      if (rc != 0) return rc;
-      if (round == 0) report.ours[kernel] = json;
-      report.ours_p50[kernel].push_back(all_p50(json));
-    }
-    if (!pytorch) break;
-    bench::JsonValue theirs = run_pytorch_reference(script, tmp, round == 0);
-    if (round == 0) report.theirs = theirs;
-    report.theirs_p50.push_back(all_p50(theirs));
-  }
+  const int rc = bench::run_rounds<bench::JsonValue>(
+      plan,
+      [&](const std::string& kernel, int round, bench::JsonValue* json) {
+        return run_ours(argc, argv, kernel, round == 0, json);
+      },
+      [&](int round, bench::JsonValue* json) {
+        *json = run_pytorch_reference(script, tmp, round == 0);
+        return all_p50(*json) > 0;
+      },
+      &report);
+  if (rc != 0) return rc;
   if (FLAGS_check_convergence) {
     std::printf("PyTorch reference not run (--check_convergence)\n");
   } else if (!pytorch) {

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -99,13 +100,19 @@ class RoundBarrier {
   int64_t round_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Runs body(stream) for streams 1..n-1 on threads of their own and for
-// stream 0 here; the first error wins.
+// Runs body(stream) for each stream on a thread of its own, at the normal
+// scheduling policy whatever the caller's (an RPC handler's may be
+// SCHED_BATCH, which delays wake-ups); the first error wins.
 absl::Status on_streams(int n, const std::function<absl::Status(int)>& body) {
   std::vector<absl::Status> status(n);
   std::vector<std::thread> threads;
-  for (int i = 1; i < n; ++i) threads.emplace_back([&, i] { status[i] = body(i); });
-  status[0] = body(0);
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      sched_param normal{};
+      ::sched_setscheduler(0, SCHED_OTHER, &normal);  // this thread only
+      status[i] = body(i);
+    });
+  }
   for (std::thread& t : threads) t.join();
   for (const absl::Status& s : status) {
     if (!s.ok()) return s;

@@ -3,7 +3,8 @@
 // figures. Each round the caller writes `bytes` and the echo, having read
 // all of them, writes them back (as an RPC identity does). With several
 // streams the bytes are split evenly between that many connections, each
-// written and read by a thread of its own on both ends (as iperf -P does):
+// written and read by a thread of its own on both ends (as iperf -P does;
+// every stream has its thread, at the normal scheduling policy):
 // one TCP stream is processed by one CPU at a time in the kernel, several
 // spread over the CPUs. TCP_NODELAY on every connection, the kernel's own
 // buffer sizes.

@@ -56,6 +56,7 @@
 #include "absl/synchronization/mutex.h"
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
+#include "benchmarks/rounds.h"
 #include "models/categorical.h"
 #include "models/chosen_log_probs.h"
 #include "models/linear.h"
@@ -541,6 +542,15 @@ int worker(const Config& c) {
 // metric -> percentile -> value, from one result object (ours or the
 // reference's, which share the shape).
 using Figures = std::map<std::string, std::map<int, double>>;
+
+// The p50 of `metric` in `figures`; 0 when missing.
+double p50(const Figures& figures, const std::string& metric) {
+  const auto m = figures.find(metric);
+  if (m == figures.end()) return 0;
+  const auto v = m->second.find(50);
+  return v == m->second.end() ? 0 : v->second;
+}
+
 Figures parse_figures(const bench::JsonValue& result) {
   Figures out;
   for (const char* metric : kMetrics) {
@@ -687,38 +697,42 @@ int launcher(int argc, char** argv) {
 
   const std::string script = bench::source_path("benchmarks/reference/rpc_rl.py");
   const bool pytorch = FLAGS_pytorch && !script.empty();
-  const int rounds = pytorch ? FLAGS_pairs : 1;
-  // kernel -> round -> x -> figures; PyTorch's: round -> x -> figures.
-  std::map<std::string, std::vector<std::vector<Figures>>> ours;
+  // Per round, the figures of each x.
+  bench::RoundsPlan plan;
+  plan.name = "rpc_rl";
+  plan.rounds = FLAGS_pairs;
+  plan.variants = kernels;
+  plan.with_theirs = pytorch;
+  bench::Rounds<std::vector<Figures>> rounds;
   std::map<std::string, google::protobuf::ListValue> ours_json;  // the first round's
-  std::vector<std::vector<Figures>> theirs;
   bench::JsonValue theirs_json;  // PyTorch's first report as its script wrote it; null if none
   theirs_json.set_null_value(google::protobuf::NULL_VALUE);
-  for (int round = 0; round < rounds; ++round) {
-    if (rounds > 1) std::fprintf(stderr, "rpc_rl: round %d of %d\n", round + 1, rounds);
-    for (const std::string& kernel : kernels) {
-      std::vector<Figures> figures;
-      google::protobuf::ListValue results;
-      if (!run_ours(argc, argv, x_name, xs, configs, kernel, &figures, &results)) return 1;
-      if (round == 0) {
-        std::printf("\nddprpc, policy on %s:\n", kernel.c_str());
-        print_table(x_name, xs, figures);
-        std::fflush(stdout);
-        ours_json[kernel] = std::move(results);
-      }
-      ours[kernel].push_back(std::move(figures));
-    }
-    if (!pytorch) break;
-    bench::JsonValue report;
-    std::vector<Figures> figures = run_pytorch(script, xs.size(), &report);
-    if (figures.empty()) break;  // it failed: no ratio to take
-    if (round == 0) {
-      std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
-      print_table(x_name, xs, figures);
-      theirs_json = std::move(report);
-    }
-    theirs.push_back(std::move(figures));
-  }
+  const int rc = bench::run_rounds<std::vector<Figures>>(
+      plan,
+      [&](const std::string& kernel, int round, std::vector<Figures>* figures) {
+        google::protobuf::ListValue results;
+        if (!run_ours(argc, argv, x_name, xs, configs, kernel, figures, &results)) return 1;
+        if (round == 0) {
+          std::printf("\nddprpc, policy on %s:\n", kernel.c_str());
+          print_table(x_name, xs, *figures);
+          std::fflush(stdout);
+          ours_json[kernel] = std::move(results);
+        }
+        return 0;
+      },
+      [&](int round, std::vector<Figures>* figures) {
+        bench::JsonValue report;
+        *figures = run_pytorch(script, xs.size(), &report);
+        if (figures->empty()) return false;  // it failed: no ratio to take
+        if (round == 0) {
+          std::printf("\n------------------ PyTorch (same machine, same run) ------------------\n");
+          print_table(x_name, xs, *figures);
+          theirs_json = std::move(report);
+        }
+        return true;
+      },
+      &rounds);
+  if (rc != 0) return rc;
   if (!pytorch) {
     std::printf("\nPyTorch's benchmark not run (--pytorch=false or reference script not found)\n");
   }
@@ -726,23 +740,20 @@ int launcher(int argc, char** argv) {
   // Ratios at p50, per x and kernel: the median over the rounds.
   bench::JsonValue ratios_json;
   auto& ratio_fields = *ratios_json.mutable_struct_value()->mutable_fields();
-  if (!theirs.empty()) {
+  if (!rounds.theirs.empty()) {
     std::printf("\nddprpc / PyTorch at p50 (throughputs; > 1: ddprpc faster), median of %zu "
                 "interleaved round(s):\n",
-                theirs.size());
+                rounds.theirs.size());
     for (size_t i = 0; i < xs.size(); ++i) {
       for (const std::string& kernel : kernels) {
         std::string line = absl::StrFormat(
             "  %s%s%s policy on %-7s (%s):", x_name, x_name.empty() ? "" : "=", xs[i], kernel,
             kernel == "aten" ? "runtimes alone" : "the product");
         for (const char* metric : {"agent throughput", "observer throughput"}) {
-          std::vector<double> our_rounds, their_rounds;
-          for (size_t r = 0; r < theirs.size() && r < ours[kernel].size(); ++r) {
-            our_rounds.push_back(ours[kernel][r][i][metric][50]);
-            their_rounds.push_back(theirs[r][i][metric][50]);
-          }
-          const bench::RoundSpeedups ratios =
-              bench::round_speedups(our_rounds, their_rounds, /*higher_is_better=*/true);
+          const bench::RoundSpeedups ratios = rounds.speedups(
+              kernel,
+              [&](const std::vector<Figures>& round) { return p50(round[i], metric); },
+              /*higher_is_better=*/true);
           absl::StrAppendFormat(&line, " %s %.2fx [%s]", metric, ratios.median(), ratios.list());
           ratio_fields[absl::StrCat(kernel, " ", x_name, "=", xs[i], " ", metric)] = ratios.json();
         }
