@@ -112,17 +112,8 @@ std::string human(int64_t bytes) {
 }
 
 int coordinator(int argc, char** argv) {
-  std::unique_ptr<bench::NetworkHosts> hosts;
-  std::string where = "this host's loopback";
-  if (FLAGS_hosts > 0) {
-    std::string error;
-    hosts = bench::NetworkHosts::create(FLAGS_hosts, &error);
-    if (!hosts) {
-      std::fprintf(stderr, "allreduce: --hosts=%d: %s\n", FLAGS_hosts, error.c_str());
-      return 1;
-    }
-    where = absl::StrCat(hosts->describe(), ", rank r on host r % ", FLAGS_hosts);
-  }
+  const std::unique_ptr<bench::NetworkHosts> hosts = bench::hosts_from_flag("allreduce", FLAGS_hosts);
+  const std::string where = hosts ? hosts->describe() : "this host's loopback";
   bench::Json json;
   json.begin_object();
   json.versions();
@@ -135,10 +126,7 @@ int coordinator(int argc, char** argv) {
     bench::RolesOptions launch;
     launch.nprocs = n;
     launch.timeout = absl::Minutes(10);
-    if (hosts) {
-      launch.network_namespaces = hosts->namespaces();
-      launch.master_addr = hosts->address(0);
-    }
+    if (hosts) hosts->place(&launch);
     std::fprintf(stderr, "allreduce: ddprpc ProcessGroupGloo, %d processes\n", n);
     const bench::RolesResult r = bench::run_roles(argc, argv, launch);
     if (!r.ok()) {

@@ -444,17 +444,21 @@ ReferenceRun run_reference(const std::string& script, const std::vector<std::str
   if (!report_flag.empty()) argv.push_back(report_flag);
   argv.push_back(path);
   ReferenceRun run;
-  run.report.set_null_value(google::protobuf::NULL_VALUE);
   run.exit_code = run_command(argv, &run.output);
-  if (run.exit_code == 0) {
+  take_report(path, &run);
+  return run;
+}
+
+void take_report(const std::string& path, ReferenceRun* run) {
+  run->report.set_null_value(google::protobuf::NULL_VALUE);
+  if (run->exit_code == 0) {
     std::string error;
-    if (!parse_json(read_file(path), &run.report, &error)) {
-      run.report.set_null_value(google::protobuf::NULL_VALUE);
-      absl::StrAppend(&run.output, "\nits report is not JSON: ", error);
+    if (!parse_json(read_file(path), &run->report, &error)) {
+      run->report.set_null_value(google::protobuf::NULL_VALUE);
+      absl::StrAppend(&run->output, "\nits report is not JSON: ", error);
     }
   }
   std::remove(path.c_str());
-  return run;
 }
 
 bool parse_json(const std::string& text, JsonValue* out, std::string* error) {

@@ -198,6 +198,10 @@ struct ReferenceRun {
 // and reads that report. The temporary file is removed.
 ReferenceRun run_reference(const std::string& script, const std::vector<std::string>& args,
                            const std::string& report_flag = "--json");
+// The report a reference run left at `path`, into run->report (null when
+// the run failed or the file is not JSON, the reason added to its output);
+// the file is removed.
+void take_report(const std::string& path, ReferenceRun* run);
 
 // Parses `text`; false (with *error, when given, saying why) if it is not JSON.
 bool parse_json(const std::string& text, JsonValue* out, std::string* error = nullptr);

@@ -735,10 +735,7 @@ const bench::NetworkHosts* network_hosts() { return g_hosts; }
 
 // Puts the ranks of `launch` on --hosts' namespaces (rank 0, the store, on the first).
 void place_on_hosts(bench::RolesOptions* launch) {
-  if (const bench::NetworkHosts* hosts = network_hosts()) {
-    launch->network_namespaces = hosts->namespaces();
-    launch->master_addr = hosts->address(0);
-  }
+  if (const bench::NetworkHosts* hosts = network_hosts()) hosts->place(launch);
 }
 
 int pytorch_iters() { return FLAGS_pytorch_iters >= 0 ? FLAGS_pytorch_iters : FLAGS_iters; }
@@ -873,14 +870,9 @@ void print_ratios(const Report& r) {
 }
 
 int coordinator(int argc, char** argv) {
-  std::string where = "this host";
-  std::unique_ptr<bench::NetworkHosts> hosts;  // removed when the coordinator returns
-  if (FLAGS_hosts > 0) {
-    std::string error;
-    hosts = bench::NetworkHosts::create(FLAGS_hosts, &error);
-    if (!hosts) usage_error(absl::StrCat("--hosts=", FLAGS_hosts, ": ", error));
-    where = absl::StrCat(hosts->describe(), ", rank r on host r % ", FLAGS_hosts);
-  }
+  // Removed when the coordinator returns.
+  const std::unique_ptr<bench::NetworkHosts> hosts = bench::hosts_from_flag("ddp_rpc", FLAGS_hosts);
+  const std::string where = hosts ? hosts->describe() : "this host";
   g_hosts = hosts.get();
   struct Forget {
     ~Forget() { g_hosts = nullptr; }

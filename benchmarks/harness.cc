@@ -49,6 +49,18 @@ bool write_text(const std::string& text, std::string* error) {
 // Where forked ranks start (run_main).
 int (*g_rank_main)(int, char**) = nullptr;
 
+// The launch of `options`' ranks: how many, where, and for how long.
+rpc::LaunchOptions placed(const RolesOptions& options) {
+  rpc::LaunchOptions launch;
+  launch.nprocs = options.nprocs;
+  launch.master_addr = options.master_addr;
+  launch.master_port = options.master_port;
+  launch.timeout = options.timeout;
+  launch.grace_period = options.grace_period;
+  launch.network_namespaces = options.network_namespaces;
+  return launch;
+}
+
 }  // namespace
 
 int run_main(int argc, char** argv, int (*rank_main)(int argc, char** argv)) {
@@ -62,8 +74,7 @@ RolesResult run_roles(int argc, char** argv, const RolesOptions& options) {
       temp_path(absl::StrCat("ddprpc_result.", runs.fetch_add(1))) + ".json";
   std::remove(path.c_str());
   // This binary again, with its arguments and then the options' ones.
-  rpc::LaunchOptions launch;
-  launch.nprocs = options.nprocs;
+  rpc::LaunchOptions launch = placed(options);
   launch.argv = {self_exe()};
   for (int i = 1; i < argc; ++i) launch.argv.push_back(argv[i]);
   launch.argv.insert(launch.argv.end(), options.args.begin(), options.args.end());
@@ -71,11 +82,6 @@ RolesResult run_roles(int argc, char** argv, const RolesOptions& options) {
   launch.env.push_back(progress_terminal_env());
   launch.env.insert(launch.env.end(), options.env.begin(), options.env.end());
   launch.env.emplace_back(kResultFileEnv, path);
-  launch.master_addr = options.master_addr;
-  launch.master_port = options.master_port;
-  launch.timeout = options.timeout;
-  launch.grace_period = options.grace_period;
-  launch.network_namespaces = options.network_namespaces;
   if (int (*entry)(int, char**) = options.entry ? options.entry : g_rank_main) {
     launch.entry = [entry](const std::vector<std::string>& args) {
       // As in a new process: every flag at its default before parsing.
@@ -131,18 +137,12 @@ ReferenceRun run_reference_ranks(const std::string& script, const std::vector<st
   const std::string path =
       temp_path(absl::StrCat("pytorch_ranks_report.", runs.fetch_add(1))) + ".json";
   std::remove(path.c_str());
-  rpc::LaunchOptions launch;
-  launch.nprocs = options.nprocs;
+  rpc::LaunchOptions launch = placed(options);
   launch.argv = {reference_python(), script};
   launch.argv.insert(launch.argv.end(), args.begin(), args.end());
   if (!report_flag.empty()) launch.argv.push_back(report_flag);
   launch.argv.push_back(path);
   launch.env = options.env;
-  launch.master_addr = options.master_addr;
-  launch.master_port = options.master_port;
-  launch.timeout = options.timeout;
-  launch.grace_period = options.grace_period;
-  launch.network_namespaces = options.network_namespaces;
   // execv takes a path: find the interpreter on PATH as a shell would.
   if (launch.argv[0].find('/') == std::string::npos) {
     std::string found;
@@ -152,17 +152,8 @@ ReferenceRun run_reference_ranks(const std::string& script, const std::vector<st
   }
   ReferenceRun run;
   launch.output = &run.output;
-  const rpc::LaunchResult launched = rpc::launch(launch);
-  run.report.set_null_value(google::protobuf::NULL_VALUE);
-  run.exit_code = launched.exit_code;
-  if (run.exit_code == 0) {
-    std::string error;
-    if (!parse_json(read_file(path), &run.report, &error)) {
-      run.report.set_null_value(google::protobuf::NULL_VALUE);
-      absl::StrAppend(&run.output, "\nits report is not JSON: ", error);
-    }
-  }
-  std::remove(path.c_str());
+  run.exit_code = rpc::launch(launch).exit_code;
+  take_report(path, &run);
   return run;
 }
 

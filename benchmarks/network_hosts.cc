@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -107,7 +108,24 @@ std::string NetworkHosts::address(int i) const { return absl::StrCat(kSubnet, i 
 
 std::string NetworkHosts::describe() const {
   return absl::StrCat(size(), " network namespaces on a bridge (veth, MTU 1500): ", kSubnet,
-                      size() > 1 ? absl::StrCat("1-", size()) : "1");
+                      size() > 1 ? absl::StrCat("1-", size()) : "1", ", rank r on host r % ",
+                      size());
+}
+
+void NetworkHosts::place(RolesOptions* options) const {
+  options->network_namespaces = namespaces_;
+  options->master_addr = address(0);
+}
+
+std::unique_ptr<NetworkHosts> hosts_from_flag(const char* benchmark, int count) {
+  if (count == 0) return nullptr;
+  std::string error;
+  std::unique_ptr<NetworkHosts> hosts = NetworkHosts::create(count, &error);
+  if (!hosts) {
+    std::fprintf(stderr, "%s: --hosts=%d: %s\n", benchmark, count, error.c_str());
+    std::exit(1);
+  }
+  return hosts;
 }
 
 std::string local_address_towards(const std::string& host) {

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/harness.h"
+
 namespace ddprpc::benchmarks {
 
 class NetworkHosts {
@@ -31,8 +33,12 @@ class NetworkHosts {
   const std::vector<std::string>& namespaces() const { return namespaces_; }
   // The IPv4 address of host `i` (0-based).
   std::string address(int i) const;
-  // E.g. "3 network namespaces on a bridge (veth, MTU 1500): 10.213.0.1-3".
+  // E.g. "3 network namespaces on a bridge (veth, MTU 1500): 10.213.0.1-3,
+  // rank r on host r % 3".
   std::string describe() const;
+  // Places the ranks of `options` on these hosts: rank r on host r %
+  // size(), the rendezvous at host 0's address.
+  void place(RolesOptions* options) const;
 
  private:
   NetworkHosts(std::string bridge, std::vector<std::string> namespaces)
@@ -42,6 +48,11 @@ class NetworkHosts {
   const std::string bridge_;
   const std::vector<std::string> namespaces_;
 };
+
+// A benchmark's --hosts=`count`: null for 0 (every rank on this host),
+// else the hosts; when they cannot be made, says why (naming `benchmark`)
+// and exits with code 1.
+std::unique_ptr<NetworkHosts> hosts_from_flag(const char* benchmark, int count);
 
 // The local address that routes to `host`: the one peers on other hosts can
 // reach this process at (127.0.0.1 when `host` is this one). "" if none.

@@ -230,19 +230,10 @@ int coordinator(int argc, char** argv) {
   bench::RolesOptions launch;
   launch.nprocs = 2;
   launch.timeout = absl::Minutes(10);
-  std::unique_ptr<bench::NetworkHosts> hosts;
-  std::string where = "loopback";
-  if (FLAGS_hosts > 0) {
-    std::string error;
-    hosts = bench::NetworkHosts::create(FLAGS_hosts, &error);
-    if (!hosts) {
-      std::fprintf(stderr, "rpc_pingpong: --hosts=%d: %s\n", FLAGS_hosts, error.c_str());
-      return 1;
-    }
-    launch.network_namespaces = hosts->namespaces();
-    launch.master_addr = hosts->address(0);
-    where = hosts->describe();
-  }
+  const std::unique_ptr<bench::NetworkHosts> hosts =
+      bench::hosts_from_flag("rpc_pingpong", FLAGS_hosts);
+  const std::string where = hosts ? hosts->describe() : "loopback";
+  if (hosts) hosts->place(&launch);
   std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers (%s)\n", where.c_str());
   const bench::RolesResult r = bench::run_roles(argc, argv, launch);
   if (!r.ok()) {
