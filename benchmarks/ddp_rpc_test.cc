@@ -5,8 +5,10 @@
 // a parameter server mid-run makes it fail promptly with a message naming
 // the server and the call, leaving no process behind.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <regex>
@@ -138,6 +140,35 @@ TEST(DdpRpcBenchmarkTest, SmallRunPrintsTableAndJson) {
   const char* allocator = "allocator: tcmalloc 2.";
 #endif
   EXPECT_NE(out.find(allocator), std::string::npos) << allocator << " missing:\n" << out;
+}
+
+// --hosts=3 (root): both sides' ranks on three network namespaces, on
+// their network paths; the run compares them and leaves no namespace.
+TEST(DdpRpcBenchmarkTest, AcrossNetworkNamespacesBothSidesRunAndCompare) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (ip netns)";
+  const std::string json = test_tmp("hosts.json");
+  Child c(binary(kBinary),
+          {"--trainers=2", "--ps=2", "--iters=3", "--warmup=1", "--dense_kernel=aten",
+           "--hosts=3", "--json=" + json},
+          "hosts");
+  ASSERT_EQ(c.wait_for(absl::Minutes(4)), 0) << c.err();
+  const std::string out = c.out();
+  for (const char* line :
+       {"processes on 3 network namespaces on a bridge", "same-host transport off",
+        "same-host allreduce off", "PyTorch: TensorPipe uv + basic",
+        "All p50 sec/iter, PyTorch / ddprpc with aten"}) {
+    EXPECT_NE(out.find(line), std::string::npos) << line << " missing:\n" << out;
+  }
+  EXPECT_EQ(out.find("PyTorch reference failed"), std::string::npos) << out;
+  // Every namespace this run made is gone.
+  const std::string prefix = absl::StrCat("ddprpc-bench-", c.pid(), "-");
+  std::string left;
+  if (FILE* ls = ::popen("ip netns list", "r")) {
+    char buf[256];
+    while (std::fgets(buf, sizeof(buf), ls)) left += buf;
+    ::pclose(ls);
+  }
+  EXPECT_EQ(left.find(prefix), std::string::npos) << left;
 }
 
 // As under a multi-host launcher: each rank its own process, told its place

@@ -41,6 +41,8 @@ class Child {
   int wait_for(absl::Duration timeout);
   std::string out() const { return read_file(out_path_); }
   std::string err() const { return read_file(err_path_); }
+  // The process started (`path` itself).
+  pid_t pid() const { return pid_; }
 
  private:
   pid_t pid_ = -1;
