@@ -1,6 +1,7 @@
 #include "rpc/rendezvous/launch.h"
 
 #include <netinet/in.h>
+#include <sys/stat.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -127,9 +128,20 @@ TEST(LaunchTest, EntryIsNotUsedWhenTheLauncherHasThreads) {
 // launcher's own end up there.
 TEST(LaunchTest, OutputIsCapturedWhenAsked) {
   std::string output;
-  LaunchOptions o = sh(2, "echo out$RANK; echo err$RANK >&2; exit $RANK");
+  // Rank 1 fails only once rank 0 has written both lines (so that stopping
+  // rank 0 cannot cut them off).
+  const std::string done = absl::StrCat(
+      std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp", "/launch_test.", ::getpid(),
+      ".done");
+  std::remove(done.c_str());
+  LaunchOptions o = sh(2,
+                       "if [ $RANK = 0 ]; then echo out0; echo err0 >&2; touch \"$DONE\"; exit 0; fi; "
+                       "i=0; while [ ! -e \"$DONE\" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; "
+                       "echo out1; echo err1 >&2; exit 1");
+  o.env = {{"DONE", done}};
   o.output = &output;
   const LaunchResult r = launch(o);
+  std::remove(done.c_str());
   EXPECT_EQ(r.exit_code, 1);
   for (const char* line : {"[rank 0] out0\n", "[rank 1] out1\n", "[rank 0] err0\n",
                            "[rank 1] err1\n", "launch: rank 1 exited with code 1"}) {
@@ -159,12 +171,15 @@ TEST(LaunchTest, RanksJoinTheirNetworkNamespaces) {
     std::system(("ip netns del " + a + " 2>/dev/null; ip netns del " + b + " 2>/dev/null").c_str());
     GTEST_SKIP() << "ip netns add failed here";
   }
+  // The namespace of this process, which the ranks must not be in.
+  struct stat self {};
+  ASSERT_EQ(::stat("/proc/self/ns/net", &self), 0);
   LaunchOptions o = sh(3, "");
-  o.env = {{"NS_A", a}, {"NS_B", b}};
+  o.env = {{"NS_A", a}, {"NS_B", b}, {"LAUNCHER_NS", std::to_string(self.st_ino)}};
   o.argv = {"/bin/sh", "-c",
             "if [ $RANK = 1 ]; then ns=$NS_B; else ns=$NS_A; fi; "
-            "test \"$(stat -L -c %i /proc/self/ns/net)\" = \"$(stat -L -c %i /var/run/netns/$ns)\" "
-            "&& test \"$(stat -L -c %i /proc/self/ns/net)\" != \"$(stat -L -c %i /proc/1/ns/net)\""};
+            "mine=$(stat -L -c %i /proc/self/ns/net) && want=$(stat -L -c %i /var/run/netns/$ns) && "
+            "test -n \"$mine\" && test \"$mine\" = \"$want\" && test \"$mine\" != \"$LAUNCHER_NS\""};
   o.network_namespaces = {a, b};
   const LaunchResult r = launch(o);
   std::system(("ip netns del " + a + "; ip netns del " + b).c_str());
