@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,9 +38,13 @@ bool parse_ipv4(const std::string& host, int port, sockaddr_in* addr) {
   return ::inet_pton(AF_INET, host.c_str(), &addr->sin_addr) == 1;
 }
 
-void no_delay(int fd) {
+// TCP_NODELAY, and sends that make no progress for kSilenceMs fail (a
+// peer that stops reading cannot hold a writer for ever).
+void configure(int fd) {
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  timeval limit{kSilenceMs / 1000, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
 }
 
 bool wait_for(int fd, short events) {
@@ -168,7 +173,7 @@ absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t b
       s = errno_status("accept");
       break;
     }
-    no_delay(fd);
+    configure(fd);
     fds.push_back(fd);
   }
   ::close(listener.fd);
@@ -214,7 +219,7 @@ absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_
       close_all(fds);
       return s;
     }
-    no_delay(fd);
+    configure(fd);
     fds.push_back(fd);
   }
   std::string buffer(static_cast<size_t>(bytes), '\0');

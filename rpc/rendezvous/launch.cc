@@ -43,6 +43,7 @@ bool join_network_namespace(const std::string& name) {
   if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) {
     std::fprintf(stderr, "launch: cannot join the network namespace %s: %s\n", path.c_str(),
                  std::strerror(errno));
+    if (fd >= 0) ::close(fd);
     return false;
   }
   ::close(fd);
