@@ -46,6 +46,10 @@ DEFINE_int32(spin_us, 50,
 DEFINE_bool(same_host_transport, true,
             "reach peers on this host through the same-host transport (false: gRPC for every "
             "peer, the path of workers on other hosts)");
+DEFINE_uint64(bulk_min_bytes, 256 << 10,
+              "tensors at least this large between hosts leave gRPC for the bulk path, pulled "
+              "over --bulk_streams TCP connections (RpcBackendOptions::bulk_min_bytes; 0: off)");
+DEFINE_int32(bulk_streams, 3, "connections a bulk pull is spread over (1..16)");
 DEFINE_bool(same_host_allreduce, true,
             "let Gloo groups on one host reduce through shared memory and cross-process reads "
             "(false: Gloo's TCP algorithms)");
@@ -96,6 +100,8 @@ rpc::RpcBackendOptions backend_options() {
   options.batch_scheduling = FLAGS_sched_batch;
   options.max_spin = absl::Microseconds(FLAGS_spin_us);
   options.same_host_transport = FLAGS_same_host_transport;
+  options.bulk_min_bytes = FLAGS_bulk_min_bytes;
+  options.bulk_streams = std::clamp(FLAGS_bulk_streams, 1, 16);
   options.capture_frames_dir = FLAGS_capture_frames;
   options.allow_insecure = FLAGS_allow_insecure;
   return options;
@@ -120,6 +126,11 @@ std::string runtime_settings() {
   return absl::StrCat(
       "runtime: threads ", FLAGS_sched_batch ? "SCHED_BATCH" : "as started", ", spin ",
       FLAGS_spin_us, " us, same-host transport ", FLAGS_same_host_transport ? "on" : "off",
+      ", bulk path ",
+      FLAGS_bulk_min_bytes > 0
+          ? absl::StrCat("from ", FLAGS_bulk_min_bytes >> 10, " KiB over ",
+                         std::clamp(FLAGS_bulk_streams, 1, 16), " connections")
+          : std::string("off"),
       ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off",
       ", gRPC poll engine '", poll_engine(), "', abseil deadlock detection ",
       FLAGS_mutex_deadlock_detection ? "on" : "off");

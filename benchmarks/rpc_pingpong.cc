@@ -39,6 +39,7 @@
 #include "rpc/rref/rref.h"
 
 DECLARE_bool(same_host_transport);  // benchmarks/common.cc
+DECLARE_uint64(bulk_min_bytes);     // benchmarks/common.cc
 
 DEFINE_int32(iters, 2000, "timed rpc_sync calls per small tensor size");
 DEFINE_int32(big_iters, 200, "timed rpc_sync calls for the 4 MiB tensor");
@@ -296,8 +297,12 @@ int coordinator(int argc, char** argv) {
              bench::speedup_cell(our_tput, their_tput, /*higher_is_better=*/true, 1), "", "", ""});
   std::printf("\nrpc_pingpong: 2 workers, %s; %s; %d callee threads, %d CPUs, %s\n",
               where.c_str(),
-              network_path() ? "network paths (ddprpc: gRPC; PyTorch: TensorPipe uv + basic)"
-                             : "each side's fastest path",
+              network_path()
+                  ? (FLAGS_bulk_min_bytes > 0
+                         ? "network paths (ddprpc: gRPC, tensors from --bulk_min_bytes on its bulk "
+                           "path; PyTorch: TensorPipe uv + basic)"
+                         : "network paths (ddprpc: gRPC only; PyTorch: TensorPipe uv + basic)")
+                  : "each side's fastest path",
               FLAGS_num_worker_threads, bench::cpu_count(), bench::allocator_name().c_str());
   std::printf("%s\n", bench::versions().c_str());
   std::printf("%s", table.str().c_str());

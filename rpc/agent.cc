@@ -22,6 +22,7 @@
 #include "rpc/core/internal/thread_policy.h"
 #include "rpc/core/internal/thread_pool.h"
 #include "rpc/rendezvous/init_method.h"
+#include "rpc/transport/bulk_transport.h"
 #include "rpc/transport/same_host_transport.h"
 #include "rpc/transport/transport.h"
 #include "rpc/wire/codec.h"
@@ -212,6 +213,16 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   transport_options.max_spin = options_.max_spin;
   transport_options.capture_frames_dir = options_.capture_frames_dir;
   transport_ = transport::make_default_transport(transport_options);
+  if (options_.bulk_min_bytes > 0 && !security.encrypted()) {
+    transport::BulkOptions bulk;
+    bulk.min_bytes = options_.bulk_min_bytes;
+    bulk.streams = std::max(1, options_.bulk_streams);
+    // A lender that sends nothing for as long as keepalive takes to find
+    // a peer dead is taken for dead.
+    bulk.silence = std::max(options_.keepalive_interval + options_.keepalive_timeout,
+                            absl::Seconds(1));
+    transport_ = transport::make_bulk_transport(std::move(transport_), bulk);
+  }
   if (options_.same_host_transport) {
     transport_ = transport::make_same_host_transport(std::move(transport_), transport_options);
   }
@@ -285,13 +296,14 @@ void RpcAgent::rendezvous(const std::string& name, int world_size) {
   }
   std::string address = absl::StrCat(options_.listen_address, ":", server_->port());
   store_->set(absl::StrCat("rpc/worker/", rank_),
-              absl::StrCat(name, "\n", address, "\n", server_->same_host_endpoint()));
+              absl::StrCat(name, "\n", address, "\n", server_->same_host_endpoint(), "\n",
+                           server_->bulk_endpoint()));
   std::map<std::string, int> by_name;
   for (int r = 0; r < world_size; ++r) {
     std::string value = store_->get(absl::StrCat("rpc/worker/", r));
-    std::vector<std::string> parts = absl::StrSplit(value, absl::MaxSplits('\n', 2));
-    if (parts.size() == 2) parts.emplace_back();  // no same-host endpoint
-    if (parts.size() != 3) {
+    std::vector<std::string> parts = absl::StrSplit(value, absl::MaxSplits('\n', 3));
+    while (parts.size() >= 2 && parts.size() < 4) parts.emplace_back();  // no endpoint
+    if (parts.size() != 4) {
       throw RpcError(ErrorCode::kInternal, "malformed worker record for rank " + std::to_string(r));
     }
     auto [it, inserted] = by_name.emplace(parts[0], r);
@@ -302,8 +314,9 @@ void RpcAgent::rendezvous(const std::string& name, int world_size) {
     }
     workers_.push_back(WorkerInfo{parts[0], r, parts[1]});
     same_host_endpoints_.push_back(parts[2]);
+    bulk_endpoints_.push_back(parts[3]);
   }
-  transport_->world_known(same_host_endpoints_);
+  transport_->world_known(same_host_endpoints_, bulk_endpoints_);
 }
 
 const WorkerInfo& RpcAgent::worker(const std::string& name) const {

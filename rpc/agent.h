@@ -126,6 +126,13 @@ struct RpcBackendOptions {
   // same-host transport (rpc/transport/same_host_transport.h: a Unix socket,
   // large tensors copied once from the sender's memory), others over gRPC.
   bool same_host_transport = true;
+  // Tensors of at least bulk_min_bytes between workers on different hosts
+  // leave their frame: the receiver pulls them from the sender over TCP
+  // connections of their own, bulk_streams at once, straight into the new
+  // tensor (rpc/transport/bulk_transport.h). Off with TLS (tensors stay
+  // on the encrypted stream) or when bulk_min_bytes is 0.
+  uint64_t bulk_min_bytes = 256 << 10;
+  int bulk_streams = 3;
   // The agent's threads (stream readers, the worker pool, the timer) run
   // as SCHED_BATCH: a message that wakes one does not preempt the thread
   // running on its core. On a host with more runnable threads than cores,
@@ -287,6 +294,7 @@ class RpcAgent {
   // Fixed once the constructor returns.
   std::vector<WorkerInfo> workers_;
   std::vector<std::string> same_host_endpoints_;  // by worker id; empty: none
+  std::vector<std::string> bulk_endpoints_;       // by worker id; empty: none
   std::unique_ptr<StoreServer> store_server_;  // rank 0 only
   std::unique_ptr<Store> store_;
   // Moves the frames; created before the server and the channels, which

@@ -31,6 +31,9 @@ import tempfile
 import time
 
 TRAINERS, PS = 2, 2
+# Tensors from 1 KiB up (lookups, dense embedding gradients of 75 KiB) cross
+# hosts on the bulk path, so that every fault also lands on its pulls.
+BULK_MIN_BYTES = 1024
 ITERS = 200  # the fault lands at iteration 20
 # However slow the machine, a case ends this long after its fault (the
 # 180 iterations after it take 10-15 s here).
@@ -127,7 +130,7 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         procs[rank] = subprocess.Popen(
             ["ip", "netns", "exec", hosts.ns[host], binary, f"--trainers={TRAINERS}", f"--ps={PS}",
              f"--iters={ITERS}", "--warmup=2", "--pytorch=false", f"--listen_address={hosts.addr(host)}",
-             f"--rpc_timeout_s={rpc_timeout_s}", "--timeout_s=120",
+             f"--rpc_timeout_s={rpc_timeout_s}", "--timeout_s=120", f"--bulk_min_bytes={BULK_MIN_BYTES}",
              f"--json={os.path.join(logdir, f'{port}.json')}"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 

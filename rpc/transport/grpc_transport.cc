@@ -753,7 +753,8 @@ class TransportServer::Service {
     if (!options_.capture_frames_dir.empty()) {
       capture_frame(options_.capture_frames_dir, "request", buffer);
     }
-    absl::Status parsed = parse_frame(buffer, frame);
+    absl::Status parsed =
+        parse_frame(buffer, frame, ParseOptions{limits_.accept_lent_tensors});
     if (!parsed.ok()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("malformed frame: ", parsed.message()));
@@ -1093,6 +1094,7 @@ PeerStream::PeerStream(const std::string& address, const PeerOptions& options,
     : on_frame_(std::move(on_frame)),
       on_close_(std::move(on_close)),
       max_message_bytes_(options.max_message_bytes),
+      accept_lent_tensors_(options.accept_lent_tensors),
       client_queue_(queue),
       channel_(grpc::CreateCustomChannel(address, channel_credentials(options.security),
                                          channel_arguments(options))) {
@@ -1254,7 +1256,7 @@ void PeerStream::on_read(bool ok) {
       capture_frame(client_queue_->options_.capture_frames_dir, "reply",
                                          read_buffer_);
     }
-    parsed = parse_frame(read_buffer_, &frame);
+    parsed = parse_frame(read_buffer_, &frame, ParseOptions{accept_lent_tensors_});
   }
   read_buffer_.Clear();
   if (!parsed.ok()) {

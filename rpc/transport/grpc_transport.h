@@ -218,6 +218,7 @@ class PeerStream : public transport::Channel {
   const OnFrame on_frame_;
   const OnClose on_close_;
   const int64_t max_message_bytes_;
+  const bool accept_lent_tensors_;
   ClientQueue* const client_queue_;
   grpc::ClientContext ctx_;
   std::shared_ptr<grpc::Channel> channel_;

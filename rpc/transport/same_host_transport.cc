@@ -43,6 +43,7 @@ class PairServer : public Server {
   std::string same_host_endpoint() const override {
     return local_ ? absl::StrCat(host_identity(), "|", local_->name()) : std::string();
   }
+  std::string bulk_endpoint() const override { return fallback_->bulk_endpoint(); }
   void shutdown(absl::Duration grace) override {
     if (local_) local_->shutdown(grace);
     fallback_->shutdown(grace);
@@ -146,8 +147,9 @@ class SameHostTransport : public Transport {
   // Waits spin before they sleep only while the job's processes on this
   // host fit its CPUs: with more, a spinning thread takes the CPU a peer
   // needs to answer.
-  void world_known(const std::vector<std::string>& same_host_endpoints) override {
-    fallback_->world_known(same_host_endpoints);
+  void world_known(const std::vector<std::string>& same_host_endpoints,
+                   const std::vector<std::string>& bulk_endpoints) override {
+    fallback_->world_known(same_host_endpoints, bulk_endpoints);
     int here = 0;
     for (const std::string& endpoint : same_host_endpoints) {
       const size_t bar = endpoint.rfind('|');

@@ -96,6 +96,10 @@ struct ServerLimits {
   // as soon as they connect (the kernel names the uid: SO_PEERCRED), before
   // anything they send is read, unless this is set.
   bool allow_other_uids = false;
+  // Requests may name tensors lent on the caller's bulk path
+  // (wire::TensorMeta.lent), left for a bulk transport above this one to
+  // pull (bulk_transport.h). Otherwise such a request is malformed.
+  bool accept_lent_tensors = false;
 };
 
 // How a Channel connects.
@@ -114,6 +118,8 @@ struct PeerOptions {
   // The peer's Server::same_host_endpoint(), empty if it has none: a
   // transport that can reach that endpoint may connect there instead.
   std::string same_host_endpoint;
+  // Replies may name lent tensors (as ServerLimits::accept_lent_tensors).
+  bool accept_lent_tensors = false;
 };
 
 struct SendOptions {
@@ -176,6 +182,10 @@ class Server {
   // Where peers on this host may connect besides host:port() (opaque to
   // the agent, which publishes it); empty if nowhere.
   virtual std::string same_host_endpoint() const { return {}; }
+  // Where this server lends tensors from (bulk_transport.h: host:port of
+  // its bulk listener), published like same_host_endpoint(); empty if
+  // nowhere.
+  virtual std::string bulk_endpoint() const { return {}; }
   // Ends all connections. Those whose callers are still connected get at
   // most `grace` to answer what they have read.
   virtual void shutdown(absl::Duration grace) = 0;
@@ -340,8 +350,10 @@ class Transport {
   // for. Cheap when nobody drives.
   virtual void interrupt_drive() {}
   // Once the world is known: every worker's Server::same_host_endpoint()
-  // (this one's included), by rank. A transport may tune itself to it.
-  virtual void world_known(const std::vector<std::string>& same_host_endpoints) {}
+  // and Server::bulk_endpoint() (this one's included), by rank. A
+  // transport may tune itself to them.
+  virtual void world_known(const std::vector<std::string>& same_host_endpoints,
+                           const std::vector<std::string>& bulk_endpoints) {}
 
   // Whether something accepts connections at `address` now (after a peer
   // stopped serving RPCs: is its process still there).

@@ -178,8 +178,22 @@ constexpr char kMoreInFlight[] = {(10 << 3) | 0, 1};
 
 uint64_t Frame::size() const {
   uint64_t n = 4 + header.ByteSizeLong() + (more_in_flight ? sizeof(kMoreInFlight) : 0);
-  for (const auto& meta : header.tensors()) n += meta.nbytes();
+  for (const auto& meta : header.tensors()) n += meta.lent() == 0 ? meta.nbytes() : 0;
   return n;
+}
+
+uint64_t Frame::lent_bytes() const {
+  uint64_t n = 0;
+  for (const auto& meta : header.tensors()) n += meta.lent() != 0 ? meta.nbytes() : 0;
+  return n;
+}
+
+at::Tensor allocate_tensor(const wire::TensorMeta& meta) {
+  const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
+  // Straight from the CPU allocator: a factory op through the dispatcher
+  // costs more than the allocation for a small tensor.
+  return at::detail::empty_cpu(
+      c10::IntArrayRef(meta.sizes().data(), static_cast<size_t>(meta.sizes().size())), dtype);
 }
 
 void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
@@ -442,7 +456,7 @@ absl::Status check_tensor_meta(const wire::TensorMeta& meta, int index, uint64_t
 // after it), checks every tensor's metadata and that their bytes add up to
 // `tensor_bytes`, then allocates each tensor and has `fill` write its bytes.
 absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const TensorFiller& fill,
-                         Frame* frame) {
+                         Frame* frame, const ParseOptions& options) {
   frame->header.Clear();
   frame->tensors.clear();
   if (head.size() < 4) return absl::DataLossError("frame shorter than its size prefix");
@@ -470,6 +484,15 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
     uint64_t bytes;
     absl::Status ok = check_tensor_meta(metas[i], i, &bytes);
     if (!ok.ok()) return ok;
+    if (metas[i].lent() != 0) {
+      if (!options.accept_lent) {
+        return absl::DataLossError(absl::StrCat("tensor ", i, " was lent, on a path without lending"));
+      }
+      if (metas[i].dtype() == kUndefinedTensor) {
+        return absl::DataLossError(absl::StrCat("undefined tensor ", i, " was lent"));
+      }
+      continue;  // its bytes are not in the frame
+    }
     if (__builtin_add_overflow(total, bytes, &total) || total > tensor_bytes) {
       return absl::DataLossError("the frame's tensors need more bytes than it has");
     }
@@ -481,15 +504,12 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
   frame->tensors.reserve(metas.size());
   for (int i = 0; i < metas.size(); ++i) {
     const auto& meta = metas[i];
-    if (meta.dtype() == kUndefinedTensor) {
+    if (meta.dtype() == kUndefinedTensor || meta.lent() != 0) {
       frame->tensors.emplace_back();
       continue;
     }
     const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
-    // Straight from the CPU allocator: a factory op through the dispatcher
-    // costs more than the allocation for a small tensor.
-    at::Tensor t = at::detail::empty_cpu(
-        c10::IntArrayRef(meta.sizes().data(), static_cast<size_t>(meta.sizes().size())), dtype);
+    at::Tensor t = allocate_tensor(meta);
     if (meta.nbytes() > 0) {
       absl::Status filled = fill(i, t.data_ptr(), meta.nbytes());
       if (!filled.ok()) return filled;
@@ -502,7 +522,7 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
   return absl::OkStatus();
 }
 
-absl::Status parse_pieces(PieceReader reader, Frame* frame) {
+absl::Status parse_pieces(PieceReader reader, Frame* frame, const ParseOptions& options) {
   frame->header.Clear();
   frame->tensors.clear();
   uint8_t size_bytes[4];
@@ -520,7 +540,7 @@ absl::Status parse_pieces(PieceReader reader, Frame* frame) {
   return parse_parts(head, reader.remaining(), [&reader](int, void* dst, uint64_t n) {
     return reader.read(dst, n) ? absl::OkStatus()
                                : absl::DataLossError("frame shorter than its tensors");
-  }, frame);
+  }, frame, options);
 }
 
 }  // namespace
@@ -543,8 +563,11 @@ grpc::ByteBuffer serialize_frame(const Frame& frame) {
   std::vector<grpc::Slice> slices;
   slices.reserve(1 + frame.tensors.size());
   slices.emplace_back(head);
-  for (const at::Tensor& t : frame.tensors) {
+  const auto& metas = frame.header.tensors();
+  for (size_t i = 0; i < frame.tensors.size(); ++i) {
+    const at::Tensor& t = frame.tensors[i];
     if (!t.defined() || t.numel() == 0) continue;
+    if (static_cast<int>(i) < metas.size() && metas[static_cast<int>(i)].lent() != 0) continue;
     // The slice keeps the tensor (and so its memory) alive until gRPC is done.
     slices.emplace_back(t.data_ptr(), t.numel() * t.element_size(), &release_tensor,
                         new at::Tensor(t));
@@ -552,22 +575,24 @@ grpc::ByteBuffer serialize_frame(const Frame& frame) {
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
-absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame) {
+absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame,
+                         const ParseOptions& options) {
   std::vector<grpc::Slice> slices;
   if (!buffer.Dump(&slices).ok()) return absl::DataLossError("unreadable byte buffer");
   std::vector<PieceReader::Piece> pieces;
   pieces.reserve(slices.size());
   for (const auto& s : slices) pieces.push_back({s.begin(), s.size()});
-  return parse_pieces(PieceReader(std::move(pieces)), frame);
+  return parse_pieces(PieceReader(std::move(pieces)), frame, options);
 }
 
-absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame) {
-  return parse_pieces(PieceReader({{data, size}}), frame);
+absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame,
+                         const ParseOptions& options) {
+  return parse_pieces(PieceReader({{data, size}}), frame, options);
 }
 
 absl::Status parse_frame(absl::string_view head, uint64_t tensor_bytes, const TensorFiller& fill,
                          Frame* frame) {
-  return parse_parts(head, tensor_bytes, fill, frame);
+  return parse_parts(head, tensor_bytes, fill, frame, ParseOptions{});
 }
 
 }  // namespace ddprpc::rpc::internal

@@ -39,9 +39,23 @@ struct Frame {
   // header's more_in_flight), parse_frame sets it from the header.
   bool more_in_flight = false;
 
-  // Bytes on the wire once serialized.
+  // Bytes on the wire once serialized (lent tensors' bytes not counted).
   uint64_t size() const;
+  // Bytes of the tensors lent on a bulk path (TensorMeta.lent).
+  uint64_t lent_bytes() const;
 };
+
+// What a parse accepts beyond a plain frame.
+struct ParseOptions {
+  // Tensors whose bytes were lent (TensorMeta.lent): their metadata is
+  // checked as any tensor's, they take no bytes of the frame, and they are
+  // left undefined in Frame::tensors for the caller to allocate
+  // (allocate_tensor) and fill. Without it such a frame is malformed.
+  bool accept_lent = false;
+};
+
+// A new tensor for checked metadata (as parse_frame allocates one).
+at::Tensor allocate_tensor(const wire::TensorMeta& meta);
 
 // How values held in c10 capsules (e.g. RRefs) cross the wire, given by
 // the layer that defines them. Both ends need the peer: encoding may
@@ -83,14 +97,17 @@ void encode_value(const c10::IValue& value, wire::Value* out, Frame* frame,
 c10::IValue decode_value(const wire::Value& value, const Frame& frame,
                          const CodecContext& ctx = {});
 
+// The bytes of lent tensors (TensorMeta.lent set) are left out.
 grpc::ByteBuffer serialize_frame(const Frame& frame);
 
 // Parses bytes produced by serialize_frame. Malformed bytes give a
 // non-OK status (never a crash); nothing is allocated for tensors until
 // every tensor's metadata has been checked against the bytes present.
-absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame);
+absl::Status parse_frame(const grpc::ByteBuffer& buffer, Frame* frame,
+                         const ParseOptions& options = {});
 // The same, from contiguous bytes.
-absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame);
+absl::Status parse_frame(const uint8_t* data, size_t size, Frame* frame,
+                         const ParseOptions& options = {});
 
 // The head of a serialized frame: its size prefix and header, without the
 // tensor bytes (which follow it in header order).

@@ -126,6 +126,49 @@ TEST(CodecTest, SerializingDoesNotCopyTensorBytes) {
   EXPECT_EQ(static_cast<const void*>(slices[1].begin()), t.data_ptr());
 }
 
+TEST(CodecTest, LentTensorsLeaveTheFrameAndAreRefusedUnlessAccepted) {
+  at::Tensor big = at::arange(1 << 16, at::kFloat);
+  at::Tensor small = at::arange(4, at::kFloat);
+  Frame out;
+  encode_value(c10::IValue(std::vector<at::Tensor>{big, small}), out.header.mutable_payload(),
+               &out);
+  const uint64_t whole = out.size();
+  out.header.mutable_tensors(0)->set_lent(7);
+  EXPECT_LE(out.size(), whole - big.nbytes() + 11);  // the id's field, at most 11 bytes
+  EXPECT_EQ(out.lent_bytes(), big.nbytes());
+  grpc::ByteBuffer bytes = serialize_frame(out);
+  EXPECT_EQ(bytes.Length(), out.size());
+
+  Frame plain;
+  absl::Status refused = parse_frame(bytes, &plain);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.ToString().find("lent"), std::string::npos) << refused;
+
+  Frame in;
+  absl::Status parsed = parse_frame(bytes, &in, ParseOptions{/*accept_lent=*/true});
+  ASSERT_TRUE(parsed.ok()) << parsed;
+  ASSERT_EQ(in.tensors.size(), 2u);
+  EXPECT_FALSE(in.tensors[0].defined());  // for the transport to pull
+  EXPECT_EQ(in.header.tensors(0).lent(), 7u);
+  EXPECT_TRUE(at::equal(in.tensors[1], small));
+  at::Tensor filled = allocate_tensor(in.header.tensors(0));
+  EXPECT_EQ(filled.sizes(), big.sizes());
+  EXPECT_EQ(filled.scalar_type(), big.scalar_type());
+
+  // A lent tensor's metadata is checked as any other's.
+  Frame lying = out;
+  lying.header.mutable_tensors(0)->set_nbytes(big.nbytes() + 4);
+  Frame bad;
+  EXPECT_FALSE(parse_frame(serialize_frame(lying), &bad, ParseOptions{true}).ok());
+  // A lent tensor of no dtype is refused.
+  Frame undefined_lent = out;
+  undefined_lent.header.mutable_tensors(0)->set_dtype(-1);
+  undefined_lent.header.mutable_tensors(0)->clear_sizes();
+  undefined_lent.header.mutable_tensors(0)->set_nbytes(0);
+  Frame bad2;
+  EXPECT_FALSE(parse_frame(serialize_frame(undefined_lent), &bad2, ParseOptions{true}).ok());
+}
+
 TEST(CodecTest, MalformedBytesAreRejected) {
   Frame frame;
   auto parse = [&](const std::string& bytes) {

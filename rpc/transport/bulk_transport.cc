@@ -1,0 +1,360 @@
+#include "rpc/transport/bulk_transport.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <map>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "glog/logging.h"
+#include "rpc/core/errors.h"
+#include "rpc/transport/internal/bulk_lender.h"
+#include "rpc/transport/internal/bulk_puller.h"
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+bool has_lent(const Frame& frame) {
+  for (const auto& meta : frame.header.tensors()) {
+    if (meta.lent() != 0) return true;
+  }
+  return false;
+}
+
+// What a bulk transport's servers and channels share.
+class BulkState {
+ public:
+  explicit BulkState(const BulkOptions& options) : options_(options) {}
+
+  const BulkOptions& options() const { return options_; }
+  std::shared_ptr<bulk::LendTable> table() {
+    absl::MutexLock lock(&mu_);
+    return table_;
+  }
+  // Replies lent to one caller and not yet pulled are bounded like the
+  // replies a caller leaves unread on the wrapped transport.
+  void set_max_reply_bytes(int64_t max_reply_bytes) {
+    absl::MutexLock lock(&mu_);
+    table_ = std::make_shared<bulk::LendTable>(options_.max_lent_bytes_per_peer,
+                                               max_reply_bytes, options_.lend_timeout);
+  }
+
+  void set_listening(bool on) {
+    absl::MutexLock lock(&mu_);
+    listening_ = on;
+  }
+  void set_endpoints(const std::vector<std::string>& endpoints) {
+    absl::MutexLock lock(&mu_);
+    endpoints_ = endpoints;
+  }
+
+  // Lends `frame`'s large tensors from `self` to `peer` when both have
+  // published a bulk endpoint (and this transport listens on its own).
+  void lend(Frame* frame, int self, int peer, bool reply) {
+    std::shared_ptr<bulk::LendTable> table;
+    {
+      absl::MutexLock lock(&mu_);
+      table = table_;
+      const int n = static_cast<int>(endpoints_.size());
+      if (!listening_ || peer < 0 || peer >= n || self < 0 || self >= n ||
+          endpoints_[peer].empty() || endpoints_[self].empty()) {
+        return;
+      }
+    }
+    auto* metas = frame->header.mutable_tensors();
+    const int n = std::min<int>(metas->size(), static_cast<int>(frame->tensors.size()));
+    for (int i = 0; i < n; ++i) {
+      auto* meta = metas->Mutable(i);
+      const at::Tensor& t = frame->tensors[i];
+      if (!t.defined() || meta->lent() != 0 || meta->nbytes() < options_.min_bytes) continue;
+      const uint64_t id = table->lend(peer, frame->header.id(), t, reply);
+      if (id == 0) return;  // the peer's bound: the rest travel in the frame
+      meta->set_lent(id);
+    }
+  }
+
+  // Allocates `frame`'s lent tensors and pulls their bytes from `peer`.
+  absl::Status fill(Frame* frame, int peer, int self, const std::string& token,
+                    int64_t max_message_bytes) {
+    if (!has_lent(*frame)) return absl::OkStatus();
+    const uint64_t total = frame->size() + frame->lent_bytes();
+    if (total > static_cast<uint64_t>(max_message_bytes)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("a frame of ", total, " bytes with its lent tensors exceeds "
+                       "max_message_bytes (", max_message_bytes, ")"));
+    }
+    std::shared_ptr<bulk::Puller> puller;
+    {
+      absl::MutexLock lock(&mu_);
+      if (peer < 0 || peer >= static_cast<int>(endpoints_.size()) || endpoints_[peer].empty()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("worker ", peer, " lent tensors but has no bulk endpoint"));
+      }
+      auto& slot = pullers_[peer];
+      if (slot == nullptr) {
+        bulk::PullerOptions po;
+        po.self = self;
+        po.lender = peer;
+        po.endpoint = endpoints_[peer];
+        po.token = token;
+        po.streams = options_.streams;
+        po.silence = options_.silence;
+        slot = std::make_shared<bulk::Puller>(std::move(po));
+      }
+      puller = slot;
+    }
+    auto* metas = frame->header.mutable_tensors();
+    for (int i = 0; i < metas->size(); ++i) {
+      auto* meta = metas->Mutable(i);
+      if (meta->lent() == 0) continue;
+      at::Tensor t;
+      try {
+        t = internal::allocate_tensor(*meta);
+      } catch (const std::exception& e) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("no memory for a lent tensor of ", meta->nbytes(), " bytes"));
+      }
+      if (meta->nbytes() > 0) {
+        absl::Status pulled = puller->pull(meta->lent(), t.data_ptr(), meta->nbytes());
+        if (!pulled.ok()) return pulled;
+      }
+      const auto dtype = static_cast<c10::ScalarType>(meta->dtype());
+      if (meta->requires_grad() && (c10::isFloatingType(dtype) || c10::isComplexType(dtype))) {
+        t.requires_grad_(true);
+      }
+      frame->tensors[i] = std::move(t);
+      meta->set_lent(0);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  const BulkOptions options_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  // Set by the transport's server (it serves the pulls); null before.
+  std::shared_ptr<bulk::LendTable> table_ ABSL_GUARDED_BY(mu_);
+  bool listening_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::string> endpoints_ ABSL_GUARDED_BY(mu_);  // by rank; empty: none
+  std::map<int, std::shared_ptr<bulk::Puller>> pullers_ ABSL_GUARDED_BY(mu_);
+};
+
+// An error frame answering frame `id` in the name of worker `src`.
+Frame error_frame(uint64_t id, int src, const absl::Status& why) {
+  Frame f;
+  f.header.set_id(id);
+  f.header.set_kind(wire::ERROR);
+  f.header.set_src(src);
+  f.header.set_error_code(static_cast<int>(ErrorCode::kUnavailable));
+  f.header.set_error(std::string(why.message()));
+  return f;
+}
+
+class BulkResponder : public Responder {
+ public:
+  BulkResponder(std::shared_ptr<BulkState> state, std::shared_ptr<Responder> inner, int self,
+                int64_t max_message_bytes)
+      : state_(std::move(state)),
+        inner_(std::move(inner)),
+        self_(self),
+        max_message_bytes_(max_message_bytes) {}
+  void send(Frame reply) override {
+    if (reply.size() <= static_cast<uint64_t>(max_message_bytes_)) {
+      state_->lend(&reply, self_, inner_->caller(), /*reply=*/true);
+    }
+    inner_->send(std::move(reply));
+  }
+  bool answered() const override { return inner_->answered(); }
+  int caller() const override { return inner_->caller(); }
+  const std::string& address() const override { return inner_->address(); }
+
+ private:
+  const std::shared_ptr<BulkState> state_;
+  const std::shared_ptr<Responder> inner_;
+  const int self_;
+  const int64_t max_message_bytes_;
+};
+
+class BulkServer : public Server {
+ public:
+  BulkServer(std::shared_ptr<BulkState> state, std::unique_ptr<Server> inner,
+             std::unique_ptr<bulk::Listener> listener, std::string endpoint)
+      : state_(std::move(state)),
+        inner_(std::move(inner)),
+        listener_(std::move(listener)),
+        endpoint_(std::move(endpoint)) {}
+  ~BulkServer() override {
+    state_->set_listening(false);
+    listener_->shutdown();
+  }
+  int port() const override { return inner_->port(); }
+  std::string same_host_endpoint() const override { return inner_->same_host_endpoint(); }
+  std::string bulk_endpoint() const override { return endpoint_; }
+  // Callers may still pull the replies answered in the grace period.
+  void shutdown(absl::Duration grace) override {
+    inner_->shutdown(grace);
+    state_->set_listening(false);
+    listener_->shutdown();
+  }
+
+ private:
+  const std::shared_ptr<BulkState> state_;
+  const std::unique_ptr<Server> inner_;
+  const std::unique_ptr<bulk::Listener> listener_;
+  const std::string endpoint_;
+};
+
+class BulkChannel : public Channel {
+ public:
+  BulkChannel(std::shared_ptr<BulkState> state, int self, int peer, int64_t max_message_bytes)
+      : state_(std::move(state)), self_(self), peer_(peer), max_message_bytes_(max_message_bytes) {}
+  void set_inner(std::shared_ptr<Channel> inner) { inner_ = std::move(inner); }
+
+  bool send(Frame frame, const SendOptions& options) override {
+    // An oversized frame goes as it is, for the wrapped transport to refuse.
+    if (frame.size() <= static_cast<uint64_t>(max_message_bytes_)) {
+      state_->lend(&frame, self_, peer_, /*reply=*/false);
+    }
+    const uint64_t id = frame.header.id();
+    const bool lent = has_lent(frame);
+    const bool sent = inner_->send(std::move(frame), options);
+    if (!sent && lent) {
+      if (auto table = state_->table()) table->release_frame(peer_, id);
+    }
+    return sent;
+  }
+  bool broken() const override { return inner_->broken(); }
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    inner_->drive(done, deadline);
+  }
+  void check_connection() override { inner_->check_connection(); }
+  void close(bool graceful) override { inner_->close(graceful); }
+
+ private:
+  const std::shared_ptr<BulkState> state_;
+  const int self_;
+  const int peer_;
+  const int64_t max_message_bytes_;
+  std::shared_ptr<Channel> inner_;
+};
+
+class BulkTransport : public Transport {
+ public:
+  BulkTransport(std::shared_ptr<Transport> inner, const BulkOptions& options)
+      : inner_(std::move(inner)), state_(std::make_shared<BulkState>(options)) {}
+
+  std::unique_ptr<Server> listen(const std::string& host, const ServerLimits& limits,
+                                 const Security& security, CheckRequest check,
+                                 OnRequest run_inline, OnRequest offload) override {
+    if (security.encrypted()) {
+      return inner_->listen(host, limits, security, std::move(check), std::move(run_inline),
+                            std::move(offload));
+    }
+    bulk::ListenerLimits ll;
+    ll.self = limits.self;
+    ll.world_size = limits.world_size;
+    ll.token = security.token;
+    ll.max_unauthenticated_connections = limits.max_unauthenticated_connections;
+    ll.handshake_timeout = limits.handshake_timeout;
+    ll.max_connections_per_peer = 4 * std::max(1, state_->options().streams);
+    ll.silence = state_->options().silence;
+    state_->set_max_reply_bytes(limits.max_pending_reply_bytes);
+    std::string error;
+    std::unique_ptr<bulk::Listener> listener =
+        bulk::Listener::start(host, ll, state_->table(), &error);
+    if (listener == nullptr) {
+      throw RpcError(ErrorCode::kInternal, absl::StrCat("bulk path: ", error));
+    }
+    ServerLimits inner_limits = limits;
+    inner_limits.accept_lent_tensors = true;
+    const int self = limits.self;
+    const int64_t max_bytes = limits.max_message_bytes;
+    auto wrap = [state = state_, self, max_bytes, token = security.token](OnRequest next) {
+      return [state, self, max_bytes, token, next = std::move(next)](
+                 std::shared_ptr<Responder> responder, Frame frame) {
+        const absl::Status filled = state->fill(&frame, responder->caller(), self, token, max_bytes);
+        if (!filled.ok()) {
+          LOG(WARNING) << "worker " << self << ": a request from worker " << responder->caller()
+                       << " fails: " << filled.message();
+          if (frame.header.kind() == wire::REQUEST) {
+            responder->send(error_frame(frame.header.id(), self, filled));
+          }
+          return;
+        }
+        next(std::make_shared<BulkResponder>(state, std::move(responder), self, max_bytes),
+             std::move(frame));
+      };
+    };
+    std::unique_ptr<Server> server = inner_->listen(host, inner_limits, security, std::move(check),
+                                                    wrap(std::move(run_inline)),
+                                                    wrap(std::move(offload)));
+    const std::string endpoint =
+        absl::StrCat(host.find(':') != std::string::npos ? "[" + host + "]" : host, ":",
+                     listener->port());
+    state_->set_listening(true);
+    return std::make_unique<BulkServer>(state_, std::move(server), std::move(listener), endpoint);
+  }
+
+  std::shared_ptr<Channel> connect(const std::string& address, const PeerOptions& options,
+                                   Channel::OnFrame on_frame, Channel::OnClose on_close) override {
+    if (options.security.encrypted()) {
+      return inner_->connect(address, options, std::move(on_frame), std::move(on_close));
+    }
+    const int peer = options.peer;
+    auto channel = std::make_shared<BulkChannel>(state_, options.self, peer, options.max_message_bytes);
+    PeerOptions inner_options = options;
+    inner_options.accept_lent_tensors = true;
+    Channel::OnFrame wrapped = [state = state_, peer, self = options.self,
+                                token = options.security.token, max = options.max_message_bytes,
+                                next = std::move(on_frame)](Frame frame) {
+      const absl::Status filled = state->fill(&frame, peer, self, token, max);
+      const uint64_t id = frame.header.id();
+      if (!filled.ok()) {
+        LOG(WARNING) << "worker " << self << ": a reply from worker " << peer
+                     << " fails: " << filled.message();
+        frame = error_frame(id, peer, filled);
+      }
+      if (auto table = state->table()) {
+        table->release_frame(peer, id);  // the request's lends, if not pulled
+      }
+      return next(std::move(frame));
+    };
+    channel->set_inner(
+        inner_->connect(address, inner_options, std::move(wrapped), std::move(on_close)));
+    return channel;
+  }
+
+  void reserve_reading() override { inner_->reserve_reading(); }
+  void release_reading() override { inner_->release_reading(); }
+  void drive(const std::function<bool()>& done, absl::Time deadline) override {
+    inner_->drive(done, deadline);
+  }
+  void interrupt_drive() override { inner_->interrupt_drive(); }
+  void world_known(const std::vector<std::string>& same_host_endpoints,
+                   const std::vector<std::string>& bulk_endpoints) override {
+    state_->set_endpoints(bulk_endpoints);
+    inner_->world_known(same_host_endpoints, bulk_endpoints);
+  }
+  bool probe(const std::string& address, const PeerOptions& options,
+             absl::Time deadline) override {
+    return inner_->probe(address, options, deadline);
+  }
+
+ private:
+  const std::shared_ptr<Transport> inner_;
+  const std::shared_ptr<BulkState> state_;
+};
+
+}  // namespace
+
+std::shared_ptr<Transport> make_bulk_transport(std::shared_ptr<Transport> inner,
+                                               const BulkOptions& options) {
+  return std::make_shared<BulkTransport>(std::move(inner), options);
+}
+
+}  // namespace ddprpc::rpc::transport

@@ -1,0 +1,59 @@
+// The bulk path: large tensors between hosts leave the frame and are read
+// by the receiver over TCP connections of their own, several per pair of
+// workers, straight into the tensors that receive them.
+//
+// make_bulk_transport() wraps another transport (gRPC). Frames still go
+// through it; a tensor of at least BulkOptions::min_bytes in a frame to a
+// peer that runs a bulk path too is lent instead: the frame names it
+// (wire::TensorMeta.lent) and the sender keeps a reference in a table, per
+// peer and bounded in bytes (beyond the bound tensors travel in the frame).
+// The receiver parses and checks the frame as any other, allocates each
+// lent tensor, and pulls its bytes from the sender's bulk listener: one
+// range per connection, each read straight into the tensor. The lend ends
+// once the receiver has every byte (it says so), when the frame that
+// carried it is answered, or after BulkOptions::lend_timeout.
+//
+// The same rules hold as on the wrapped transport: a bulk connection
+// proves the job's token for the worker it names and the worker it opens
+// to (internal/auth.h) before anything it asks is served, within the
+// handshake timeout and a cap on connections not yet proven (the oldest
+// give way); a pull may name only lends made to the worker it proved, and
+// within their bytes, or its connection ends. A pull that fails (the
+// lender is gone, refused the connection or the range, or stalled for
+// BulkOptions::silence) fails that frame: a request is answered with an
+// error (kUnavailable, naming the lender), a reply becomes one; the
+// connections and the worker go on.
+//
+// With TLS the bulk path is off: tensors stay on the wrapped transport's
+// encrypted stream.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/time/time.h"
+#include "rpc/transport/transport.h"
+
+namespace ddprpc::rpc::transport {
+
+struct BulkOptions {
+  // Tensors at least this large are lent.
+  uint64_t min_bytes = 256 << 10;
+  // Connections a pull from one peer is spread over.
+  int streams = 3;
+  // Bytes lent to one peer and not yet pulled.
+  int64_t max_lent_bytes_per_peer = int64_t{1} << 30;
+  // A lend not pulled by then ends (the receiver dropped its frame).
+  absl::Duration lend_timeout = absl::Seconds(120);
+  // A pull, or the serving of one, that makes no progress this long fails.
+  // (The agent uses its keepalive interval + timeout: the pull runs on the
+  // thread that read the frame, which a stopped lender holds that long.)
+  absl::Duration silence = absl::Seconds(30);
+};
+
+// Serves and connects through `inner`, lending large tensors on the bulk
+// path (see above) between workers that both run one.
+std::shared_ptr<Transport> make_bulk_transport(std::shared_ptr<Transport> inner,
+                                               const BulkOptions& options = {});
+
+}  // namespace ddprpc::rpc::transport

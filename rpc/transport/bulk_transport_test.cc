@@ -1,0 +1,382 @@
+// The bulk path between two workers of one process over loopback: large
+// tensors lent both ways and pulled over several connections, and the
+// hostile cases: strangers and wrong proofs on the bulk port, a frame
+// naming a lend that does not exist, and a lender that dies or stalls
+// mid-transfer (pulls of others' lends: internal/bulk_lender_test.cc). Each ends
+// the connection or fails the call, and the worker goes on serving.
+#include "rpc/transport/bulk_transport.h"
+
+#include <ATen/ops/arange.h>
+#include <ATen/ops/equal.h>
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "rpc/core/internal/auth.h"
+#include "rpc/transport/internal/bulk_wire.h"
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+using internal::Frame;
+
+constexpr char kToken[] = "bulk-test-token";
+
+Security job() {
+  Security s;
+  s.token = kToken;
+  return s;
+}
+
+Frame request(const std::vector<at::Tensor>& tensors, uint64_t id, int src) {
+  Frame f;
+  f.header.set_kind(wire::REQUEST);
+  f.header.set_id(id);
+  f.header.set_src(src);
+  internal::encode_value(c10::IValue(tensors), f.header.mutable_payload(), &f);
+  return f;
+}
+
+std::vector<at::Tensor> tensors_of(const Frame& f) {
+  return internal::decode_value(f.header.payload(), f).toTensorVector();
+}
+
+struct Replies {
+  absl::Mutex mu;
+  std::vector<Frame> frames ABSL_GUARDED_BY(mu);
+  Channel::OnFrame on_frame() {
+    return [this](Frame f) {
+      absl::MutexLock lock(&mu);
+      frames.push_back(std::move(f));
+      return absl::OkStatus();
+    };
+  }
+  // The reply to the n-th request (1-based), waiting up to 20 s.
+  Frame wait_for(size_t n) {
+    absl::MutexLock lock(&mu);
+    auto got = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return frames.size() >= n; };
+    mu.AwaitWithTimeout(absl::Condition(&got), absl::Seconds(20));
+    return frames.size() >= n ? frames[n - 1] : Frame{};
+  }
+};
+
+// A worker with a bulk transport and a server that echoes every request
+// back as its reply.
+class Worker {
+ public:
+  Worker(int self, int world_size, const std::string& capture_dir = "",
+         BulkOptions bulk = {}) : self_(self) {
+    TransportOptions options;
+    options.capture_frames_dir = capture_dir;
+    transport_ = make_bulk_transport(make_default_transport(options), bulk);
+    ServerLimits limits;
+    limits.self = self;
+    limits.world_size = world_size;
+    auto echo = [this](std::shared_ptr<Responder> r, Frame f) {
+      {
+        absl::MutexLock lock(&mu_);
+        ++served_;
+      }
+      f.header.set_kind(wire::RESPONSE);
+      f.header.set_src(self_);
+      r->send(std::move(f));
+    };
+    server_ = transport_->listen("127.0.0.1", limits, job(),
+                                 [](int, const Frame&) { return absl::OkStatus(); }, echo, echo);
+  }
+  ~Worker() { server_->shutdown(absl::ZeroDuration()); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", server_->port()); }
+  std::string bulk_endpoint() const { return server_->bulk_endpoint(); }
+  Transport* transport() { return transport_.get(); }
+  int served() {
+    absl::MutexLock lock(&mu_);
+    return served_;
+  }
+  std::shared_ptr<Channel> connect_to(const Worker& other, Replies* replies) {
+    PeerOptions options;
+    options.self = self_;
+    options.peer = other.self_;
+    options.security = job();
+    return transport_->connect(other.address(), options, replies->on_frame(),
+                               [](const CloseReason&) {});
+  }
+
+ private:
+  const int self_;
+  std::shared_ptr<Transport> transport_;
+  std::unique_ptr<Server> server_;
+  absl::Mutex mu_;
+  int served_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// `from` sends `t` to `to` on a new channel and gets it back whole.
+void echoes(Worker* from, const Worker& to, const at::Tensor& t) {
+  Replies replies;
+  auto ch = from->connect_to(to, &replies);
+  ASSERT_TRUE(ch->send(request({t}, 1, 1), {}));
+  Frame reply = replies.wait_for(1);
+  ASSERT_EQ(reply.header.kind(), wire::RESPONSE) << reply.header.error();
+  EXPECT_TRUE(at::equal(tensors_of(reply)[0], t));
+  ch->close(false);
+}
+
+void world(std::vector<Worker*> workers, std::vector<std::string> endpoints = {}) {
+  if (endpoints.empty()) {
+    for (Worker* w : workers) endpoints.push_back(w->bulk_endpoint());
+  }
+  for (Worker* w : workers) {
+    w->transport()->world_known(std::vector<std::string>(endpoints.size()), endpoints);
+  }
+}
+
+// Sizes of the files in `dir` (frames captured by a transport).
+std::vector<int64_t> captured_sizes(const std::string& dir) {
+  std::vector<int64_t> sizes;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return sizes;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    struct stat st;
+    if (stat((dir + "/" + e->d_name).c_str(), &st) == 0) sizes.push_back(st.st_size);
+  }
+  closedir(d);
+  return sizes;
+}
+
+std::string temp_dir() {
+  char templ[] = "/tmp/bulk_test_XXXXXX";
+  return mkdtemp(templ);
+}
+
+TEST(BulkTransportTest, LargeTensorsAreLentBothWaysAndArriveWhole) {
+  const std::string dir0 = temp_dir(), dir1 = temp_dir();
+  Worker w0(0, 2, dir0), w1(1, 2, dir1);
+  ASSERT_FALSE(w0.bulk_endpoint().empty());
+  world({&w0, &w1});
+  Replies replies;
+  auto ch = w1.connect_to(w0, &replies);
+  // 4 MiB (split over three connections), an odd size the ranges do not
+  // divide, one just under the threshold (travels in the frame), a small one.
+  at::Tensor big = at::arange(1 << 20, at::kInt);
+  at::Tensor odd = at::arange((3 << 20) + 3, at::kByte);
+  at::Tensor under = at::arange((256 << 10) / 4 - 1, at::kFloat);
+  at::Tensor small = at::arange(5, at::kDouble);
+  for (uint64_t id = 1; id <= 3; ++id) {
+    ASSERT_TRUE(ch->send(request({big, odd, under, small}, id, 1), {}));
+    Frame reply = replies.wait_for(id);
+    ASSERT_EQ(reply.header.kind(), wire::RESPONSE) << reply.header.error();
+    EXPECT_EQ(reply.header.id(), id);
+    std::vector<at::Tensor> got = tensors_of(reply);
+    ASSERT_EQ(got.size(), 4u);
+    EXPECT_TRUE(at::equal(got[0], big));
+    EXPECT_TRUE(at::equal(got[1], odd));
+    EXPECT_TRUE(at::equal(got[2], under));
+    EXPECT_TRUE(at::equal(got[3], small));
+  }
+  // What crossed on gRPC, both ways: the frames without the two lent tensors.
+  const int64_t lent = big.nbytes() + odd.nbytes();
+  for (const std::string& dir : {dir0, dir1}) {
+    std::vector<int64_t> sizes = captured_sizes(dir);
+    ASSERT_FALSE(sizes.empty()) << dir;
+    for (int64_t size : sizes) {
+      EXPECT_LT(size, lent / 4) << dir;
+      EXPECT_GT(size, static_cast<int64_t>(under.nbytes())) << dir;  // it went inline
+    }
+  }
+  ch->close(false);
+}
+
+TEST(BulkTransportTest, WithoutAPeerEndpointTensorsTravelInTheFrame) {
+  const std::string dir0 = temp_dir();
+  Worker w0(0, 2, dir0), w1(1, 2);
+  world({&w0, &w1}, {w0.bulk_endpoint(), ""});  // worker 1 has no bulk path
+  const at::Tensor big = at::arange(1 << 20, at::kInt);
+  echoes(&w1, w0, big);
+  for (int64_t size : captured_sizes(dir0)) EXPECT_GT(size, static_cast<int64_t>(big.nbytes()));
+}
+
+// Opens a raw connection to `endpoint` and sends `bytes`; true if the
+// listener then closes it (reads 0) within 15 s.
+bool closed_after(const std::string& endpoint, const std::string& bytes, std::string* answer) {
+  std::string error;
+  const int fd = bulk::connect_to(endpoint, absl::Seconds(5), &error);
+  if (fd < 0) return false;
+  (void)bulk::write_all(fd, bytes.data(), bytes.size(), absl::Seconds(5));
+  char buf[64];
+  bool closed = false;
+  for (;;) {
+    absl::Status got = bulk::read_exact(fd, buf, 1, absl::Seconds(15));
+    if (!got.ok()) {
+      closed = got.code() == absl::StatusCode::kUnavailable;
+      break;
+    }
+    answer->push_back(buf[0]);
+  }
+  ::close(fd);
+  return closed;
+}
+
+std::string hello(int from, int to, const std::string& proof) {
+  std::string h(bulk::kHelloFixedBytes, '\0');
+  std::memcpy(h.data(), bulk::kHelloMagic, 4);
+  bulk::put_u32(h.data() + 4, from);
+  bulk::put_u32(h.data() + 8, to);
+  bulk::put_u32(h.data() + 12, proof.size());
+  return h + proof;
+}
+
+TEST(BulkTransportTest, StrangersOnTheBulkPortAreClosedAndTheWorkerGoesOn) {
+  Worker w0(0, 2), w1(1, 2);
+  world({&w0, &w1});
+  const std::string ep = w0.bulk_endpoint();
+  const std::string right = rpc::internal::auth_proof(kToken, {"rpc", "bulk", 1, 0});
+  struct Case {
+    const char* what;
+    std::string bytes;
+  } cases[] = {
+      {"garbage", std::string(64, 'x')},
+      {"no proof", hello(1, 0, "")},
+      {"another job's proof", hello(1, 0, rpc::internal::auth_proof("other", {"rpc", "bulk", 1, 0}))},
+      {"a proof for the gRPC port", hello(1, 0, rpc::internal::auth_proof(kToken, {"rpc", "grpc", 1, 0}))},
+      {"a proof naming another worker", hello(1, 0, rpc::internal::auth_proof(kToken, {"rpc", "bulk", 0, 0}))},
+      {"a worker outside the world", hello(7, 0, right)},
+      {"a hello to another worker", hello(1, 1, right)},
+      {"a proof too large", hello(1, 0, std::string(4096, 'p'))},
+  };
+  for (const Case& c : cases) {
+    std::string answer;
+    EXPECT_TRUE(closed_after(ep, c.bytes, &answer)) << c.what;
+    EXPECT_EQ(answer, "") << c.what;  // not even the ack
+  }
+  // A replayed proof: the first use is accepted, the second refused.
+  std::string answer;
+  const std::string proof = rpc::internal::auth_proof(kToken, {"rpc", "bulk", 1, 0});
+  std::string error;
+  const int fd = bulk::connect_to(ep, absl::Seconds(5), &error);
+  ASSERT_GE(fd, 0) << error;
+  const std::string h = hello(1, 0, proof);
+  ASSERT_TRUE(bulk::write_all(fd, h.data(), h.size(), absl::Seconds(5)).ok());
+  char ack[4];
+  ASSERT_TRUE(bulk::read_exact(fd, ack, 4, absl::Seconds(5)).ok());
+  EXPECT_EQ(std::string(ack, 4), "OK..");
+  EXPECT_TRUE(closed_after(ep, h, &answer)) << "replayed proof";
+  ::close(fd);
+
+  echoes(&w1, w0, at::arange(1 << 20, at::kInt));
+}
+
+// A lender that answers the hello and a pull's head, sends half the bytes
+// and then closes (it died), or sends nothing more (it stalled).
+class BrokenLender {
+ public:
+  explicit BrokenLender(bool stall) {
+    std::string error;
+    fd_ = bulk::listen_on("127.0.0.1", &port_, &error);
+    thread_ = std::thread([this, stall] {
+      const int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      char fixed[bulk::kHelloFixedBytes];
+      if (bulk::read_exact(c, fixed, sizeof(fixed), absl::Seconds(5)).ok()) {
+        std::string proof(bulk::get_u32(fixed + 12), '\0');
+        char pull[bulk::kPullBytes];
+        if (bulk::read_exact(c, proof.data(), proof.size(), absl::Seconds(5)).ok() &&
+            bulk::write_all(c, bulk::kHelloAck, 4, absl::Seconds(5)).ok() &&
+            bulk::read_exact(c, pull, sizeof(pull), absl::Seconds(5)).ok()) {
+          const uint64_t length = bulk::get_u64(pull + 16);
+          char head[bulk::kReplyHeadBytes] = {};
+          bulk::put_u64(head + 8, length);
+          std::vector<char> half(length / 2, 'h');
+          (void)bulk::write_all(c, head, sizeof(head), absl::Seconds(5));
+          (void)bulk::write_all(c, half.data(), half.size(), absl::Seconds(5));
+          if (stall) {
+            char any;
+            (void)bulk::read_exact(c, &any, 1, absl::Seconds(20));  // until the puller leaves
+          }
+        }
+      }
+      ::close(c);
+    });
+  }
+  ~BrokenLender() {
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+  }
+  std::string endpoint() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+// Sends, as worker 1 on a plain gRPC channel, a request naming lend 4242
+// of 1 MiB; returns the reply.
+Frame send_lent_request(Worker* w0, uint64_t id) {
+  Replies replies;
+  PeerOptions options;
+  options.self = 1;
+  options.peer = 0;
+  options.security = job();
+  options.accept_lent_tensors = true;
+  auto plain = make_default_transport();
+  auto ch = plain->connect(w0->address(), options, replies.on_frame(), [](const CloseReason&) {});
+  Frame f = request({at::arange(1 << 18, at::kInt)}, id, 1);
+  f.header.mutable_tensors(0)->set_lent(4242);
+  EXPECT_TRUE(ch->send(std::move(f), {}));
+  Frame reply = replies.wait_for(1);
+  ch->close(false);
+  return reply;
+}
+
+TEST(BulkTransportTest, AFrameNamingAnUnknownLendFailsItsCallOnly) {
+  Worker w0(0, 2), w1(1, 2);
+  world({&w0, &w1});
+  Frame reply = send_lent_request(&w0, 5);
+  EXPECT_EQ(reply.header.kind(), wire::ERROR);
+  EXPECT_EQ(reply.header.id(), 5u);
+  EXPECT_NE(reply.header.error().find("worker 1"), std::string::npos) << reply.header.error();
+  EXPECT_EQ(w0.served(), 0);  // the request never reached the server's handler
+  Replies replies;
+  auto ch = w1.connect_to(w0, &replies);
+  ASSERT_TRUE(ch->send(request({at::arange(1 << 20, at::kInt)}, 1, 1), {}));
+  EXPECT_EQ(replies.wait_for(1).header.kind(), wire::RESPONSE);
+  ch->close(false);
+}
+
+TEST(BulkTransportTest, ALenderThatDiesOrStallsMidTransferFailsTheCallOnly) {
+  for (bool stall : {false, true}) {
+    SCOPED_TRACE(stall ? "stalls" : "dies");
+    BulkOptions bulk;
+    bulk.silence = absl::Seconds(1);
+    bulk.streams = 1;  // the broken lender answers one connection
+    Worker w0(0, 2, "", bulk), w1(1, 2);
+    BrokenLender lender(stall);
+    world({&w0, &w1}, {w0.bulk_endpoint(), lender.endpoint()});
+    const absl::Time start = absl::Now();
+    Frame reply = send_lent_request(&w0, 6);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    EXPECT_EQ(reply.header.kind(), wire::ERROR);
+    EXPECT_NE(reply.header.error().find("worker 1"), std::string::npos) << reply.header.error();
+    EXPECT_EQ(w0.served(), 0);
+    // Worker 0 goes on: a request without lent tensors is served.
+    Replies replies;
+    auto ch = w1.connect_to(w0, &replies);
+    ASSERT_TRUE(ch->send(request({at::arange(8, at::kInt)}, 1, 1), {}));
+    EXPECT_EQ(replies.wait_for(1).header.kind(), wire::RESPONSE);
+    ch->close(false);
+  }
+}
+
+}  // namespace
+}  // namespace ddprpc::rpc::transport

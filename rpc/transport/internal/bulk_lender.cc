@@ -1,0 +1,309 @@
+#include "rpc/transport/internal/bulk_lender.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "glog/logging.h"
+#include "rpc/transport/internal/bulk_wire.h"
+
+namespace ddprpc::rpc::transport::bulk {
+
+uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply) {
+  const uint64_t nbytes = tensor.numel() * tensor.element_size();
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  expire_locked(now);
+  int64_t& held = bytes_[{peer, reply}];
+  if (held + static_cast<int64_t>(nbytes) > max_bytes_[reply ? 1 : 0]) return 0;
+  held += static_cast<int64_t>(nbytes);
+  const uint64_t id = next_id_++;
+  lends_.emplace(std::make_pair(peer, id), Lend{tensor, nbytes, frame_id, reply, now + timeout_});
+  by_time_.emplace_back(now + timeout_, std::make_pair(peer, id));
+  return id;
+}
+
+absl::StatusOr<at::Tensor> LendTable::find(int peer, uint64_t id, uint64_t offset,
+                                           uint64_t length) {
+  absl::MutexLock lock(&mu_);
+  expire_locked(absl::Now());
+  auto it = lends_.find({peer, id});
+  if (it == lends_.end()) {
+    return absl::NotFoundError(absl::StrCat("no lend ", id, " to worker ", peer));
+  }
+  uint64_t end;
+  if (__builtin_add_overflow(offset, length, &end) || end > it->second.nbytes) {
+    return absl::OutOfRangeError(absl::StrCat("bytes [", offset, ", +", length, ") of lend ", id,
+                                              " of ", it->second.nbytes, " bytes"));
+  }
+  return it->second.tensor;
+}
+
+void LendTable::release(int peer, uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  erase_locked(peer, id);
+}
+
+void LendTable::release_frame(int peer, uint64_t frame_id) {
+  absl::MutexLock lock(&mu_);
+  if (lends_.empty()) return;
+  for (auto it = lends_.lower_bound({peer, 0}); it != lends_.end() && it->first.first == peer;) {
+    const uint64_t id = it->first.second;
+    ++it;
+    if (lends_.at({peer, id}).frame_id == frame_id) erase_locked(peer, id);
+  }
+}
+
+int64_t LendTable::lent_bytes(int peer) {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (bool reply : {false, true}) {
+    auto it = bytes_.find({peer, reply});
+    if (it != bytes_.end()) n += it->second;
+  }
+  return n;
+}
+
+size_t LendTable::size() {
+  absl::MutexLock lock(&mu_);
+  return lends_.size();
+}
+
+void LendTable::expire_locked(absl::Time now) {
+  while (!by_time_.empty() && by_time_.front().first <= now) {
+    const auto key = by_time_.front().second;
+    by_time_.pop_front();
+    if (lends_.count(key) != 0) erase_locked(key.first, key.second);
+  }
+  // Entries of lends that ended early are dropped as they reach the front.
+}
+
+void LendTable::erase_locked(int peer, uint64_t id) {
+  auto it = lends_.find({peer, id});
+  if (it == lends_.end()) return;
+  bytes_[{peer, it->second.reply}] -= static_cast<int64_t>(it->second.nbytes);
+  lends_.erase(it);
+  if (lends_.empty()) by_time_.clear();
+}
+
+// ---------------------------------------------------------------------------
+
+std::unique_ptr<Listener> Listener::start(const std::string& host, const ListenerLimits& limits,
+                                          std::shared_ptr<LendTable> table, std::string* error) {
+  int port = 0;
+  const int fd = listen_on(host, &port, error);
+  if (fd < 0) return nullptr;
+  return std::unique_ptr<Listener>(new Listener(fd, port, limits, std::move(table)));
+}
+
+Listener::Listener(int fd, int port, const ListenerLimits& limits,
+                   std::shared_ptr<LendTable> table)
+    : listen_fd_(fd),
+      port_(port),
+      limits_(limits),
+      table_(std::move(table)),
+      auth_(limits.token.empty() ? nullptr
+                                 : std::make_unique<rpc::internal::AuthChecker>(limits.token)) {
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+Listener::~Listener() {
+  shutdown();
+  ::close(listen_fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Listener::shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& c : connections_) ::shutdown(c->fd, SHUT_RDWR);
+  }
+  const uint64_t one = 1;
+  if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));
+  if (acceptor_.joinable()) acceptor_.join();
+  std::list<std::unique_ptr<Connection>> all;
+  {
+    absl::MutexLock lock(&mu_);
+    all.swap(connections_);
+  }
+  for (auto& c : all) {
+    if (c->thread.joinable()) c->thread.join();
+    ::close(c->fd);
+  }
+}
+
+int Listener::connections() {
+  absl::MutexLock lock(&mu_);
+  reap_locked();
+  return static_cast<int>(connections_.size());
+}
+
+void Listener::reap_locked() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    Connection* c = it->get();
+    if (c->done.load()) {
+      if (c->thread.joinable()) c->thread.join();  // it has returned, or is about to
+      ::close(c->fd);
+      it = connections_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void Listener::accept_loop() {
+  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  for (;;) {
+    const int n = ::poll(fds, 2, 1000);
+    if (n < 0 && errno != EINTR) break;
+    if (fds[1].revents != 0) break;
+    if (n <= 0 || fds[0].revents == 0) {
+      absl::MutexLock lock(&mu_);
+      reap_locked();
+      continue;
+    }
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        LOG(WARNING) << "bulk listener on port " << port_ << ": accept: " << strerror(errno);
+        ::usleep(10000);
+      }
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      ::close(fd);
+      break;
+    }
+    reap_locked();
+    // Connections not proven yet: the oldest gives way to the new one.
+    int unproven = 0;
+    Connection* oldest = nullptr;
+    for (auto& c : connections_) {
+      if (c->proven.load() || c->done.load()) continue;
+      ++unproven;
+      if (oldest == nullptr || c->opened < oldest->opened) oldest = c.get();
+    }
+    if (unproven >= limits_.max_unauthenticated_connections && oldest != nullptr) {
+      ::shutdown(oldest->fd, SHUT_RDWR);
+    }
+    int one = 1;  // a reply's last segment goes without waiting for the previous one's ACK
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    auto c = std::make_unique<Connection>();
+    c->fd = fd;
+    c->opened = absl::Now();
+    Connection* raw = c.get();
+    try {
+      c->thread = std::thread([this, raw] { serve(raw); });
+    } catch (const std::system_error& e) {
+      LOG(WARNING) << "bulk listener on port " << port_ << ": no thread for a connection: "
+                   << e.what();
+      ::close(fd);
+      continue;
+    }
+    connections_.push_back(std::move(c));
+  }
+}
+
+int Listener::handshake(Connection* c) {
+  char fixed[kHelloFixedBytes];
+  absl::Status ok = read_exact(c->fd, fixed, sizeof(fixed), limits_.handshake_timeout);
+  if (!ok.ok()) return -1;
+  if (std::memcmp(fixed, kHelloMagic, 4) != 0) {
+    LOG(WARNING) << "bulk listener on port " << port_ << ": a connection sent no bulk hello";
+    return -1;
+  }
+  const uint32_t from = get_u32(fixed + 4);
+  const uint32_t to = get_u32(fixed + 8);
+  const uint32_t proof_size = get_u32(fixed + 12);
+  if (from >= static_cast<uint32_t>(limits_.world_size) ||
+      (limits_.self >= 0 && to != static_cast<uint32_t>(limits_.self)) ||
+      proof_size > kMaxProofBytes) {
+    LOG(WARNING) << "bulk listener of worker " << limits_.self << ": refused a hello from worker "
+                 << from << " to worker " << to << " with a proof of " << proof_size << " bytes";
+    return -1;
+  }
+  std::string proof(proof_size, '\0');
+  ok = read_exact(c->fd, proof.data(), proof.size(), limits_.handshake_timeout);
+  if (!ok.ok()) return -1;
+  if (auth_ != nullptr) {
+    grpc::Status proven = auth_->check_proof(
+        proof, {"rpc", "bulk", static_cast<int>(from), limits_.self});
+    if (!proven.ok()) {
+      LOG(WARNING) << "bulk listener of worker " << limits_.self
+                   << ": refused a connection naming worker " << from << ": "
+                   << proven.error_message();
+      return -1;
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    int open = 0;
+    for (auto& other : connections_) {
+      open += other.get() != c && other->proven.load() && !other->done.load() &&
+              other->peer == static_cast<int>(from);
+    }
+    if (open >= limits_.max_connections_per_peer) {
+      LOG(WARNING) << "bulk listener of worker " << limits_.self << ": worker " << from
+                   << " already has " << open << " connections";
+      return -1;
+    }
+    c->peer = static_cast<int>(from);
+    c->proven.store(true);
+  }
+  ok = write_all(c->fd, kHelloAck, sizeof(kHelloAck), limits_.handshake_timeout);
+  if (!ok.ok()) return -1;
+  set_silence(c->fd, limits_.silence);
+  return static_cast<int>(from);
+}
+
+void Listener::serve(Connection* c) {
+  const int peer = handshake(c);
+  while (peer >= 0) {
+    char pull[kPullBytes];
+    // Idle connections wait for their next pull without a limit; shutdown()
+    // ends the wait.
+    if (!read_exact(c->fd, pull, 1, absl::InfiniteDuration()).ok() ||
+        !read_exact(c->fd, pull + 1, sizeof(pull) - 1, limits_.silence).ok()) {
+      break;
+    }
+    const uint64_t id = get_u64(pull), offset = get_u64(pull + 8), length = get_u64(pull + 16);
+    if (offset == kReleaseOffset && length == 0) {
+      table_->release(peer, id);
+      continue;
+    }
+    absl::StatusOr<at::Tensor> tensor = table_->find(peer, id, offset, length);
+    char head[kReplyHeadBytes] = {};
+    if (!tensor.ok()) {
+      LOG(WARNING) << "bulk listener of worker " << limits_.self << ": worker " << peer
+                   << " pulled " << tensor.status().message() << "; its connection ends";
+      put_u32(head, tensor.status().code() == absl::StatusCode::kNotFound ? kPullUnknownLend
+                                                                           : kPullOutOfRange);
+      (void)write_all(c->fd, head, sizeof(head), limits_.silence);
+      break;
+    }
+    put_u64(head + 8, length);
+    const char* data = static_cast<const char*>(tensor->data_ptr()) + offset;
+    // The socket blocks (set_silence after the hello): the kernel fills it
+    // as it drains, without a poll per segment.
+    if (!write_all_blocking(c->fd, head, sizeof(head)).ok() ||
+        !write_all_blocking(c->fd, data, length).ok()) {
+      break;
+    }
+  }
+  ::shutdown(c->fd, SHUT_RDWR);
+  c->done.store(true);
+}
+
+}  // namespace ddprpc::rpc::transport::bulk

@@ -1,0 +1,131 @@
+// The lending side of the bulk path: the table of tensors lent to peers,
+// and the listener whose connections serve pulls from it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "rpc/core/internal/auth.h"
+
+namespace ddprpc::rpc::transport::bulk {
+
+// Tensors lent to peers, by (peer, id). What one peer holds is bounded in
+// bytes, for requests and for replies apart: a lend beyond it is refused
+// (the tensor then travels in its frame, where the transport's own bounds
+// apply: a caller that reads no replies has its stream paused). A lend ends when its puller releases it (it has every byte),
+// when the frame that carried it is answered (release_frame), or when it
+// expires.
+// Thread-safe.
+class LendTable {
+ public:
+  // Bounds per peer: bytes of requests' tensors, and of replies'.
+  LendTable(int64_t max_request_bytes_per_peer, int64_t max_reply_bytes_per_peer,
+            absl::Duration timeout)
+      : max_bytes_{max_request_bytes_per_peer, max_reply_bytes_per_peer}, timeout_(timeout) {}
+
+  // The id of `tensor` (contiguous, CPU) lent to `peer` for frame
+  // `frame_id` (a reply's, or a request's); 0 when the peer's bound would
+  // be passed.
+  uint64_t lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply);
+  // The tensor of lend `id` to `peer` if [offset, offset + length) lies
+  // within it; the status says which rule a pull broke.
+  absl::StatusOr<at::Tensor> find(int peer, uint64_t id, uint64_t offset, uint64_t length);
+  // Ends lend `id` to `peer`, if there is one.
+  void release(int peer, uint64_t id);
+  // Ends the lends made with frame `frame_id` to `peer`.
+  void release_frame(int peer, uint64_t frame_id);
+  // Bytes lent to `peer` (requests' and replies'), and lends in all.
+  int64_t lent_bytes(int peer);
+  size_t size();
+
+ private:
+  struct Lend {
+    at::Tensor tensor;
+    uint64_t nbytes = 0;
+    uint64_t frame_id = 0;
+    bool reply = false;
+    absl::Time expires;
+  };
+  void expire_locked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void erase_locked(int peer, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int64_t max_bytes_[2];  // requests, replies
+  const absl::Duration timeout_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<std::pair<int, uint64_t>, Lend> lends_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<absl::Time, std::pair<int, uint64_t>>> by_time_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::pair<int, bool>, int64_t> bytes_ ABSL_GUARDED_BY(mu_);  // (peer, reply)
+};
+
+struct ListenerLimits {
+  int self = -1;        // pullers' proofs must name this worker
+  int world_size = 1;   // pullers name a worker in [0, world_size)
+  std::string token;    // empty: connections are not authenticated
+  int max_unauthenticated_connections = 64;  // beyond it the oldest give way
+  absl::Duration handshake_timeout = absl::Seconds(10);
+  int max_connections_per_peer = 12;  // proven connections of one worker
+  absl::Duration silence = absl::Seconds(30);  // a pull that stalls this long ends
+};
+
+// Serves pulls of `table`'s lends on host:0, a thread per connection.
+class Listener {
+ public:
+  // nullptr and `*error` if it cannot listen.
+  static std::unique_ptr<Listener> start(const std::string& host, const ListenerLimits& limits,
+                                         std::shared_ptr<LendTable> table, std::string* error);
+  ~Listener();  // shutdown()
+  Listener(const Listener&) = delete;
+  Listener& operator=(const Listener&) = delete;
+
+  int port() const { return port_; }
+  // Ends every connection and joins the threads. Idempotent.
+  void shutdown();
+  // Connections open now, proven or not (for tests).
+  int connections();
+
+ private:
+  struct Connection {
+    int fd = -1;
+    int peer = -1;  // once proven
+    absl::Time opened;
+    std::atomic<bool> proven{false};
+    std::atomic<bool> done{false};
+    std::thread thread;
+  };
+  Listener(int fd, int port, const ListenerLimits& limits, std::shared_ptr<LendTable> table);
+  void accept_loop();
+  void serve(Connection* c);
+  // Checks the hello; the peer's id, or -1 (and logs why).
+  int handshake(Connection* c);
+  void reap_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int listen_fd_;
+  const int port_;
+  const ListenerLimits limits_;
+  const std::shared_ptr<LendTable> table_;
+  const std::unique_ptr<rpc::internal::AuthChecker> auth_;
+  int wake_fd_ = -1;  // eventfd: ends the accept loop
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  std::thread acceptor_;  // last: starts once the state above exists
+};
+
+}  // namespace ddprpc::rpc::transport::bulk

@@ -1,0 +1,125 @@
+// The bulk path's lending and pulling sides on their own, over loopback,
+// without gRPC (so that they run under TSan too): which pulls a listener
+// serves, the bounds of its lend table, and pulls from several threads at
+// once.
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/equal.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/transport/internal/bulk_lender.h"
+#include "rpc/transport/internal/bulk_puller.h"
+
+namespace ddprpc::rpc::transport {
+namespace {
+
+constexpr char kToken[] = "bulk-test-token";
+
+TEST(BulkLenderTest, APullMayNameOnlyItsOwnLendsWithinTheirBytes) {
+  auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
+                                                 absl::Seconds(60));
+  bulk::ListenerLimits limits;
+  limits.self = 0;
+  limits.world_size = 3;
+  limits.token = kToken;
+  std::string error;
+  auto listener = bulk::Listener::start("127.0.0.1", limits, table, &error);
+  ASSERT_NE(listener, nullptr) << error;
+  const std::string ep = absl::StrCat("127.0.0.1:", listener->port());
+  at::Tensor t = at::arange(1 << 18, at::kInt);  // 1 MiB
+  const uint64_t id = table->lend(/*peer=*/1, /*frame_id=*/9, t, /*reply=*/false);
+  ASSERT_NE(id, 0u);
+
+  auto puller = [&](int self) {
+    bulk::PullerOptions o;
+    o.self = self;
+    o.lender = 0;
+    o.endpoint = ep;
+    o.token = kToken;
+    return std::make_unique<bulk::Puller>(o);
+  };
+  at::Tensor into = at::empty_like(t);
+  // Worker 2 cannot pull worker 1's lend, nor can anyone pull past its end.
+  absl::Status other = puller(2)->pull(id, into.data_ptr(), t.nbytes());
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound) << other;
+  EXPECT_NE(other.ToString().find("worker 0"), std::string::npos) << other;
+  std::vector<char> past(t.nbytes() + 4096);
+  absl::Status too_far = puller(1)->pull(id, past.data(), past.size());
+  EXPECT_EQ(too_far.code(), absl::StatusCode::kOutOfRange) << too_far;
+  EXPECT_EQ(table->size(), 1u);  // still lent
+  // Its own pull reads every byte and ends the lend.
+  auto own = puller(1);
+  absl::Status pulled = own->pull(id, into.data_ptr(), t.nbytes());
+  ASSERT_TRUE(pulled.ok()) << pulled;
+  EXPECT_TRUE(at::equal(into, t));
+  for (int i = 0; i < 500 && table->size() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(table->size(), 0u);
+  EXPECT_EQ(own->pull(id, into.data_ptr(), t.nbytes()).code(), absl::StatusCode::kNotFound);
+  // The bounds per peer: a lend past one is refused, another peer's is not;
+  // replies (4 MiB here) are bounded apart from requests (64 MiB).
+  at::Tensor huge = at::arange(int64_t{17} << 20, at::kInt);  // 68 MiB
+  EXPECT_EQ(table->lend(1, 10, huge, false), 0u);
+  const uint64_t a = table->lend(1, 11, t, false), b = table->lend(2, 11, t, false);
+  EXPECT_NE(a, 0u);
+  EXPECT_NE(b, 0u);
+  table->release_frame(1, 11);
+  EXPECT_EQ(table->size(), 1u);
+  EXPECT_EQ(table->lent_bytes(1), 0);
+  for (int i = 0; i < 4; ++i) EXPECT_NE(table->lend(1, 20 + i, t, /*reply=*/true), 0u) << i;
+  EXPECT_EQ(table->lend(1, 30, t, /*reply=*/true), 0u);
+  EXPECT_NE(table->lend(1, 31, t, /*reply=*/false), 0u);
+  EXPECT_EQ(table->lent_bytes(1), 5 * static_cast<int64_t>(t.nbytes()));
+}
+
+TEST(BulkLenderTest, PullsFromSeveralThreadsAtOnceEachGetTheirOwnBytes) {
+  auto table = std::make_shared<bulk::LendTable>(int64_t{256} << 20, int64_t{256} << 20,
+                                                 absl::Seconds(60));
+  bulk::ListenerLimits limits;
+  limits.self = 0;
+  limits.world_size = 5;
+  limits.token = kToken;
+  std::string error;
+  auto listener = bulk::Listener::start("127.0.0.1", limits, table, &error);
+  ASSERT_NE(listener, nullptr) << error;
+  // Workers 1..4 pull, each its own tensors, 20 times over; worker 4 has
+  // two threads sharing one puller.
+  std::vector<std::thread> threads;
+  std::vector<int> failures(5, 0);
+  auto run = [&](int worker, int slot, bulk::Puller* puller) {
+    for (int i = 0; i < 20; ++i) {
+      at::Tensor t = at::arange((1 << 18) + worker * 1000 + i, at::kInt) + worker;
+      const uint64_t id = table->lend(worker, i, t, /*reply=*/i % 2 == 0);
+      at::Tensor into = at::empty_like(t);
+      if (id == 0 || !puller->pull(id, into.data_ptr(), t.nbytes()).ok() || !at::equal(into, t)) {
+        ++failures[slot];
+      }
+    }
+  };
+  std::vector<std::unique_ptr<bulk::Puller>> pullers;
+  for (int w = 1; w <= 4; ++w) {
+    bulk::PullerOptions o;
+    o.self = w;
+    o.lender = 0;
+    o.endpoint = absl::StrCat("127.0.0.1:", listener->port());
+    o.token = kToken;
+    pullers.push_back(std::make_unique<bulk::Puller>(o));
+  }
+  for (int w = 1; w <= 4; ++w) threads.emplace_back(run, w, w - 1, pullers[w - 1].get());
+  threads.emplace_back(run, 4, 4, pullers[3].get());
+  for (auto& t : threads) t.join();
+  for (int slot = 0; slot < 5; ++slot) EXPECT_EQ(failures[slot], 0) << slot;
+  for (int i = 0; i < 500 && table->size() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(table->size(), 0u);  // every lend released by its puller
+  listener->shutdown();
+  EXPECT_EQ(listener->connections(), 0);
+}
+
+}  // namespace
+}  // namespace ddprpc::rpc::transport

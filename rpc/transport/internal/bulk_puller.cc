@@ -1,0 +1,145 @@
+#include "rpc/transport/internal/bulk_puller.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <system_error>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/core/internal/auth.h"
+#include "rpc/transport/internal/bulk_wire.h"
+
+namespace ddprpc::rpc::transport::bulk {
+namespace {
+
+constexpr uint64_t kMinRangeBytes = 256 << 10;
+constexpr uint64_t kRangeAlign = 4096;
+
+}  // namespace
+
+Puller::~Puller() {
+  absl::MutexLock lock(&mu_);
+  close_locked();
+}
+
+void Puller::close_locked() {
+  for (int fd : fds_) ::close(fd);
+  fds_.clear();
+}
+
+absl::Status Puller::open_one(int* fd) {
+  std::string error;
+  *fd = connect_to(options_.endpoint, options_.connect_timeout, &error);
+  if (*fd < 0) return absl::UnavailableError(error);
+  const std::string proof =
+      options_.token.empty()
+          ? std::string()
+          : rpc::internal::auth_proof(options_.token,
+                                      {"rpc", "bulk", options_.self, options_.lender});
+  std::string hello(kHelloFixedBytes, '\0');
+  std::memcpy(hello.data(), kHelloMagic, 4);
+  put_u32(hello.data() + 4, static_cast<uint32_t>(options_.self));
+  put_u32(hello.data() + 8, static_cast<uint32_t>(options_.lender));
+  put_u32(hello.data() + 12, static_cast<uint32_t>(proof.size()));
+  hello += proof;
+  char ack[sizeof(kHelloAck)];
+  absl::Status ok = write_all(*fd, hello.data(), hello.size(), options_.connect_timeout);
+  if (ok.ok()) ok = read_exact(*fd, ack, sizeof(ack), options_.connect_timeout);
+  if (ok.ok() && std::memcmp(ack, kHelloAck, sizeof(ack)) != 0) {
+    ok = absl::DataLossError("it answered the hello with something else");
+  }
+  if (!ok.ok()) {
+    ::close(*fd);
+    *fd = -1;
+    return absl::UnavailableError(absl::StrCat("refused the bulk connection (", ok.message(), ")"));
+  }
+  set_silence(*fd, options_.silence);
+  return absl::OkStatus();
+}
+
+absl::Status Puller::connect_locked(size_t count) {
+  while (fds_.size() < count) {
+    int fd;
+    absl::Status ok = open_one(&fd);
+    if (!ok.ok()) return ok;
+    fds_.push_back(fd);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Puller::pull_range(int fd, uint64_t id, uint64_t offset, uint64_t length,
+                                char* dst) {
+  char pull[kPullBytes];
+  put_u64(pull, id);
+  put_u64(pull + 8, offset);
+  put_u64(pull + 16, length);
+  absl::Status ok = write_all_blocking(fd, pull, sizeof(pull));
+  char head[kReplyHeadBytes];
+  if (ok.ok()) ok = read_exact_blocking(fd, head, sizeof(head));
+  if (!ok.ok()) return ok;
+  const uint32_t status = get_u32(head);
+  if (status == kPullUnknownLend) return absl::NotFoundError("it holds no such lend");
+  if (status != kPullOk) return absl::OutOfRangeError("it refused the range");
+  if (get_u64(head + 8) != length) {
+    return absl::DataLossError(absl::StrCat("it answered ", get_u64(head + 8),
+                                            " bytes where ", length, " were asked"));
+  }
+  return read_exact_blocking(fd, dst + offset, length);
+}
+
+absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t most = std::max(1, options_.streams);
+  const uint64_t ranges = std::clamp<uint64_t>(nbytes / kMinRangeBytes, 1, most);
+  absl::Status ok = connect_locked(ranges);
+  std::vector<absl::Status> results(ranges);
+  if (ok.ok()) {
+    uint64_t step = (nbytes + ranges - 1) / ranges;
+    step = (step + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
+    std::vector<std::thread> helpers;
+    char* out = static_cast<char*>(dst);
+    for (uint64_t r = ranges; r-- > 0;) {
+      const uint64_t begin = std::min(nbytes, r * step);
+      const uint64_t length = std::min(nbytes, begin + step) - begin;
+      const int fd = fds_[r];
+      auto run = [this, fd, id, begin, length, out, &results, r] {
+        results[r] = pull_range(fd, id, begin, length, out);
+      };
+      if (r == 0) {
+        run();
+        continue;
+      }
+      try {
+        helpers.emplace_back(run);
+      } catch (const std::system_error&) {
+        run();  // no thread: this range after the others
+      }
+    }
+    for (auto& t : helpers) t.join();
+    for (const absl::Status& s : results) {
+      if (!s.ok()) {
+        ok = s;
+        break;
+      }
+    }
+    if (ok.ok()) {
+      char release[kPullBytes];
+      put_u64(release, id);
+      put_u64(release + 8, kReleaseOffset);
+      put_u64(release + 16, 0);
+      ok = write_all_blocking(fds_[0], release, sizeof(release));
+    }
+  }
+  if (!ok.ok()) {
+    close_locked();
+    return absl::Status(ok.code(), absl::StrCat("pulling lent tensor ", id, " (", nbytes,
+                                                " bytes) from worker ", options_.lender, " at ",
+                                                options_.endpoint, ": ", ok.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ddprpc::rpc::transport::bulk

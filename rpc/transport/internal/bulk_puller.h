@@ -1,0 +1,53 @@
+// The pulling side of the bulk path: a worker's connections to one
+// lender's listener, over which lent tensors are read straight into the
+// tensors that receive them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace ddprpc::rpc::transport::bulk {
+
+struct PullerOptions {
+  int self = -1;     // this worker, proven to the lender
+  int lender = -1;   // the worker that lent
+  std::string endpoint;  // its Listener, host:port
+  std::string token;     // the job's token; empty: no proof
+  int streams = 3;       // connections a large pull is spread over
+  absl::Duration connect_timeout = absl::Seconds(10);
+  absl::Duration silence = absl::Seconds(30);  // a pull that stalls this long fails
+};
+
+// Thread-safe; pulls from one lender run one at a time.
+class Puller {
+ public:
+  explicit Puller(PullerOptions options) : options_(std::move(options)) {}
+  ~Puller();
+  Puller(const Puller&) = delete;
+  Puller& operator=(const Puller&) = delete;
+
+  // Reads the `nbytes` bytes of lend `id` into `dst`. Pulls of 512 KiB and
+  // more are cut into one range per connection, read at once (a thread
+  // each beyond the first). An error (naming the lender) closes the
+  // connections; the next pull opens new ones.
+  absl::Status pull(uint64_t id, void* dst, uint64_t nbytes);
+
+ private:
+  absl::Status connect_locked(size_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status open_one(int* fd);
+  void close_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status pull_range(int fd, uint64_t id, uint64_t offset, uint64_t length, char* dst);
+
+  const PullerOptions options_;
+  absl::Mutex mu_;
+  // State below is protected by mu_.
+  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ddprpc::rpc::transport::bulk

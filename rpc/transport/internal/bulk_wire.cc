@@ -1,0 +1,234 @@
+#include "rpc/transport/internal/bulk_wire.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace ddprpc::rpc::transport::bulk {
+
+void put_u32(char* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+void put_u64(char* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+uint32_t get_u32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+uint64_t get_u64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+
+namespace {
+
+int poll_ms(absl::Duration d) {
+  if (d == absl::InfiniteDuration()) return -1;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d) + 1, 1 << 30));
+}
+
+// Waits until `fd` is ready for `events`; false after `silence`.
+absl::Status wait_ready(int fd, short events, absl::Duration silence) {
+  pollfd p{fd, events, 0};
+  for (;;) {
+    const int n = ::poll(&p, 1, poll_ms(silence));
+    if (n > 0) return absl::OkStatus();
+    if (n == 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("no progress for ", absl::FormatDuration(silence)));
+    }
+    if (errno != EINTR) return absl::UnavailableError(absl::StrCat("poll: ", strerror(errno)));
+  }
+}
+
+}  // namespace
+
+absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<size_t>(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      absl::Status ready = wait_ready(fd, POLLOUT, silence);
+      if (!ready.ok()) return ready;
+      continue;
+    }
+    return absl::UnavailableError(absl::StrCat("send: ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return absl::UnavailableError("the connection was closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      absl::Status ready = wait_ready(fd, POLLIN, silence);
+      if (!ready.ok()) return ready;
+      continue;
+    }
+    return absl::UnavailableError(absl::StrCat("recv: ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status write_all_blocking(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<size_t>(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return absl::DeadlineExceededError("the peer took nothing for the silence limit");
+    }
+    return absl::UnavailableError(absl::StrCat("send: ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status read_exact_blocking(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
+    if (r > 0) {
+      p += r;
+      n -= static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return absl::UnavailableError("the connection was closed by the peer");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return absl::DeadlineExceededError("the peer sent nothing for the silence limit");
+    }
+    return absl::UnavailableError(absl::StrCat("recv: ", strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+void set_silence(int fd, absl::Duration silence) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+  timeval limit = absl::ToTimeval(silence);
+  if (silence == absl::InfiniteDuration()) limit = timeval{0, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+}
+
+namespace {
+
+bool split_endpoint(const std::string& endpoint, std::string* host, std::string* port) {
+  const size_t colon = endpoint.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == endpoint.size()) return false;
+  *host = endpoint.substr(0, colon);
+  *port = endpoint.substr(colon + 1);
+  if (host->size() > 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  int value;
+  return absl::SimpleAtoi(*port, &value) && value > 0 && value < 65536;
+}
+
+}  // namespace
+
+int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error) {
+  std::string host, port;
+  if (!split_endpoint(endpoint, &host, &port)) {
+    *error = absl::StrCat("malformed bulk endpoint '", endpoint, "'");
+    return -1;
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+    *error = absl::StrCat("cannot resolve ", endpoint, ": ", gai_strerror(rc));
+    return -1;
+  }
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) continue;
+    int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      absl::Status ready = wait_ready(fd, POLLOUT, timeout);
+      int so_error = 0;
+      socklen_t len = sizeof(so_error);
+      if (ready.ok() && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len) == 0 &&
+          so_error == 0) {
+        rc = 0;
+      } else {
+        errno = ready.ok() ? so_error : ETIMEDOUT;
+      }
+    }
+    if (rc != 0) {
+      *error = absl::StrCat("cannot connect to ", endpoint, ": ", strerror(errno));
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd >= 0) {
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  return fd;
+}
+
+int listen_on(const std::string& host, int* port, std::string* error) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (int rc = ::getaddrinfo(host.c_str(), "0", &hints, &found); rc != 0) {
+    *error = absl::StrCat("cannot resolve ", host, ": ", gai_strerror(rc));
+    return -1;
+  }
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
+      *error = absl::StrCat("cannot listen on ", host, ": ", strerror(errno));
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) return -1;
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = addr.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port)
+                                     : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  return fd;
+}
+
+}  // namespace ddprpc::rpc::transport::bulk

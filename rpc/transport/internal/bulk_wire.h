@@ -1,0 +1,70 @@
+// The bulk path's messages and the socket calls both of its ends use
+// (bulk_transport.h describes the path).
+//
+// A connection is opened by the worker that pulls (the puller) to the
+// listener of the worker that lent (the lender):
+//
+//   puller -> lender  hello: "DDB1", u32 from, u32 to, u32 proof size, proof
+//   lender -> puller  "OK.." once the proof is checked (else it closes)
+//   puller -> lender  pull:  u64 lend id, u64 offset, u64 length
+//   lender -> puller  reply: u32 status, u32 0, u64 length, then the bytes
+//   puller -> lender  release: u64 lend id, u64 kReleaseOffset, u64 0 (once
+//                     every range of the lend has arrived; no reply)
+//
+// Integers are little-endian. A status other than kPullOk ends the
+// connection after its reply; so does any malformed message.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace ddprpc::rpc::transport::bulk {
+
+inline constexpr char kHelloMagic[4] = {'D', 'D', 'B', '1'};
+inline constexpr char kHelloAck[4] = {'O', 'K', '.', '.'};
+inline constexpr size_t kHelloFixedBytes = 16;
+inline constexpr uint32_t kMaxProofBytes = 256;
+inline constexpr size_t kPullBytes = 24;
+inline constexpr size_t kReplyHeadBytes = 16;
+
+inline constexpr uint64_t kReleaseOffset = ~uint64_t{0};
+
+enum PullStatus : uint32_t {
+  kPullOk = 0,
+  kPullUnknownLend = 1,  // no such lend to this puller (never made, pulled or expired)
+  kPullOutOfRange = 2,   // past the end of the lend
+};
+
+void put_u32(char* p, uint32_t v);
+void put_u64(char* p, uint64_t v);
+uint32_t get_u32(const char* p);
+uint64_t get_u64(const char* p);
+
+// Blocking I/O on a socket, each call bounded by `silence`: no progress
+// for that long is an error (DEADLINE_EXCEEDED). The peer's end is
+// UNAVAILABLE. Never raises SIGPIPE.
+absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence);
+absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence);
+
+// The same on a blocking socket whose SO_SNDTIMEO / SO_RCVTIMEO bound
+// the silence (set_silence): the bulk bytes themselves, where sleeping in
+// the kernel until the whole range has moved costs fewer wake-ups than a
+// poll per segment.
+absl::Status write_all_blocking(int fd, const void* data, size_t n);
+absl::Status read_exact_blocking(int fd, void* data, size_t n);
+// Makes `fd` blocking, its sends and receives failing after `silence`
+// without progress.
+void set_silence(int fd, absl::Duration silence);
+
+// Connects to "host:port" (numeric host or name) within `timeout`; the
+// socket has TCP_NODELAY. -1 and `*error` on failure.
+int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error);
+
+// Listens on host:0; -1 and `*error` on failure. `*port` is the port.
+int listen_on(const std::string& host, int* port, std::string* error);
+
+}  // namespace ddprpc::rpc::transport::bulk
