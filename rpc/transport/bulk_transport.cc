@@ -71,7 +71,10 @@ class BulkState {
     for (int i = 0; i < n; ++i) {
       auto* meta = metas->Mutable(i);
       const at::Tensor& t = frame->tensors[i];
-      if (!t.defined() || meta->lent() != 0 || meta->nbytes() < options_.min_bytes) continue;
+      if (!t.defined() || meta->lent() != 0 || meta->nbytes() < options_.min_bytes ||
+          !t.device().is_cpu() || !t.is_contiguous()) {
+        continue;
+      }
       const uint64_t id = table->lend(peer, frame->header.id(), t, reply);
       if (id == 0) return;  // the peer's bound: the rest travel in the frame
       meta->set_lent(id);
@@ -82,15 +85,24 @@ class BulkState {
   absl::Status fill(Frame* frame, int peer, int self, const std::string& token,
                     int64_t max_message_bytes) {
     if (!has_lent(*frame)) return absl::OkStatus();
-    const uint64_t total = frame->size() + frame->lent_bytes();
-    if (total > static_cast<uint64_t>(max_message_bytes)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("a frame of ", total, " bytes with its lent tensors exceeds "
-                       "max_message_bytes (", max_message_bytes, ")"));
+    // Each tensor's bytes were checked against its shape; their sum is
+    // checked here, before anything is allocated.
+    uint64_t total = frame->size();
+    for (const auto& meta : frame->header.tensors()) {
+      if (meta.lent() != 0 && (__builtin_add_overflow(total, meta.nbytes(), &total) ||
+                               total > static_cast<uint64_t>(max_message_bytes))) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("a frame with lent tensors exceeds max_message_bytes (",
+                         max_message_bytes, ")"));
+      }
     }
     std::shared_ptr<bulk::Puller> puller;
     {
       absl::MutexLock lock(&mu_);
+      // A peer that knows the world may lend before this worker has read
+      // every worker's record.
+      auto known = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !endpoints_.empty(); };
+      mu_.AwaitWithTimeout(absl::Condition(&known), options_.silence);
       if (peer < 0 || peer >= static_cast<int>(endpoints_.size()) || endpoints_[peer].empty()) {
         return absl::FailedPreconditionError(
             absl::StrCat("worker ", peer, " lent tensors but has no bulk endpoint"));
@@ -224,7 +236,7 @@ class BulkChannel : public Channel {
     const bool lent = has_lent(frame);
     const bool sent = inner_->send(std::move(frame), options);
     if (!sent && lent) {
-      if (auto table = state_->table()) table->release_frame(peer_, id);
+      if (auto table = state_->table()) table->release_request(peer_, id);
     }
     return sent;
   }
@@ -268,7 +280,10 @@ class BulkTransport : public Transport {
     std::unique_ptr<bulk::Listener> listener =
         bulk::Listener::start(host, ll, state_->table(), &error);
     if (listener == nullptr) {
-      throw RpcError(ErrorCode::kInternal, absl::StrCat("bulk path: ", error));
+      // Tensors then travel in their frames; peers see no bulk endpoint.
+      LOG(WARNING) << "worker " << limits.self << ": no bulk path (" << error << ")";
+      return inner_->listen(host, limits, security, std::move(check), std::move(run_inline),
+                            std::move(offload));
     }
     ServerLimits inner_limits = limits;
     inner_limits.accept_lent_tensors = true;
@@ -293,9 +308,9 @@ class BulkTransport : public Transport {
     std::unique_ptr<Server> server = inner_->listen(host, inner_limits, security, std::move(check),
                                                     wrap(std::move(run_inline)),
                                                     wrap(std::move(offload)));
+    const bool bare_ipv6 = host.find(':') != std::string::npos && host.front() != '[';
     const std::string endpoint =
-        absl::StrCat(host.find(':') != std::string::npos ? "[" + host + "]" : host, ":",
-                     listener->port());
+        absl::StrCat(bare_ipv6 ? "[" + host + "]" : host, ":", listener->port());
     state_->set_listening(true);
     return std::make_unique<BulkServer>(state_, std::move(server), std::move(listener), endpoint);
   }
@@ -320,7 +335,7 @@ class BulkTransport : public Transport {
         frame = error_frame(id, peer, filled);
       }
       if (auto table = state->table()) {
-        table->release_frame(peer, id);  // the request's lends, if not pulled
+        table->release_request(peer, id);  // the request's lends, if not pulled
       }
       return next(std::move(frame));
     };

@@ -320,9 +320,8 @@ class BrokenLender {
   std::thread thread_;
 };
 
-// Sends, as worker 1 on a plain gRPC channel, a request naming lend 4242
-// of 1 MiB; returns the reply.
-Frame send_lent_request(Worker* w0, uint64_t id) {
+// Sends `f` as worker 1 on a plain gRPC channel to `w0`; returns the reply.
+Frame send_as_worker1(Worker* w0, Frame f) {
   Replies replies;
   PeerOptions options;
   options.self = 1;
@@ -331,12 +330,41 @@ Frame send_lent_request(Worker* w0, uint64_t id) {
   options.accept_lent_tensors = true;
   auto plain = make_default_transport();
   auto ch = plain->connect(w0->address(), options, replies.on_frame(), [](const CloseReason&) {});
-  Frame f = request({at::arange(1 << 18, at::kInt)}, id, 1);
-  f.header.mutable_tensors(0)->set_lent(4242);
   EXPECT_TRUE(ch->send(std::move(f), {}));
   Frame reply = replies.wait_for(1);
   ch->close(false);
   return reply;
+}
+
+// A request naming lend 4242 of 1 MiB, which worker 1 never made.
+Frame send_lent_request(Worker* w0, uint64_t id) {
+  Frame f = request({at::arange(1 << 18, at::kInt)}, id, 1);
+  f.header.mutable_tensors(0)->set_lent(4242);
+  return send_as_worker1(w0, std::move(f));
+}
+
+TEST(BulkTransportTest, LentTensorsPastMaxMessageBytesFailBeforeAnythingIsAllocated) {
+  Worker w0(0, 2), w1(1, 2);
+  world({&w0, &w1});
+  // Four lent tensors of 2^62 bytes each: their sum wraps a 64-bit count.
+  Frame f;
+  f.header.set_kind(wire::REQUEST);
+  f.header.set_id(8);
+  f.header.set_src(1);
+  f.header.mutable_payload()->set_none(true);
+  for (int i = 0; i < 4; ++i) {
+    auto* meta = f.header.add_tensors();
+    meta->set_dtype(static_cast<int>(at::kByte));
+    meta->add_sizes(int64_t{1} << 62);
+    meta->set_nbytes(uint64_t{1} << 62);
+    meta->set_lent(100 + i);
+  }
+  Frame reply = send_as_worker1(&w0, std::move(f));
+  EXPECT_EQ(reply.header.kind(), wire::ERROR);
+  EXPECT_NE(reply.header.error().find("max_message_bytes"), std::string::npos)
+      << reply.header.error();
+  EXPECT_EQ(w0.served(), 0);
+  echoes(&w1, w0, at::arange(1 << 20, at::kInt));
 }
 
 TEST(BulkTransportTest, AFrameNamingAnUnknownLendFailsItsCallOnly) {

@@ -52,14 +52,20 @@ void LendTable::release(int peer, uint64_t id) {
   erase_locked(peer, id);
 }
 
-void LendTable::release_frame(int peer, uint64_t frame_id) {
+void LendTable::release_request(int peer, uint64_t frame_id) {
   absl::MutexLock lock(&mu_);
   if (lends_.empty()) return;
   for (auto it = lends_.lower_bound({peer, 0}); it != lends_.end() && it->first.first == peer;) {
     const uint64_t id = it->first.second;
+    const bool match = !it->second.reply && it->second.frame_id == frame_id;
     ++it;
-    if (lends_.at({peer, id}).frame_id == frame_id) erase_locked(peer, id);
+    if (match) erase_locked(peer, id);
   }
+}
+
+void LendTable::expire() {
+  absl::MutexLock lock(&mu_);
+  expire_locked(absl::Now());
 }
 
 int64_t LendTable::lent_bytes(int peer) {
@@ -101,25 +107,31 @@ std::unique_ptr<Listener> Listener::start(const std::string& host, const Listene
   int port = 0;
   const int fd = listen_on(host, &port, error);
   if (fd < 0) return nullptr;
-  return std::unique_ptr<Listener>(new Listener(fd, port, limits, std::move(table)));
+  const int wake = ::eventfd(0, EFD_CLOEXEC);
+  if (wake < 0) {
+    *error = absl::StrCat("eventfd: ", strerror(errno));
+    ::close(fd);
+    return nullptr;
+  }
+  return std::unique_ptr<Listener>(new Listener(fd, wake, port, limits, std::move(table)));
 }
 
-Listener::Listener(int fd, int port, const ListenerLimits& limits,
+Listener::Listener(int fd, int wake_fd, int port, const ListenerLimits& limits,
                    std::shared_ptr<LendTable> table)
     : listen_fd_(fd),
+      wake_fd_(wake_fd),
       port_(port),
       limits_(limits),
       table_(std::move(table)),
       auth_(limits.token.empty() ? nullptr
                                  : std::make_unique<rpc::internal::AuthChecker>(limits.token)) {
-  wake_fd_ = ::eventfd(0, EFD_CLOEXEC);
   acceptor_ = std::thread([this] { accept_loop(); });
 }
 
 Listener::~Listener() {
   shutdown();
   ::close(listen_fd_);
-  if (wake_fd_ >= 0) ::close(wake_fd_);
+  ::close(wake_fd_);
 }
 
 void Listener::shutdown() {
@@ -130,7 +142,7 @@ void Listener::shutdown() {
     for (auto& c : connections_) ::shutdown(c->fd, SHUT_RDWR);
   }
   const uint64_t one = 1;
-  if (wake_fd_ >= 0) (void)!::write(wake_fd_, &one, sizeof(one));
+  (void)!::write(wake_fd_, &one, sizeof(one));
   if (acceptor_.joinable()) acceptor_.join();
   std::list<std::unique_ptr<Connection>> all;
   {
@@ -169,6 +181,7 @@ void Listener::accept_loop() {
     if (n < 0 && errno != EINTR) break;
     if (fds[1].revents != 0) break;
     if (n <= 0 || fds[0].revents == 0) {
+      table_->expire();
       absl::MutexLock lock(&mu_);
       reap_locked();
       continue;
@@ -191,15 +204,17 @@ void Listener::accept_loop() {
     int unproven = 0;
     Connection* oldest = nullptr;
     for (auto& c : connections_) {
-      if (c->proven.load() || c->done.load()) continue;
+      if (c->proven.load() || c->done.load() || c->evicted) continue;
       ++unproven;
       if (oldest == nullptr || c->opened < oldest->opened) oldest = c.get();
     }
     if (unproven >= limits_.max_unauthenticated_connections && oldest != nullptr) {
+      oldest->evicted = true;
       ::shutdown(oldest->fd, SHUT_RDWR);
     }
     int one = 1;  // a reply's last segment goes without waiting for the previous one's ACK
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    set_keepalive(fd);
     auto c = std::make_unique<Connection>();
     c->fd = fd;
     c->opened = absl::Now();
@@ -249,15 +264,23 @@ int Listener::handshake(Connection* c) {
   }
   {
     absl::MutexLock lock(&mu_);
+    if (c->evicted) return -1;
+    // A worker past its count: its oldest connection gives way (one its
+    // puller gave up on, say, after a partition), so that it is never
+    // locked out.
     int open = 0;
+    Connection* oldest = nullptr;
     for (auto& other : connections_) {
-      open += other.get() != c && other->proven.load() && !other->done.load() &&
-              other->peer == static_cast<int>(from);
+      if (other.get() == c || !other->proven.load() || other->done.load() || other->evicted ||
+          other->peer != static_cast<int>(from)) {
+        continue;
+      }
+      ++open;
+      if (oldest == nullptr || other->opened < oldest->opened) oldest = other.get();
     }
-    if (open >= limits_.max_connections_per_peer) {
-      LOG(WARNING) << "bulk listener of worker " << limits_.self << ": worker " << from
-                   << " already has " << open << " connections";
-      return -1;
+    if (open >= limits_.max_connections_per_peer && oldest != nullptr) {
+      oldest->evicted = true;
+      ::shutdown(oldest->fd, SHUT_RDWR);
     }
     c->peer = static_cast<int>(from);
     c->proven.store(true);

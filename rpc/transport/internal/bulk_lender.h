@@ -27,7 +27,7 @@ namespace ddprpc::rpc::transport::bulk {
 // bytes, for requests and for replies apart: a lend beyond it is refused
 // (the tensor then travels in its frame, where the transport's own bounds
 // apply: a caller that reads no replies has its stream paused). A lend ends when its puller releases it (it has every byte),
-// when the frame that carried it is answered (release_frame), or when it
+// when the request that carried it is answered (release_request), or when it
 // expires.
 // Thread-safe.
 class LendTable {
@@ -46,8 +46,13 @@ class LendTable {
   absl::StatusOr<at::Tensor> find(int peer, uint64_t id, uint64_t offset, uint64_t length);
   // Ends lend `id` to `peer`, if there is one.
   void release(int peer, uint64_t id);
-  // Ends the lends made with frame `frame_id` to `peer`.
-  void release_frame(int peer, uint64_t frame_id);
+  // Ends the lends of request `frame_id` to `peer` (its reply came, or it
+  // was never sent). Replies' lends are left: ids of the two directions'
+  // frames come from different workers and may be equal.
+  void release_request(int peer, uint64_t frame_id);
+  // Ends the lends past their time (lend() and find() do it too; the
+  // listener calls it each second so that an idle worker lets them go).
+  void expire();
   // Bytes lent to `peer` (requests' and replies'), and lends in all.
   int64_t lent_bytes(int peer);
   size_t size();
@@ -79,7 +84,7 @@ struct ListenerLimits {
   std::string token;    // empty: connections are not authenticated
   int max_unauthenticated_connections = 64;  // beyond it the oldest give way
   absl::Duration handshake_timeout = absl::Seconds(10);
-  int max_connections_per_peer = 12;  // proven connections of one worker
+  int max_connections_per_peer = 12;  // proven connections of one worker; the oldest give way
   absl::Duration silence = absl::Seconds(30);  // a pull that stalls this long ends
 };
 
@@ -106,9 +111,11 @@ class Listener {
     absl::Time opened;
     std::atomic<bool> proven{false};
     std::atomic<bool> done{false};
+    bool evicted = false;  // pushed out for a newer connection (under mu_)
     std::thread thread;
   };
-  Listener(int fd, int port, const ListenerLimits& limits, std::shared_ptr<LendTable> table);
+  Listener(int fd, int wake_fd, int port, const ListenerLimits& limits,
+           std::shared_ptr<LendTable> table);
   void accept_loop();
   void serve(Connection* c);
   // Checks the hello; the peer's id, or -1 (and logs why).
@@ -116,11 +123,11 @@ class Listener {
   void reap_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int listen_fd_;
+  const int wake_fd_;  // eventfd: ends the accept loop
   const int port_;
   const ListenerLimits limits_;
   const std::shared_ptr<LendTable> table_;
   const std::unique_ptr<rpc::internal::AuthChecker> auth_;
-  int wake_fd_ = -1;  // eventfd: ends the accept loop
   absl::Mutex mu_;
   // State below is protected by mu_.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -8,6 +8,10 @@
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
 
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "rpc/transport/internal/bulk_lender.h"
 #include "rpc/transport/internal/bulk_puller.h"
+#include "rpc/transport/internal/bulk_wire.h"
+#include "rpc/core/internal/auth.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -69,12 +75,17 @@ TEST(BulkLenderTest, APullMayNameOnlyItsOwnLendsWithinTheirBytes) {
   const uint64_t a = table->lend(1, 11, t, false), b = table->lend(2, 11, t, false);
   EXPECT_NE(a, 0u);
   EXPECT_NE(b, 0u);
-  table->release_frame(1, 11);
+  table->release_request(1, 11);
   EXPECT_EQ(table->size(), 1u);
   EXPECT_EQ(table->lent_bytes(1), 0);
   for (int i = 0; i < 4; ++i) EXPECT_NE(table->lend(1, 20 + i, t, /*reply=*/true), 0u) << i;
   EXPECT_EQ(table->lend(1, 30, t, /*reply=*/true), 0u);
   EXPECT_NE(table->lend(1, 31, t, /*reply=*/false), 0u);
+  EXPECT_EQ(table->lent_bytes(1), 5 * static_cast<int64_t>(t.nbytes()));
+  // The reply to this worker's request 20 releases that request's lends,
+  // not the lend of this worker's reply to the peer's own request 20.
+  EXPECT_NE(table->lend(1, 20, t, /*reply=*/false), 0u);
+  table->release_request(1, 20);
   EXPECT_EQ(table->lent_bytes(1), 5 * static_cast<int64_t>(t.nbytes()));
 }
 
@@ -119,6 +130,56 @@ TEST(BulkLenderTest, PullsFromSeveralThreadsAtOnceEachGetTheirOwnBytes) {
   EXPECT_EQ(table->size(), 0u);  // every lend released by its puller
   listener->shutdown();
   EXPECT_EQ(listener->connections(), 0);
+}
+
+// Opens a connection to `port` proven as worker `from`; -1 if refused.
+int proven_connection(int port, int from) {
+  std::string error;
+  const int fd = bulk::connect_to(absl::StrCat("127.0.0.1:", port), absl::Seconds(5), &error);
+  if (fd < 0) return -1;
+  const std::string proof = rpc::internal::auth_proof(kToken, {"rpc", "bulk", from, 0});
+  std::string hello(bulk::kHelloFixedBytes, '\0');
+  std::memcpy(hello.data(), bulk::kHelloMagic, 4);
+  bulk::put_u32(hello.data() + 4, from);
+  bulk::put_u32(hello.data() + 8, 0);
+  bulk::put_u32(hello.data() + 12, proof.size());
+  hello += proof;
+  char ack[4];
+  if (!bulk::write_all(fd, hello.data(), hello.size(), absl::Seconds(5)).ok() ||
+      !bulk::read_exact(fd, ack, 4, absl::Seconds(5)).ok()) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(BulkLenderTest, AWorkerPastItsConnectionsPushesOutItsOldestAndIsNeverLockedOut) {
+  auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{64} << 20,
+                                                 absl::Seconds(60));
+  bulk::ListenerLimits limits;
+  limits.self = 0;
+  limits.world_size = 3;
+  limits.token = kToken;
+  limits.max_connections_per_peer = 2;
+  std::string error;
+  auto listener = bulk::Listener::start("127.0.0.1", limits, table, &error);
+  ASSERT_NE(listener, nullptr) << error;
+  // Connections its puller gave up on (a partition, say) stay open here.
+  const int first = proven_connection(listener->port(), 1);
+  const int second = proven_connection(listener->port(), 1);
+  const int other = proven_connection(listener->port(), 2);
+  ASSERT_GE(first, 0);
+  ASSERT_GE(second, 0);
+  ASSERT_GE(other, 0);
+  // A third of worker 1 is admitted; its oldest is closed, worker 2's is not.
+  const int third = proven_connection(listener->port(), 1);
+  ASSERT_GE(third, 0);
+  char byte;
+  EXPECT_EQ(bulk::read_exact(first, &byte, 1, absl::Seconds(5)).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(bulk::read_exact(other, &byte, 1, absl::Milliseconds(300)).code(),
+            absl::StatusCode::kDeadlineExceeded);  // still open, silent
+  for (int fd : {first, second, third, other}) ::close(fd);
 }
 
 }  // namespace

@@ -71,7 +71,7 @@ absl::Status Puller::connect_locked(size_t count) {
 }
 
 absl::Status Puller::pull_range(int fd, uint64_t id, uint64_t offset, uint64_t length,
-                                char* dst) {
+                                char* dst, absl::Time deadline) {
   char pull[kPullBytes];
   put_u64(pull, id);
   put_u64(pull + 8, offset);
@@ -87,11 +87,14 @@ absl::Status Puller::pull_range(int fd, uint64_t id, uint64_t offset, uint64_t l
     return absl::DataLossError(absl::StrCat("it answered ", get_u64(head + 8),
                                             " bytes where ", length, " were asked"));
   }
-  return read_exact_blocking(fd, dst + offset, length);
+  return read_exact_blocking(fd, dst + offset, length, deadline);
 }
 
 absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
   absl::MutexLock lock(&mu_);
+  const absl::Time deadline =
+      absl::Now() + options_.silence +
+      absl::Seconds(static_cast<double>(nbytes) / std::max(1.0, options_.min_bytes_per_second));
   const uint64_t most = std::max(1, options_.streams);
   const uint64_t ranges = std::clamp<uint64_t>(nbytes / kMinRangeBytes, 1, most);
   absl::Status ok = connect_locked(ranges);
@@ -100,13 +103,14 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
     uint64_t step = (nbytes + ranges - 1) / ranges;
     step = (step + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
     std::vector<std::thread> helpers;
+    helpers.reserve(ranges);
     char* out = static_cast<char*>(dst);
     for (uint64_t r = ranges; r-- > 0;) {
       const uint64_t begin = std::min(nbytes, r * step);
       const uint64_t length = std::min(nbytes, begin + step) - begin;
       const int fd = fds_[r];
-      auto run = [this, fd, id, begin, length, out, &results, r] {
-        results[r] = pull_range(fd, id, begin, length, out);
+      auto run = [this, fd, id, begin, length, out, deadline, &results, r] {
+        results[r] = pull_range(fd, id, begin, length, out, deadline);
       };
       if (r == 0) {
         run();
@@ -114,7 +118,7 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
       }
       try {
         helpers.emplace_back(run);
-      } catch (const std::system_error&) {
+      } catch (const std::exception&) {
         run();  // no thread: this range after the others
       }
     }
@@ -126,11 +130,13 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
       }
     }
     if (ok.ok()) {
+      // Every byte is here: a release that cannot go out fails nothing (the
+      // lend then expires), but the connection is not used again.
       char release[kPullBytes];
       put_u64(release, id);
       put_u64(release + 8, kReleaseOffset);
       put_u64(release + 16, 0);
-      ok = write_all_blocking(fds_[0], release, sizeof(release));
+      if (!write_all_blocking(fds_[0], release, sizeof(release)).ok()) close_locked();
     }
   }
   if (!ok.ok()) {

@@ -22,6 +22,9 @@ struct PullerOptions {
   int streams = 3;       // connections a large pull is spread over
   absl::Duration connect_timeout = absl::Seconds(10);
   absl::Duration silence = absl::Seconds(30);  // a pull that stalls this long fails
+  // However slowly bytes come, a pull fails after silence + its bytes at
+  // this rate.
+  double min_bytes_per_second = 16 << 20;
 };
 
 // Thread-safe; pulls from one lender run one at a time.
@@ -32,17 +35,18 @@ class Puller {
   Puller(const Puller&) = delete;
   Puller& operator=(const Puller&) = delete;
 
-  // Reads the `nbytes` bytes of lend `id` into `dst`. Pulls of 512 KiB and
-  // more are cut into one range per connection, read at once (a thread
-  // each beyond the first). An error (naming the lender) closes the
-  // connections; the next pull opens new ones.
+  // Reads the `nbytes` bytes of lend `id` into `dst`. A pull is cut into
+  // ranges of at least 256 KiB, one per connection (up to `streams`), read
+  // at once (a thread each beyond the first). An error (naming the
+  // lender) closes the connections; the next pull opens new ones.
   absl::Status pull(uint64_t id, void* dst, uint64_t nbytes);
 
  private:
   absl::Status connect_locked(size_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status open_one(int* fd);
   void close_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status pull_range(int fd, uint64_t id, uint64_t offset, uint64_t length, char* dst);
+  absl::Status pull_range(int fd, uint64_t id, uint64_t offset, uint64_t length, char* dst,
+                          absl::Time deadline);
 
   const PullerOptions options_;
   absl::Mutex mu_;

@@ -97,9 +97,10 @@ absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence) {
   return absl::OkStatus();
 }
 
-absl::Status write_all_blocking(int fd, const void* data, size_t n) {
+absl::Status write_all_blocking(int fd, const void* data, size_t n, absl::Time deadline) {
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("the transfer took too long");
     const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
     if (w > 0) {
       p += w;
@@ -115,9 +116,10 @@ absl::Status write_all_blocking(int fd, const void* data, size_t n) {
   return absl::OkStatus();
 }
 
-absl::Status read_exact_blocking(int fd, void* data, size_t n) {
+absl::Status read_exact_blocking(int fd, void* data, size_t n, absl::Time deadline) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("the transfer took too long");
     const ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
     if (r > 0) {
       p += r;
@@ -141,6 +143,14 @@ void set_silence(int fd, absl::Duration silence) {
   if (silence == absl::InfiniteDuration()) limit = timeval{0, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
+}
+
+void set_keepalive(int fd) {
+  int on = 1, idle = 10, interval = 2, count = 3;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof(interval));
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count));
 }
 
 namespace {
@@ -198,11 +208,16 @@ int connect_to(const std::string& endpoint, absl::Duration timeout, std::string*
   if (fd >= 0) {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    set_keepalive(fd);
   }
   return fd;
 }
 
-int listen_on(const std::string& host, int* port, std::string* error) {
+int listen_on(const std::string& bracketed, int* port, std::string* error) {
+  std::string host = bracketed;
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE;

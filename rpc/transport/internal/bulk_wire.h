@@ -54,17 +54,25 @@ absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence);
 // the silence (set_silence): the bulk bytes themselves, where sleeping in
 // the kernel until the whole range has moved costs fewer wake-ups than a
 // poll per segment.
-absl::Status write_all_blocking(int fd, const void* data, size_t n);
-absl::Status read_exact_blocking(int fd, void* data, size_t n);
+// Past `deadline` (checked at least once per silence period) they fail
+// too, however slowly bytes still come.
+absl::Status write_all_blocking(int fd, const void* data, size_t n,
+                                absl::Time deadline = absl::InfiniteFuture());
+absl::Status read_exact_blocking(int fd, void* data, size_t n,
+                                 absl::Time deadline = absl::InfiniteFuture());
 // Makes `fd` blocking, its sends and receives failing after `silence`
 // without progress.
 void set_silence(int fd, absl::Duration silence);
+// TCP keepalive: a connection whose peer vanished (a partition, a host
+// that died) ends within about 20 s even while nobody uses it.
+void set_keepalive(int fd);
 
 // Connects to "host:port" (numeric host or name) within `timeout`; the
 // socket has TCP_NODELAY. -1 and `*error` on failure.
 int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error);
 
-// Listens on host:0; -1 and `*error` on failure. `*port` is the port.
+// Listens on host:0 (an IPv6 host with or without brackets); -1 and
+// `*error` on failure. `*port` is the port.
 int listen_on(const std::string& host, int* port, std::string* error);
 
 }  // namespace ddprpc::rpc::transport::bulk
