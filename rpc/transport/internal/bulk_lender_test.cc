@@ -28,16 +28,25 @@ namespace {
 
 constexpr char kToken[] = "bulk-test-token";
 
+// The listener of worker 0 in a world of `world_size`, serving `table`.
+std::unique_ptr<bulk::Listener> listener_of_worker0(std::shared_ptr<bulk::LendTable> table,
+                                                    int world_size, int max_per_peer = 12) {
+  bulk::ListenerLimits limits;
+  limits.self = 0;
+  limits.world_size = world_size;
+  limits.token = kToken;
+  limits.max_connections_per_peer = max_per_peer;
+  std::string error;
+  auto listener = bulk::Listener::start("127.0.0.1", limits, std::move(table), &error);
+  EXPECT_NE(listener, nullptr) << error;
+  return listener;
+}
+
 TEST(BulkLenderTest, APullMayNameOnlyItsOwnLendsWithinTheirBytes) {
   auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
                                                  absl::Seconds(60));
-  bulk::ListenerLimits limits;
-  limits.self = 0;
-  limits.world_size = 3;
-  limits.token = kToken;
-  std::string error;
-  auto listener = bulk::Listener::start("127.0.0.1", limits, table, &error);
-  ASSERT_NE(listener, nullptr) << error;
+  auto listener = listener_of_worker0(table, 3);
+  ASSERT_NE(listener, nullptr);
   const std::string ep = absl::StrCat("127.0.0.1:", listener->port());
   at::Tensor t = at::arange(1 << 18, at::kInt);  // 1 MiB
   const uint64_t id = table->lend(/*peer=*/1, /*frame_id=*/9, t, /*reply=*/false);
@@ -92,13 +101,8 @@ TEST(BulkLenderTest, APullMayNameOnlyItsOwnLendsWithinTheirBytes) {
 TEST(BulkLenderTest, PullsFromSeveralThreadsAtOnceEachGetTheirOwnBytes) {
   auto table = std::make_shared<bulk::LendTable>(int64_t{256} << 20, int64_t{256} << 20,
                                                  absl::Seconds(60));
-  bulk::ListenerLimits limits;
-  limits.self = 0;
-  limits.world_size = 5;
-  limits.token = kToken;
-  std::string error;
-  auto listener = bulk::Listener::start("127.0.0.1", limits, table, &error);
-  ASSERT_NE(listener, nullptr) << error;
+  auto listener = listener_of_worker0(table, 5);
+  ASSERT_NE(listener, nullptr);
   // Workers 1..4 pull, each its own tensors, 20 times over; worker 4 has
   // two threads sharing one puller.
   std::vector<std::thread> threads;
@@ -156,14 +160,8 @@ int proven_connection(int port, int from) {
 TEST(BulkLenderTest, AWorkerPastItsConnectionsPushesOutItsOldestAndIsNeverLockedOut) {
   auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{64} << 20,
                                                  absl::Seconds(60));
-  bulk::ListenerLimits limits;
-  limits.self = 0;
-  limits.world_size = 3;
-  limits.token = kToken;
-  limits.max_connections_per_peer = 2;
-  std::string error;
-  auto listener = bulk::Listener::start("127.0.0.1", limits, table, &error);
-  ASSERT_NE(listener, nullptr) << error;
+  auto listener = listener_of_worker0(table, 3, 2);
+  ASSERT_NE(listener, nullptr);
   // Connections its puller gave up on (a partition, say) stay open here.
   const int first = proven_connection(listener->port(), 1);
   const int second = proven_connection(listener->port(), 1);

@@ -56,84 +56,58 @@ absl::Status wait_ready(int fd, short events, absl::Duration silence) {
 
 }  // namespace
 
-absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence) {
-  const char* p = static_cast<const char*>(data);
+namespace {
+
+// Moves `n` bytes through `fd`, sending (`out`) or receiving. Polled: each
+// call takes what the socket holds and polls for more, at most `silence`
+// apart. Blocking: each call sleeps in the kernel until all has moved or
+// the socket's own timeout passes (set_silence). Either way `deadline`
+// is looked at between calls.
+absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::Duration silence,
+                      absl::Time deadline) {
+  const int flags = out ? (MSG_NOSIGNAL | (blocking ? 0 : MSG_DONTWAIT))
+                        : (blocking ? MSG_WAITALL : MSG_DONTWAIT);
   while (n > 0) {
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w > 0) {
-      p += w;
-      n -= static_cast<size_t>(w);
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("the transfer took too long");
+    const ssize_t done = out ? ::send(fd, p, n, flags) : ::recv(fd, p, n, flags);
+    if (done > 0) {
+      p += done;
+      n -= static_cast<size_t>(done);
       continue;
     }
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      absl::Status ready = wait_ready(fd, POLLOUT, silence);
+    if (done == 0 && !out) return absl::UnavailableError("the connection was closed by the peer");
+    if (done < 0 && errno == EINTR) continue;
+    if (done < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (blocking) return absl::DeadlineExceededError("no progress for the silence limit");
+      absl::Status ready = wait_ready(fd, out ? POLLOUT : POLLIN, silence);
       if (!ready.ok()) return ready;
       continue;
     }
-    return absl::UnavailableError(absl::StrCat("send: ", strerror(errno)));
+    return absl::UnavailableError(absl::StrCat(out ? "send: " : "recv: ", strerror(errno)));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence) {
+  return transfer(fd, const_cast<char*>(static_cast<const char*>(data)), n, /*out=*/true,
+                  /*blocking=*/false, silence, absl::InfiniteFuture());
 }
 
 absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t r = ::recv(fd, p, n, MSG_DONTWAIT);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0) return absl::UnavailableError("the connection was closed by the peer");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      absl::Status ready = wait_ready(fd, POLLIN, silence);
-      if (!ready.ok()) return ready;
-      continue;
-    }
-    return absl::UnavailableError(absl::StrCat("recv: ", strerror(errno)));
-  }
-  return absl::OkStatus();
+  return transfer(fd, static_cast<char*>(data), n, /*out=*/false, /*blocking=*/false, silence,
+                  absl::InfiniteFuture());
 }
 
 absl::Status write_all_blocking(int fd, const void* data, size_t n, absl::Time deadline) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    if (absl::Now() > deadline) return absl::DeadlineExceededError("the transfer took too long");
-    const ssize_t w = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (w > 0) {
-      p += w;
-      n -= static_cast<size_t>(w);
-      continue;
-    }
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      return absl::DeadlineExceededError("the peer took nothing for the silence limit");
-    }
-    return absl::UnavailableError(absl::StrCat("send: ", strerror(errno)));
-  }
-  return absl::OkStatus();
+  return transfer(fd, const_cast<char*>(static_cast<const char*>(data)), n, /*out=*/true,
+                  /*blocking=*/true, absl::ZeroDuration(), deadline);
 }
 
 absl::Status read_exact_blocking(int fd, void* data, size_t n, absl::Time deadline) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    if (absl::Now() > deadline) return absl::DeadlineExceededError("the transfer took too long");
-    const ssize_t r = ::recv(fd, p, n, MSG_WAITALL);
-    if (r > 0) {
-      p += r;
-      n -= static_cast<size_t>(r);
-      continue;
-    }
-    if (r == 0) return absl::UnavailableError("the connection was closed by the peer");
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) {
-      return absl::DeadlineExceededError("the peer sent nothing for the silence limit");
-    }
-    return absl::UnavailableError(absl::StrCat("recv: ", strerror(errno)));
-  }
-  return absl::OkStatus();
+  return transfer(fd, static_cast<char*>(data), n, /*out=*/false, /*blocking=*/true,
+                  absl::ZeroDuration(), deadline);
 }
 
 void set_silence(int fd, absl::Duration silence) {
