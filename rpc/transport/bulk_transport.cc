@@ -1,9 +1,6 @@
 #include "rpc/transport/bulk_transport.h"
 
-#include <c10/core/ScalarType.h>
-
 #include <map>
-#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,8 +51,12 @@ class BulkState {
   }
 
   // Lends `frame`'s large tensors from `self` to `peer` when both have
-  // published a bulk endpoint (and this transport listens on its own).
-  void lend(Frame* frame, int self, int peer, bool reply) {
+  // published a bulk endpoint (and this transport listens on its own);
+  // whether it lent any.
+  bool lend(Frame* frame, int self, int peer, bool reply) {
+    bool large = false;  // most frames have no large tensor: no lock for them
+    for (const auto& meta : frame->header.tensors()) large |= meta.nbytes() >= options_.min_bytes;
+    if (!large) return false;
     std::shared_ptr<bulk::LendTable> table;
     {
       absl::MutexLock lock(&mu_);
@@ -63,9 +64,10 @@ class BulkState {
       const int n = static_cast<int>(endpoints_.size());
       if (!listening_ || peer < 0 || peer >= n || self < 0 || self >= n ||
           endpoints_[peer].empty() || endpoints_[self].empty()) {
-        return;
+        return false;
       }
     }
+    bool lent = false;
     auto* metas = frame->header.mutable_tensors();
     const int n = std::min<int>(metas->size(), static_cast<int>(frame->tensors.size()));
     for (int i = 0; i < n; ++i) {
@@ -76,9 +78,11 @@ class BulkState {
         continue;
       }
       const uint64_t id = table->lend(peer, frame->header.id(), t, reply);
-      if (id == 0) return;  // the peer's bound: the rest travel in the frame
+      if (id == 0) break;  // the peer's bound: the rest travel in the frame
       meta->set_lent(id);
+      lent = true;
     }
+    return lent;
   }
 
   // Allocates `frame`'s lent tensors and pulls their bytes from `peer`.
@@ -127,17 +131,13 @@ class BulkState {
       at::Tensor t;
       try {
         t = internal::allocate_tensor(*meta);
-      } catch (const std::exception& e) {
+      } catch (const std::exception&) {
         return absl::ResourceExhaustedError(
             absl::StrCat("no memory for a lent tensor of ", meta->nbytes(), " bytes"));
       }
       if (meta->nbytes() > 0) {
         absl::Status pulled = puller->pull(meta->lent(), t.data_ptr(), meta->nbytes());
         if (!pulled.ok()) return pulled;
-      }
-      const auto dtype = static_cast<c10::ScalarType>(meta->dtype());
-      if (meta->requires_grad() && (c10::isFloatingType(dtype) || c10::isComplexType(dtype))) {
-        t.requires_grad_(true);
       }
       frame->tensors[i] = std::move(t);
       meta->set_lent(0);
@@ -229,11 +229,9 @@ class BulkChannel : public Channel {
 
   bool send(Frame frame, const SendOptions& options) override {
     // An oversized frame goes as it is, for the wrapped transport to refuse.
-    if (frame.size() <= static_cast<uint64_t>(max_message_bytes_)) {
-      state_->lend(&frame, self_, peer_, /*reply=*/false);
-    }
+    const bool lent = frame.size() <= static_cast<uint64_t>(max_message_bytes_) &&
+                      state_->lend(&frame, self_, peer_, /*reply=*/false);
     const uint64_t id = frame.header.id();
-    const bool lent = has_lent(frame);
     const bool sent = inner_->send(std::move(frame), options);
     if (!sent && lent) {
       if (auto table = state_->table()) table->release_request(peer_, id);

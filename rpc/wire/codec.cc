@@ -192,8 +192,12 @@ at::Tensor allocate_tensor(const wire::TensorMeta& meta) {
   const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
   // Straight from the CPU allocator: a factory op through the dispatcher
   // costs more than the allocation for a small tensor.
-  return at::detail::empty_cpu(
+  at::Tensor t = at::detail::empty_cpu(
       c10::IntArrayRef(meta.sizes().data(), static_cast<size_t>(meta.sizes().size())), dtype);
+  if (meta.requires_grad() && (at::isFloatingType(dtype) || at::isComplexType(dtype))) {
+    t.requires_grad_(true);  // writing its bytes through data_ptr() afterwards is fine
+  }
+  return t;
 }
 
 void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
@@ -508,14 +512,10 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
       frame->tensors.emplace_back();
       continue;
     }
-    const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
     at::Tensor t = allocate_tensor(meta);
     if (meta.nbytes() > 0) {
       absl::Status filled = fill(i, t.data_ptr(), meta.nbytes());
       if (!filled.ok()) return filled;
-    }
-    if (meta.requires_grad() && (at::isFloatingType(dtype) || at::isComplexType(dtype))) {
-      t.requires_grad_(true);
     }
     frame->tensors.push_back(std::move(t));
   }

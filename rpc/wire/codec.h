@@ -54,7 +54,8 @@ struct ParseOptions {
   bool accept_lent = false;
 };
 
-// A new tensor for checked metadata (as parse_frame allocates one).
+// A new tensor for checked metadata (as parse_frame allocates one), with
+// requires_grad as the metadata says (floating and complex dtypes only).
 at::Tensor allocate_tensor(const wire::TensorMeta& meta);
 
 // How values held in c10 capsules (e.g. RRefs) cross the wire, given by

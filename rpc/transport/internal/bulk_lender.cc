@@ -27,6 +27,7 @@ uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, 
   held += static_cast<int64_t>(nbytes);
   const uint64_t id = next_id_++;
   lends_.emplace(std::make_pair(peer, id), Lend{tensor, nbytes, frame_id, reply, now + timeout_});
+  if (!reply) request_lends_.fetch_add(1);
   by_time_.emplace_back(now + timeout_, std::make_pair(peer, id));
   return id;
 }
@@ -53,8 +54,8 @@ void LendTable::release(int peer, uint64_t id) {
 }
 
 void LendTable::release_request(int peer, uint64_t frame_id) {
+  if (request_lends_.load() == 0) return;
   absl::MutexLock lock(&mu_);
-  if (lends_.empty()) return;
   for (auto it = lends_.lower_bound({peer, 0}); it != lends_.end() && it->first.first == peer;) {
     const uint64_t id = it->first.second;
     const bool match = !it->second.reply && it->second.frame_id == frame_id;
@@ -96,6 +97,7 @@ void LendTable::erase_locked(int peer, uint64_t id) {
   auto it = lends_.find({peer, id});
   if (it == lends_.end()) return;
   bytes_[{peer, it->second.reply}] -= static_cast<int64_t>(it->second.nbytes);
+  if (!it->second.reply) request_lends_.fetch_sub(1);
   lends_.erase(it);
   if (lends_.empty()) by_time_.clear();
 }

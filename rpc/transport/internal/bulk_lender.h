@@ -70,6 +70,9 @@ class LendTable {
 
   const int64_t max_bytes_[2];  // requests, replies
   const absl::Duration timeout_;
+  // Request lends held; read without mu_ so that a reply to a request that
+  // lent nothing takes no lock.
+  std::atomic<int64_t> request_lends_{0};
   absl::Mutex mu_;
   // State below is protected by mu_.
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
