@@ -265,11 +265,15 @@ class GradientHooks {
       list_ = std::move(list);
     }
     // Passes that took the list before it was published again may still
-    // be about to call it: `removed` stops them.
-    const int own = static_cast<int>(std::count(t_running.begin(), t_running.end(), entry.get()));
+    // be about to call it: `removed` stops them. Calls on this thread (a
+    // hook that removes itself) are not waited for.
+    const std::thread::id me = std::this_thread::get_id();
     absl::MutexLock lock(&entry->mu);
     entry->removed = true;
-    auto others_done = [&entry, own] { return entry->running == own; };
+    auto others_done = [&entry, me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(entry->mu) {
+      return std::all_of(entry->running.begin(), entry->running.end(),
+                         [me](std::thread::id id) { return id == me; });
+    };
     entry->mu.Await(absl::Condition(&others_done));
   }
 
@@ -283,7 +287,7 @@ class GradientHooks {
       {
         absl::MutexLock lock(&entry->mu);
         if (entry->removed) continue;
-        ++entry->running;
+        entry->running.push_back(std::this_thread::get_id());
       }
       Running running(entry.get());
       entry->hook(context_id, params, grads);
@@ -297,19 +301,19 @@ class GradientHooks {
     int64_t id = 0;
     absl::Mutex mu;
     bool removed ABSL_GUARDED_BY(mu) = false;
-    int running ABSL_GUARDED_BY(mu) = 0;  // calls under way
+    std::vector<std::thread::id> running ABSL_GUARDED_BY(mu);  // a thread per call under way
   };
   using List = std::vector<std::shared_ptr<Entry>>;
 
-  // One call of `entry` on this thread; ends it when destroyed (also when
-  // the hook throws).
+  // Ends one call of `entry` on this thread (counted in entry->running)
+  // when destroyed, also when the hook throws.
   class Running {
    public:
-    explicit Running(Entry* entry) : entry_(entry) { t_running.push_back(entry); }
+    explicit Running(Entry* entry) : entry_(entry) {}
     ~Running() {
-      t_running.erase(std::find(t_running.begin(), t_running.end(), entry_));
       absl::MutexLock lock(&entry_->mu);
-      --entry_->running;
+      auto& running = entry_->running;
+      running.erase(std::find(running.begin(), running.end(), std::this_thread::get_id()));
     }
     Running(const Running&) = delete;
     Running& operator=(const Running&) = delete;
@@ -318,15 +322,11 @@ class GradientHooks {
     Entry* entry_;
   };
 
-  // The hooks this thread is calling (for a hook that removes itself).
-  static thread_local std::vector<Entry*> t_running;
-
   absl::Mutex mu_;
   std::shared_ptr<const List> list_ ABSL_GUARDED_BY(mu_) = std::make_shared<const List>();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
-thread_local std::vector<GradientHooks::Entry*> GradientHooks::t_running;
 
 GradientHooks& gradient_hooks() {
   static auto* hooks = new GradientHooks();

@@ -433,8 +433,9 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     transport_->reserve_reading();
     t_sync_scope->reserved_ = transport_;
   }
-  const bool sent =
-      stream && stream->send(std::move(frame), transport::SendOptions{!one_way, more_in_flight});
+  const bool sent = stream && stream->send(std::move(frame),
+                                          transport::SendOptions{!one_way, more_in_flight,
+                                                                 call.deadline});
   if (one_way) {
     if (sent) {
       future.set_result(c10::IValue());

@@ -1,7 +1,9 @@
 #include "rpc/transport/bulk_transport.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -11,6 +13,7 @@
 #include "glog/logging.h"
 #include "rpc/core/errors.h"
 #include "rpc/transport/internal/bulk_lender.h"
+#include "rpc/transport/internal/bulk_pull_pool.h"
 #include "rpc/transport/internal/bulk_puller.h"
 
 namespace ddprpc::rpc::transport {
@@ -23,12 +26,109 @@ bool has_lent(const Frame& frame) {
   return false;
 }
 
-// What a bulk transport's servers and channels share.
-class BulkState {
+// The deliveries of one server or channel, ended by its shutdown or
+// close: one that would start after that is dropped, and the end waits for
+// those running (but not for one running on the calling thread).
+class DeliveryGate {
  public:
-  explicit BulkState(const BulkOptions& options) : options_(options) {}
+  // Runs `deliver` unless the gate is closed.
+  void run(const std::function<void()>& deliver) {
+    const std::thread::id me = std::this_thread::get_id();
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_) return;
+      running_.push_back(me);
+    }
+    struct Done {
+      DeliveryGate* gate;
+      std::thread::id me;
+      ~Done() {
+        absl::MutexLock lock(&gate->mu_);
+        gate->running_.erase(std::find(gate->running_.begin(), gate->running_.end(), me));
+      }
+    } done{this, me};
+    deliver();
+  }
+  bool closed() const {
+    absl::MutexLock lock(&mu_);
+    return closed_;
+  }
+  void close() {
+    const std::thread::id me = std::this_thread::get_id();
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+    auto others_done = [this, me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return std::all_of(running_.begin(), running_.end(),
+                         [me](std::thread::id id) { return id == me; });
+    };
+    mu_.Await(absl::Condition(&others_done));
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  // State below is protected by mu_.
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread::id> running_ ABSL_GUARDED_BY(mu_);  // a thread per delivery
+};
+
+// What a bulk transport's servers and channels share.
+class BulkState : public std::enable_shared_from_this<BulkState> {
+ public:
+  BulkState(const BulkOptions& options, Transport* inner)
+      : options_(options),
+        inner_(inner),
+        pool_(bulk::PullPoolOptions{std::max(1, options.pull_threads), absl::Seconds(10)}) {}
 
   const BulkOptions& options() const { return options_; }
+
+  // Ends the pulls that run and drops the queued ones; returns once the
+  // pool's threads have left. The transport calls it before it lets its
+  // wrapped transport go: deliveries use that one.
+  void stop() {
+    std::vector<std::shared_ptr<bulk::Puller>> pullers;
+    {
+      absl::MutexLock lock(&mu_);
+      stopped_ = true;
+      for (auto& [peer, puller] : pullers_) pullers.push_back(puller);
+    }
+    for (auto& puller : pullers) puller->abort();
+    pool_.stop();
+    pool_.wait();
+  }
+
+  // Pulls `frame`'s lent tensors from `peer` on a pool thread, then passes
+  // the frame, or the error that failed it, to `deliver` there through
+  // `gate`. False (nothing queued) when the pool has stopped or has no
+  // thread.
+  bool pull_then(std::shared_ptr<DeliveryGate> gate, int peer, int self, std::string token,
+                 int64_t max_message_bytes, Frame frame,
+                 std::function<void(Frame, absl::Status)> deliver) {
+    struct Pending {
+      Frame frame;
+      absl::Status status;
+    };
+    auto pending = std::make_shared<Pending>();
+    pending->frame = std::move(frame);
+    auto state = shared_from_this();
+    auto pull = [state, gate, pending, peer, self, token = std::move(token), max_message_bytes] {
+      pending->status = gate->closed()
+                            ? absl::CancelledError("its connection closed before the pull")
+                            : state->fill(&pending->frame, peer, self, token, max_message_bytes);
+    };
+    auto then = [state, gate, pending, deliver = std::move(deliver)] {
+      gate->run([&] { deliver(std::move(pending->frame), pending->status); });
+      // A caller reading the wrapped transport may wait for what this
+      // completed. (After stop() the wrapped transport may be gone: a
+      // delivery destroyed the transport on this thread.)
+      bool stopped;
+      {
+        absl::MutexLock lock(&state->mu_);
+        stopped = state->stopped_;
+      }
+      if (!stopped) state->inner_->interrupt_drive();
+    };
+    return pool_.submit(peer, std::move(pull), std::move(then));
+  }
   std::shared_ptr<bulk::LendTable> table() {
     absl::MutexLock lock(&mu_);
     return table_;
@@ -53,7 +153,8 @@ class BulkState {
   // Lends `frame`'s large tensors from `self` to `peer` when both have
   // published a bulk endpoint (and this transport listens on its own);
   // whether it lent any.
-  bool lend(Frame* frame, int self, int peer, bool reply) {
+  bool lend(Frame* frame, int self, int peer, bool reply,
+            absl::Time not_before = absl::InfinitePast()) {
     bool large = false;  // most frames have no large tensor: no lock for them
     for (const auto& meta : frame->header.tensors()) large |= meta.nbytes() >= options_.min_bytes;
     if (!large) return false;
@@ -77,7 +178,7 @@ class BulkState {
           !t.device().is_cpu() || !t.is_contiguous()) {
         continue;
       }
-      const uint64_t id = table->lend(peer, frame->header.id(), t, reply);
+      const uint64_t id = table->lend(peer, frame->header.id(), t, reply, not_before);
       if (id == 0) break;  // the peer's bound: the rest travel in the frame
       meta->set_lent(id);
       lent = true;
@@ -107,6 +208,7 @@ class BulkState {
       // every worker's record.
       auto known = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !endpoints_.empty(); };
       mu_.AwaitWithTimeout(absl::Condition(&known), options_.silence);
+      if (stopped_) return absl::CancelledError("the transport is shutting down");
       if (peer < 0 || peer >= static_cast<int>(endpoints_.size()) || endpoints_[peer].empty()) {
         return absl::FailedPreconditionError(
             absl::StrCat("worker ", peer, " lent tensors but has no bulk endpoint"));
@@ -147,8 +249,11 @@ class BulkState {
 
  private:
   const BulkOptions options_;
+  Transport* const inner_;  // outlives the pool's threads (stop())
+  bulk::PullPool pool_;
   absl::Mutex mu_;
   // State below is protected by mu_.
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   // Set by the transport's server (it serves the pulls); null before.
   std::shared_ptr<bulk::LendTable> table_ ABSL_GUARDED_BY(mu_);
   bool listening_ ABSL_GUARDED_BY(mu_) = false;
@@ -194,13 +299,16 @@ class BulkResponder : public Responder {
 
 class BulkServer : public Server {
  public:
-  BulkServer(std::shared_ptr<BulkState> state, std::unique_ptr<Server> inner,
-             std::unique_ptr<bulk::Listener> listener, std::string endpoint)
+  BulkServer(std::shared_ptr<BulkState> state, std::shared_ptr<DeliveryGate> gate,
+             std::unique_ptr<Server> inner, std::unique_ptr<bulk::Listener> listener,
+             std::string endpoint)
       : state_(std::move(state)),
+        gate_(std::move(gate)),
         inner_(std::move(inner)),
         listener_(std::move(listener)),
         endpoint_(std::move(endpoint)) {}
   ~BulkServer() override {
+    gate_->close();
     state_->set_listening(false);
     listener_->shutdown();
   }
@@ -210,12 +318,14 @@ class BulkServer : public Server {
   // Callers may still pull the replies answered in the grace period.
   void shutdown(absl::Duration grace) override {
     inner_->shutdown(grace);
+    gate_->close();  // requests still being pulled are dropped unanswered
     state_->set_listening(false);
     listener_->shutdown();
   }
 
  private:
   const std::shared_ptr<BulkState> state_;
+  const std::shared_ptr<DeliveryGate> gate_;
   const std::unique_ptr<Server> inner_;
   const std::unique_ptr<bulk::Listener> listener_;
   const std::string endpoint_;
@@ -223,14 +333,25 @@ class BulkServer : public Server {
 
 class BulkChannel : public Channel {
  public:
-  BulkChannel(std::shared_ptr<BulkState> state, int self, int peer, int64_t max_message_bytes)
-      : state_(std::move(state)), self_(self), peer_(peer), max_message_bytes_(max_message_bytes) {}
+  BulkChannel(std::shared_ptr<BulkState> state, std::shared_ptr<DeliveryGate> gate, int self,
+              int peer, int64_t max_message_bytes)
+      : state_(std::move(state)),
+        gate_(std::move(gate)),
+        self_(self),
+        peer_(peer),
+        max_message_bytes_(max_message_bytes) {}
   void set_inner(std::shared_ptr<Channel> inner) { inner_ = std::move(inner); }
+  // Ends the wrapped channel (OnClose follows), from a delivery.
+  void end_inner() { inner_->close(/*graceful=*/false); }
 
   bool send(Frame frame, const SendOptions& options) override {
     // An oversized frame goes as it is, for the wrapped transport to refuse.
+    // Its lends last until the call's deadline if that is later than the
+    // lend timeout; a call without one gets the lend timeout.
+    const absl::Time keep =
+        options.deadline == absl::InfiniteFuture() ? absl::InfinitePast() : options.deadline;
     const bool lent = frame.size() <= static_cast<uint64_t>(max_message_bytes_) &&
-                      state_->lend(&frame, self_, peer_, /*reply=*/false);
+                      state_->lend(&frame, self_, peer_, /*reply=*/false, keep);
     const uint64_t id = frame.header.id();
     const bool sent = inner_->send(std::move(frame), options);
     if (!sent && lent) {
@@ -243,10 +364,16 @@ class BulkChannel : public Channel {
     inner_->drive(done, deadline);
   }
   void check_connection() override { inner_->check_connection(); }
-  void close(bool graceful) override { inner_->close(graceful); }
+  // Replies still being pulled are dropped: their calls fail with the
+  // channel.
+  void close(bool graceful) override {
+    inner_->close(graceful);
+    gate_->close();
+  }
 
  private:
   const std::shared_ptr<BulkState> state_;
+  const std::shared_ptr<DeliveryGate> gate_;
   const int self_;
   const int peer_;
   const int64_t max_message_bytes_;
@@ -256,7 +383,8 @@ class BulkChannel : public Channel {
 class BulkTransport : public Transport {
  public:
   BulkTransport(std::shared_ptr<Transport> inner, const BulkOptions& options)
-      : inner_(std::move(inner)), state_(std::make_shared<BulkState>(options)) {}
+      : inner_(std::move(inner)), state_(std::make_shared<BulkState>(options, inner_.get())) {}
+  ~BulkTransport() override { state_->stop(); }
 
   std::unique_ptr<Server> listen(const std::string& host, const ServerLimits& limits,
                                  const Security& security, CheckRequest check,
@@ -287,30 +415,52 @@ class BulkTransport : public Transport {
     inner_limits.accept_lent_tensors = true;
     const int self = limits.self;
     const int64_t max_bytes = limits.max_message_bytes;
-    auto wrap = [state = state_, self, max_bytes, token = security.token](OnRequest next) {
-      return [state, self, max_bytes, token, next = std::move(next)](
+    auto gate = std::make_shared<DeliveryGate>();
+    // A request with lent tensors goes to `offload` once they are pulled,
+    // from the pull's thread; the others go to `next` as they come.
+    auto wrap = [state = state_, gate, self, max_bytes, token = security.token,
+                 offload](OnRequest next) {
+      return [state, gate, self, max_bytes, token, offload, next = std::move(next)](
                  std::shared_ptr<Responder> responder, Frame frame) {
-        const absl::Status filled = state->fill(&frame, responder->caller(), self, token, max_bytes);
-        if (!filled.ok()) {
-          LOG(WARNING) << "worker " << self << ": a request from worker " << responder->caller()
-                       << " fails: " << filled.message();
+        const int caller = responder->caller();
+        auto fail = [self, caller](const std::shared_ptr<Responder>& responder, const Frame& frame,
+                                   const absl::Status& why) {
+          LOG(WARNING) << "worker " << self << ": a request from worker " << caller
+                       << " fails: " << why.message();
           if (frame.header.kind() == wire::REQUEST) {
-            responder->send(error_frame(frame.header.id(), self, filled));
+            responder->send(error_frame(frame.header.id(), self, why));
           }
+        };
+        auto bulk_responder = std::make_shared<BulkResponder>(state, responder, self, max_bytes);
+        if (!has_lent(frame)) {
+          next(std::move(bulk_responder), std::move(frame));
           return;
         }
-        next(std::make_shared<BulkResponder>(state, std::move(responder), self, max_bytes),
-             std::move(frame));
+        Frame header_only;
+        header_only.header = frame.header;
+        const bool queued = state->pull_then(
+            gate, caller, self, token, max_bytes, std::move(frame),
+            [offload, fail, responder, bulk_responder](Frame frame, absl::Status pulled) {
+              if (!pulled.ok()) {
+                fail(responder, frame, pulled);
+                return;
+              }
+              offload(bulk_responder, std::move(frame));
+            });
+        if (!queued) {
+          fail(responder, header_only,
+               absl::UnavailableError("no thread can pull its lent tensors"));
+        }
       };
     };
     std::unique_ptr<Server> server = inner_->listen(host, inner_limits, security, std::move(check),
-                                                    wrap(std::move(run_inline)),
-                                                    wrap(std::move(offload)));
+                                                    wrap(run_inline), wrap(offload));
     const bool bare_ipv6 = host.find(':') != std::string::npos && host.front() != '[';
     const std::string endpoint =
         absl::StrCat(bare_ipv6 ? "[" + host + "]" : host, ":", listener->port());
     state_->set_listening(true);
-    return std::make_unique<BulkServer>(state_, std::move(server), std::move(listener), endpoint);
+    return std::make_unique<BulkServer>(state_, std::move(gate), std::move(server),
+                                        std::move(listener), endpoint);
   }
 
   std::shared_ptr<Channel> connect(const std::string& address, const PeerOptions& options,
@@ -319,23 +469,42 @@ class BulkTransport : public Transport {
       return inner_->connect(address, options, std::move(on_frame), std::move(on_close));
     }
     const int peer = options.peer;
-    auto channel = std::make_shared<BulkChannel>(state_, options.self, peer, options.max_message_bytes);
+    const int self = options.self;
+    auto gate = std::make_shared<DeliveryGate>();
+    auto channel = std::make_shared<BulkChannel>(state_, gate, self, peer,
+                                                 options.max_message_bytes);
     PeerOptions inner_options = options;
     inner_options.accept_lent_tensors = true;
-    Channel::OnFrame wrapped = [state = state_, peer, self = options.self,
-                                token = options.security.token, max = options.max_message_bytes,
-                                next = std::move(on_frame)](Frame frame) {
-      const absl::Status filled = state->fill(&frame, peer, self, token, max);
+    // A reply with lent tensors reaches `next` from the pull's thread once
+    // they are pulled (or as the error that failed it); a reply that breaks
+    // the protocol then ends the channel.
+    auto next = std::make_shared<Channel::OnFrame>(std::move(on_frame));
+    std::weak_ptr<BulkChannel> weak = channel;
+    Channel::OnFrame wrapped = [state = state_, gate, peer, self, token = options.security.token,
+                                max = options.max_message_bytes, next, weak](Frame frame) {
       const uint64_t id = frame.header.id();
-      if (!filled.ok()) {
-        LOG(WARNING) << "worker " << self << ": a reply from worker " << peer
-                     << " fails: " << filled.message();
-        frame = error_frame(id, peer, filled);
-      }
       if (auto table = state->table()) {
         table->release_request(peer, id);  // the request's lends, if not pulled
       }
-      return next(std::move(frame));
+      if (!has_lent(frame)) return (*next)(std::move(frame));
+      auto deliver = [self, peer, next, weak](Frame frame, absl::Status pulled) {
+        if (!pulled.ok()) {
+          LOG(WARNING) << "worker " << self << ": a reply from worker " << peer
+                       << " fails: " << pulled.message();
+          frame = error_frame(frame.header.id(), peer, pulled);
+        }
+        absl::Status ok = (*next)(std::move(frame));
+        if (ok.ok()) return;
+        LOG(WARNING) << "worker " << self << ": ending the channel to worker " << peer << ": "
+                     << ok.message();
+        if (auto channel = weak.lock()) channel->end_inner();
+      };
+      if (!state->pull_then(gate, peer, self, token, max, std::move(frame), deliver)) {
+        Frame failed;
+        failed.header.set_id(id);
+        deliver(std::move(failed), absl::UnavailableError("no thread can pull its lent tensors"));
+      }
+      return absl::OkStatus();
     };
     channel->set_inner(
         inner_->connect(address, inner_options, std::move(wrapped), std::move(on_close)));

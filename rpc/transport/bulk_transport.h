@@ -13,7 +13,8 @@
 // lent tensor, and pulls its bytes from the sender's bulk listener: one
 // range per connection, each read straight into the tensor. The lend ends
 // once the receiver has every byte (it says so), when the frame that
-// carried it is answered, or after BulkOptions::lend_timeout.
+// carried it is answered, or after BulkOptions::lend_timeout (for a
+// request, at its call's deadline if that is later).
 //
 // The same rules hold as on the wrapped transport: a bulk connection
 // proves the job's token for the worker it names and the worker it opens
@@ -26,10 +27,15 @@
 // error (kUnavailable, naming the lender), a reply becomes one; the
 // connections and the worker go on.
 //
-// The pull runs on the thread that read the frame, before the request
-// reaches the server or the reply its call: while it runs, that thread
-// reads nothing else. It is bounded by BulkOptions::silence without
-// progress, and by silence plus its bytes at 16 MiB/s in all.
+// Pulls run on threads of their own (internal/bulk_pull_pool.h), never on
+// the thread that read the frame, which goes on reading: one pull per peer
+// at a time, the peers taking turns, on up to BulkOptions::pull_threads
+// threads. A request with lent tensors reaches the server's offload
+// function (never the inline one) from the pull's thread once it has its
+// bytes; a reply reaches its call likewise. A pull is bounded by
+// BulkOptions::silence without progress, and by silence plus its bytes at
+// 16 MiB/s in all. A channel's close or a server's shutdown drops the
+// frames still being pulled for it.
 //
 // A lent tensor is not copied: the receiver reads the sender's memory as
 // it is when the pull comes (within a round trip of the frame, usually),
@@ -55,12 +61,16 @@ struct BulkOptions {
   int streams = 3;
   // Bytes lent to one peer and not yet pulled.
   int64_t max_lent_bytes_per_peer = int64_t{1} << 30;
-  // A lend not pulled by then ends (the receiver dropped its frame).
+  // A lend not pulled by then ends (the receiver dropped its frame); a
+  // request's lends last until its call's deadline (SendOptions::deadline)
+  // when that is later.
   absl::Duration lend_timeout = absl::Seconds(120);
   // A pull, or the serving of one, that makes no progress this long fails.
-  // (The agent uses its keepalive interval + timeout: the pull runs on the
-  // thread that read the frame, which a stopped lender holds that long.)
+  // (The agent uses its keepalive interval + timeout.)
   absl::Duration silence = absl::Seconds(30);
+  // Threads that pull, all peers together (one pull per peer at a time). A
+  // reply's delivery, which runs its call's callbacks, holds its thread.
+  int pull_threads = 16;
 };
 
 // Serves and connects through `inner`, lending large tensors on the bulk

@@ -3,7 +3,8 @@
 // hostile cases: strangers and wrong proofs on the bulk port, a frame
 // naming a lend that does not exist, and a lender that dies or stalls
 // mid-transfer (pulls of others' lends: internal/bulk_lender_test.cc). Each ends
-// the connection or fails the call, and the worker goes on serving.
+// the connection or fails the call, and the worker goes on serving; a pull
+// that stalls holds neither the server's reader nor the caller's.
 #include "rpc/transport/bulk_transport.h"
 
 #include <ATen/ops/arange.h>
@@ -320,16 +321,23 @@ class BrokenLender {
   std::thread thread_;
 };
 
-// Sends `f` as worker 1 on a plain gRPC channel to `w0`; returns the reply.
-Frame send_as_worker1(Worker* w0, Frame f) {
-  Replies replies;
+// A channel of worker 1 to `w0` on plain gRPC (no bulk path of its own),
+// which takes replies with lent tensors as they come.
+std::shared_ptr<Channel> plain_channel_of_worker1(const Worker& w0, Transport* plain,
+                                                  Replies* replies) {
   PeerOptions options;
   options.self = 1;
   options.peer = 0;
   options.security = job();
   options.accept_lent_tensors = true;
+  return plain->connect(w0.address(), options, replies->on_frame(), [](const CloseReason&) {});
+}
+
+// Sends `f` as worker 1 on a plain gRPC channel to `w0`; returns the reply.
+Frame send_as_worker1(Worker* w0, Frame f) {
+  Replies replies;
   auto plain = make_default_transport();
-  auto ch = plain->connect(w0->address(), options, replies.on_frame(), [](const CloseReason&) {});
+  auto ch = plain_channel_of_worker1(*w0, plain.get(), &replies);
   EXPECT_TRUE(ch->send(std::move(f), {}));
   Frame reply = replies.wait_for(1);
   ch->close(false);
@@ -404,6 +412,89 @@ TEST(BulkTransportTest, ALenderThatDiesOrStallsMidTransferFailsTheCallOnly) {
     EXPECT_EQ(replies.wait_for(1).header.kind(), wire::RESPONSE);
     ch->close(false);
   }
+}
+
+// Worker 1 pulls worker 0's lent replies from `lender` instead of from
+// worker 0; worker 0 pulls worker 1's lent requests from worker 1.
+void replies_pulled_from(Worker* w0, Worker* w1, const BrokenLender& lender) {
+  w0->transport()->world_known({"", ""}, {w0->bulk_endpoint(), w1->bulk_endpoint()});
+  w1->transport()->world_known({"", ""}, {lender.endpoint(), w1->bulk_endpoint()});
+}
+
+// While a lender stalls a pull, the thread that read its frame goes on:
+// the server answers other requests (the lent one came on the offload
+// path, which has no watchdog), and the caller reads other replies.
+TEST(BulkTransportTest, AStalledPullHoldsNoReader) {
+  BulkOptions bulk;
+  bulk.silence = absl::Seconds(4);
+  bulk.streams = 1;  // the broken lender answers one connection
+  {
+    SCOPED_TRACE("server side");
+    Worker w0(0, 2, "", bulk), w1(1, 2);
+    BrokenLender lender(/*stall=*/true);
+    world({&w0, &w1}, {w0.bulk_endpoint(), lender.endpoint()});
+    Replies lent_replies, small_replies;
+    auto plain = make_default_transport();
+    auto lent_ch = plain_channel_of_worker1(w0, plain.get(), &lent_replies);
+    auto small_ch = plain_channel_of_worker1(w0, plain.get(), &small_replies);
+    Frame lent = request({at::arange(1 << 18, at::kInt)}, 11, 1);
+    lent.header.mutable_tensors(0)->set_lent(4242);
+    SendOptions offloaded;
+    offloaded.more_in_flight = true;
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(lent_ch->send(std::move(lent), offloaded));
+    absl::SleepFor(absl::Milliseconds(200));  // the pull has begun and stalls
+    ASSERT_TRUE(small_ch->send(request({at::arange(8, at::kInt)}, 12, 1), offloaded));
+    EXPECT_EQ(small_replies.wait_for(1).header.kind(), wire::RESPONSE);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));  // long before the stall ends
+    Frame failed = lent_replies.wait_for(1);
+    EXPECT_EQ(failed.header.kind(), wire::ERROR);
+    EXPECT_GE(absl::Now() - start, absl::Seconds(3));
+    lent_ch->close(false);
+    small_ch->close(false);
+  }
+  {
+    SCOPED_TRACE("caller side");
+    Worker w0(0, 2), w1(1, 2, "", bulk);
+    BrokenLender lender(/*stall=*/true);
+    replies_pulled_from(&w0, &w1, lender);
+    Replies replies;
+    auto ch = w1.connect_to(w0, &replies);
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(ch->send(request({at::arange(1 << 18, at::kInt)}, 21, 1), {}));
+    absl::SleepFor(absl::Milliseconds(500));  // its reply came and its pull stalls
+    ASSERT_TRUE(ch->send(request({at::arange(8, at::kInt)}, 22, 1), {}));
+    Frame small = replies.wait_for(1);
+    EXPECT_EQ(small.header.id(), 22u);
+    EXPECT_EQ(small.header.kind(), wire::RESPONSE);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+    Frame failed = replies.wait_for(2);
+    EXPECT_EQ(failed.header.id(), 21u);
+    EXPECT_EQ(failed.header.kind(), wire::ERROR);
+    EXPECT_NE(failed.header.error().find("worker 0"), std::string::npos) << failed.header.error();
+    ch->close(false);
+  }
+}
+
+// A channel closed while its reply is being pulled: close() returns at
+// once, the reply is never delivered, and the transport goes down cleanly.
+TEST(BulkTransportTest, ClosingAChannelDropsTheRepliesBeingPulled) {
+  BulkOptions bulk;
+  bulk.silence = absl::Seconds(3);
+  bulk.streams = 1;
+  Worker w0(0, 2), w1(1, 2, "", bulk);
+  BrokenLender lender(/*stall=*/true);
+  replies_pulled_from(&w0, &w1, lender);
+  Replies replies;
+  auto ch = w1.connect_to(w0, &replies);
+  ASSERT_TRUE(ch->send(request({at::arange(1 << 18, at::kInt)}, 31, 1), {}));
+  absl::SleepFor(absl::Milliseconds(500));
+  const absl::Time start = absl::Now();
+  ch->close(false);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  absl::SleepFor(absl::Seconds(4));  // the stalled pull has failed by now
+  absl::MutexLock lock(&replies.mu);
+  EXPECT_TRUE(replies.frames.empty());
 }
 
 }  // namespace

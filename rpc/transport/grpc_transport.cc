@@ -912,20 +912,6 @@ TransportServer::~TransportServer() { shutdown(absl::ZeroDuration()); }
 
 // -------------------------------------------------------------- client side
 
-namespace {
-// The ClientQueue whose reading role this thread holds, if any.
-thread_local const ClientQueue* t_reading = nullptr;
-
-class ReadingScope {
- public:
-  explicit ReadingScope(const ClientQueue* queue) : saved_(t_reading) { t_reading = queue; }
-  ~ReadingScope() { t_reading = saved_; }
-
- private:
-  const ClientQueue* const saved_;
-};
-}  // namespace
-
 ClientQueue::ClientQueue(transport::TransportOptions options)
     : options_(std::move(options)), background_([this] {
         apply_thread_policy(options_.batch_scheduling);
@@ -958,30 +944,29 @@ void ClientQueue::release_reading() {
 
 void ClientQueue::interrupt() {
   absl::MutexLock lock(&mu_);
-  if (!driving_ || shutting_down_ || alarm_) return;
+  if (reader_ == std::thread::id() || shutting_down_ || alarm_) return;
   ++pending_;  // the alarm's completion uncounts it
   alarm_ = std::make_unique<grpc::Alarm>();
   alarm_->Set(&cq_, gpr_now(GPR_CLOCK_MONOTONIC), &alarm_tag_);
 }
 
-bool ClientQueue::reading_here() const { return t_reading == this; }
-
 bool ClientQueue::read_if_free(const std::function<bool()>& done, absl::Time deadline) {
-  if (reading_here()) {  // nested: a callback run by this thread waits
-    run_events(done, deadline);
-    return true;
-  }
+  const std::thread::id me = std::this_thread::get_id();
+  bool nested = false;
   {
     absl::MutexLock lock(&mu_);
-    if (driving_ || drained_) return false;
-    driving_ = true;
+    if (reader_ == me) {
+      nested = true;  // a callback this thread runs as the reader waits
+    } else if (reader_ != std::thread::id() || drained_) {
+      return false;
+    } else {
+      reader_ = me;
+    }
   }
-  {
-    ReadingScope scope(this);
-    run_events(done, deadline);
-  }
+  run_events(done, deadline);
+  if (nested) return true;  // the outer read lets the role go
   absl::MutexLock lock(&mu_);
-  driving_ = false;
+  reader_ = std::thread::id();
   return true;
 }
 
@@ -990,7 +975,7 @@ void ClientQueue::drive(const std::function<bool()>& done, absl::Time deadline) 
     absl::MutexLock lock(&mu_);
     // done() is evaluated under mu_: the reader takes mu_ after each event.
     auto role_or_done = [this, &done]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return !driving_ || drained_ || done();
+      return reader_ == std::thread::id() || drained_ || done();
     };
     ++want_role_;
     const bool woken = mu_.AwaitWithDeadline(absl::Condition(&role_or_done), deadline);
@@ -1043,27 +1028,24 @@ void ClientQueue::background_loop() {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         // A caller waiting for the role (want_role_) gets it first.
-        return drained_ || (!driving_ && want_role_ == 0 &&
+        return drained_ || (reader_ == std::thread::id() && want_role_ == 0 &&
                             (shutting_down_ || (pending_ > 0 && reserved_ == 0)));
       };
       mu_.Await(absl::Condition(&ready));
       if (drained_) return;
-      driving_ = true;
+      reader_ = std::this_thread::get_id();
     }
     // Reads until nothing is outstanding, or a caller reserves the queue or
     // waits for the role (that caller reads from here on).
-    {
-      ReadingScope scope(this);
-      run_events(
-          [this] {
-            absl::MutexLock lock(&mu_);
-            if (shutting_down_) return false;  // read until drained
-            return pending_ == 0 || reserved_ > 0 || want_role_ > 0;
-          },
-          absl::InfiniteFuture());
-    }
+    run_events(
+        [this] {
+          absl::MutexLock lock(&mu_);
+          if (shutting_down_) return false;  // read until drained
+          return pending_ == 0 || reserved_ > 0 || want_role_ > 0;
+        },
+        absl::InfiniteFuture());
     absl::MutexLock lock(&mu_);
-    driving_ = false;
+    reader_ = std::thread::id();
   }
 }
 

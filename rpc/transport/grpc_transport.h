@@ -137,9 +137,9 @@ class ClientQueue {
   grpc::CompletionQueue* cq() { return &cq_; }
   // Counts an operation about to be posted; its completion uncounts it.
   void will_post();
-  // True when this thread holds the reading role.
-  bool reading_here() const;
-  // Reads (as drive()) if no other thread does; false if one does.
+  // Reads (as drive()) if no other thread does, or nested if this thread
+  // holds the role already (a callback it runs waits); false if another
+  // thread holds it.
   bool read_if_free(const std::function<bool()>& done, absl::Time deadline);
   void run_events(const std::function<bool()>& done, absl::Time deadline);
   void background_loop();
@@ -151,7 +151,8 @@ class ClientQueue {
   // State below is protected by mu_.
   int64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // posted operations not yet completed
   int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // see reserve_reading()
-  bool driving_ ABSL_GUARDED_BY(mu_) = false; // a thread holds the reading role
+  // The thread that holds the reading role; std::thread::id(): none.
+  std::thread::id reader_ ABSL_GUARDED_BY(mu_);
   int want_role_ ABSL_GUARDED_BY(mu_) = 0;    // drive()rs waiting for it
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the queue returned SHUTDOWN

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -30,7 +31,6 @@ using same_host::Lend;
 using same_host::ReadGate;
 using same_host::Settings;
 using same_host::drive_same_host;
-using same_host::reserved_here;
 
 class PairServer : public Server {
  public:
@@ -124,15 +124,19 @@ class SameHostTransport : public Transport {
 
   void reserve_reading() override {
     fallback_->reserve_reading();
-    ++reserved_here(gate_.get());
     absl::MutexLock lock(&gate_->mu);
     ++gate_->reserved;
+    ++gate_->reserved_by[std::this_thread::get_id()];
+    gate_->reserved_by_threads.fetch_add(1, std::memory_order_relaxed);
   }
   void release_reading() override {
     fallback_->release_reading();
-    --reserved_here(gate_.get());
     absl::MutexLock lock(&gate_->mu);
     --gate_->reserved;
+    auto it = gate_->reserved_by.find(std::this_thread::get_id());
+    if (it == gate_->reserved_by.end()) return;
+    gate_->reserved_by_threads.fetch_sub(1, std::memory_order_relaxed);
+    if (--it->second == 0) gate_->reserved_by.erase(it);
   }
 
   void drive(const std::function<bool()>& done, absl::Time deadline) override {

@@ -127,6 +127,10 @@ struct SendOptions {
   // The caller has other requests to this peer awaiting replies: the
   // peer's reader hands reading on before running this one.
   bool more_in_flight = false;
+  // When the caller stops waiting for the reply (its call's deadline):
+  // what the frame leaves with the sender for the peer to fetch (the bulk
+  // path's lent tensors) is kept at least that long.
+  absl::Time deadline = absl::InfinitePast();
 };
 
 // Why a channel ended.
@@ -199,7 +203,7 @@ class Server {
 // only the thread that wants it, with no hop through a reader thread.
 //
 // Roles. On gRPC every PeerStream of a transport posts to one completion queue
-// (ClientQueue) with one role (driving_). On the same host each
+// (ClientQueue) with one role (reader_, the holding thread). On the same host each
 // SameHostChannel has its own role (holder_); a transport's channels share a
 // ReadGate. A role is held by a waiting caller, the background reader
 // (ClientQueue::background_ or the channel's thread), the same-host
@@ -242,14 +246,14 @@ class Server {
 // what it waits for.
 //
 // Giving the role back. A waiter lets its roles go when its future completes
-// or its deadline passes (read_if_free clears driving_; drive_same_host
+// or its deadline passes (read_if_free clears reader_; drive_same_host
 // releases what it claimed and moves version). Callers that want a role get it
 // before the background reader, which reads only while nobody wants the role,
 // no reservation is held and replies are outstanding. ~SyncCallScope releases
 // the reservation, so that replies of calls nobody waits for (callbacks only)
 // are read again. A callback that waits for another call on the reading thread
-// reads on under the role it holds (nested: t_reading, or holder_ is this
-// thread) and keeps it after.
+// reads on under the role it holds (nested: the role's recorded holder is
+// this thread) and keeps it after.
 //
 // Rules for a new kind of wait.
 //
@@ -276,7 +280,19 @@ class Server {
 // queue is idle (OpQueue::run_now), so the group's thread is neither woken nor
 // waited for. DistributedDataParallel uses it for a single bucket.
 //
-// Thread-locals that steer control flow.
+// Who holds what. A role's holder and a thread's reservations are recorded,
+// by thread id and under the owner's mutex, on the object they belong to:
+// ClientQueue::reader_ (gRPC), SameHostChannel's holder_, and the gate's
+// drivers (each with the eventfd that wakes it; a nested drive counts once)
+// and reserved_by (same host). A wait that finds the calling thread recorded
+// as the holder nests instead of waiting for the role; Lend looks up the
+// calling thread's reservations. Nothing of the protocol lives in
+// thread-local storage.
+//
+// Thread-local storage holds only the innermost of each kind of RAII scope,
+// for code that runs inside the scope and cannot be handed it (a request
+// handler, a future's callback, a Future::wait in user code), as PyTorch
+// keeps its dist-autograd context and profiler state per thread:
 //
 // - t_sync_scope (rpc/agent.cc): the innermost SyncCallScope; a call sent
 //   under it reserves reading.
@@ -288,24 +304,16 @@ class Server {
 //   the reply sender.
 // - t_wait_all_scope (rpc/rpc.cc): the innermost WaitAllScope, which collects
 //   the futures of rpc::rpc_async.
-// - t_reading (rpc/transport/grpc_transport.cc): the ClientQueue whose role
-//   this thread holds; a wait on it nests instead of waiting for the role.
-// - t_reserved (rpc/transport/internal/same_host_read_gate.cc): this thread's
-//   reservations per gate, which Lend gives back during a wait on the other
-//   transport.
-// - t_driver_fd, t_driving (same file): the eventfd a reply handled elsewhere
-//   writes; the depth in drive_same_host (the outermost call registers the
-//   eventfd).
-// - SpinPoll::this_thread(max_ns) (rpc/transport/internal/spin_poll.cc): the
-//   thread's adaptive spin budget under the transport's maximum (its
-//   TransportOptions::max_spin, 0 unless asked): how long a poll looks before
-//   it sleeps.
 // - t_current (autograd/dist_autograd.cc): the current context; a call under
 //   it that carries tensors requiring grad records a send function.
-// - GradientHooks::t_running (same file): the gradient hooks this thread runs,
-//   so that a hook can remove itself without waiting for itself.
 // - t_state (rpc/profiler/profiler.cc): the profiler recorders pushed on this
 //   thread: whether its operators are recorded, and where.
+//
+// One more is a cache, not a scope: SpinPoll::this_thread(max_ns)
+// (rpc/transport/internal/spin_poll.cc), the thread's adaptive spin budget
+// under the transport's maximum (TransportOptions::max_spin, 0 unless
+// asked). It changes how long a poll looks before it sleeps, not what the
+// wait does.
 //
 // The servers' side of the role (one role per server, its threads and its
 // watchdog) is rpc/transport/internal/reading_role.h.

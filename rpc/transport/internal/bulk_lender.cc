@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <system_error>
@@ -17,7 +18,8 @@
 
 namespace ddprpc::rpc::transport::bulk {
 
-uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply) {
+uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply,
+                         absl::Time not_before) {
   const uint64_t nbytes = tensor.numel() * tensor.element_size();
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
@@ -26,9 +28,10 @@ uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, 
   if (held + static_cast<int64_t>(nbytes) > max_bytes_[reply ? 1 : 0]) return 0;
   held += static_cast<int64_t>(nbytes);
   const uint64_t id = next_id_++;
-  lends_.emplace(std::make_pair(peer, id), Lend{tensor, nbytes, frame_id, reply, now + timeout_});
+  const absl::Time expires = std::max(now + timeout_, not_before);
+  lends_.emplace(std::make_pair(peer, id), Lend{tensor, nbytes, frame_id, reply, expires});
   if (!reply) request_lends_.fetch_add(1);
-  by_time_.emplace_back(now + timeout_, std::make_pair(peer, id));
+  by_time_.emplace(expires, std::make_pair(peer, id));
   return id;
 }
 
@@ -85,12 +88,11 @@ size_t LendTable::size() {
 }
 
 void LendTable::expire_locked(absl::Time now) {
-  while (!by_time_.empty() && by_time_.front().first <= now) {
-    const auto key = by_time_.front().second;
-    by_time_.pop_front();
-    if (lends_.count(key) != 0) erase_locked(key.first, key.second);
+  while (!by_time_.empty() && by_time_.begin()->first <= now) {
+    const auto key = by_time_.begin()->second;
+    by_time_.erase(by_time_.begin());
+    erase_locked(key.first, key.second);
   }
-  // Entries of lends that ended early are dropped as they reach the front.
 }
 
 void LendTable::erase_locked(int peer, uint64_t id) {
@@ -98,8 +100,8 @@ void LendTable::erase_locked(int peer, uint64_t id) {
   if (it == lends_.end()) return;
   bytes_[{peer, it->second.reply}] -= static_cast<int64_t>(it->second.nbytes);
   if (!it->second.reply) request_lends_.fetch_sub(1);
+  by_time_.erase({it->second.expires, {peer, id}});
   lends_.erase(it);
-  if (lends_.empty()) by_time_.clear();
 }
 
 // ---------------------------------------------------------------------------

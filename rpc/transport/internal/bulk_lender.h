@@ -10,6 +10,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -39,8 +40,11 @@ class LendTable {
 
   // The id of `tensor` (contiguous, CPU) lent to `peer` for frame
   // `frame_id` (a reply's, or a request's); 0 when the peer's bound would
-  // be passed.
-  uint64_t lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply);
+  // be passed. It expires after the table's timeout, or at `not_before`
+  // if that is later (a request's call deadline: the peer may read the
+  // frame late, when its reading was paused).
+  uint64_t lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply,
+                absl::Time not_before = absl::InfinitePast());
   // The tensor of lend `id` to `peer` if [offset, offset + length) lies
   // within it; the status says which rule a pull broke.
   absl::StatusOr<at::Tensor> find(int peer, uint64_t id, uint64_t offset, uint64_t length);
@@ -77,7 +81,7 @@ class LendTable {
   // State below is protected by mu_.
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::pair<int, uint64_t>, Lend> lends_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::pair<absl::Time, std::pair<int, uint64_t>>> by_time_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<absl::Time, std::pair<int, uint64_t>>> by_time_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::pair<int, bool>, int64_t> bytes_ ABSL_GUARDED_BY(mu_);  // (peer, reply)
 };
 

@@ -180,5 +180,29 @@ TEST(BulkLenderTest, AWorkerPastItsConnectionsPushesOutItsOldestAndIsNeverLocked
   for (int fd : {first, second, third, other}) ::close(fd);
 }
 
+TEST(BulkLenderTest, LendsExpireAfterTheTimeoutOrAtTheirCallsLaterDeadline) {
+  bulk::LendTable table(int64_t{64} << 20, int64_t{64} << 20, absl::Milliseconds(100));
+  const at::Tensor t = at::arange(1024, at::kInt);
+  const uint64_t plain = table.lend(1, 1, t, /*reply=*/false);
+  const uint64_t reply = table.lend(1, 1, t, /*reply=*/true);
+  const uint64_t earlier = table.lend(1, 2, t, false, absl::Now() + absl::Milliseconds(10));
+  const uint64_t later = table.lend(1, 3, t, false, absl::Now() + absl::Seconds(2));
+  ASSERT_NE(plain * reply * earlier * later, 0u);
+  EXPECT_EQ(table.size(), 4u);
+  absl::SleepFor(absl::Milliseconds(300));
+  table.expire();
+  EXPECT_EQ(table.size(), 1u);
+  EXPECT_FALSE(table.find(1, plain, 0, 4).ok());
+  EXPECT_FALSE(table.find(1, earlier, 0, 4).ok());
+  EXPECT_TRUE(table.find(1, later, 0, 4).ok());
+  EXPECT_EQ(table.lent_bytes(1), 4096);
+  // Released early, it leaves nothing behind to expire.
+  table.release(1, later);
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_EQ(table.lent_bytes(1), 0);
+  table.expire();
+  EXPECT_EQ(table.size(), 0u);
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc::transport

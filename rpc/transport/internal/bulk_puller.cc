@@ -89,6 +89,12 @@ absl::Status Puller::pull_range(int fd, uint64_t id, uint64_t offset, uint64_t l
   return read_exact_blocking(fd, dst + offset, length, deadline);
 }
 
+void Puller::abort() {
+  absl::MutexLock lock(&abort_mu_);
+  aborted_ = true;
+  for (int fd : active_) ::shutdown(fd, SHUT_RDWR);
+}
+
 absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
   absl::MutexLock lock(&mu_);
   const absl::Time deadline =
@@ -96,7 +102,20 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
       absl::Seconds(static_cast<double>(nbytes) / std::max(1.0, options_.min_bytes_per_second));
   const uint64_t most = std::max(1, options_.streams);
   const uint64_t ranges = std::clamp<uint64_t>(nbytes / kMinRangeBytes, 1, most);
-  absl::Status ok = connect_locked(ranges);
+  absl::Status ok;
+  {
+    absl::MutexLock abort_lock(&abort_mu_);
+    if (aborted_) ok = absl::CancelledError("the transport is shutting down");
+  }
+  if (ok.ok()) ok = connect_locked(ranges);
+  if (ok.ok()) {
+    absl::MutexLock abort_lock(&abort_mu_);
+    if (aborted_) {
+      ok = absl::CancelledError("the transport is shutting down");
+    } else {
+      active_ = fds_;
+    }
+  }
   std::vector<absl::Status> results(ranges);
   if (ok.ok()) {
     uint64_t step = (nbytes + ranges - 1) / ranges;
@@ -122,6 +141,10 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
       }
     }
     for (auto& t : helpers) t.join();
+    {
+      absl::MutexLock abort_lock(&abort_mu_);
+      active_.clear();  // before any of them is closed
+    }
     for (const absl::Status& s : results) {
       if (!s.ok()) {
         ok = s;

@@ -41,6 +41,10 @@ class Puller {
   // lender) closes the connections; the next pull opens new ones.
   absl::Status pull(uint64_t id, void* dst, uint64_t nbytes);
 
+  // Ends the pull that runs now (its reads return at once) and fails every
+  // later one (kCancelled). Any thread.
+  void abort();
+
  private:
   absl::Status connect_locked(size_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status open_one(int* fd);
@@ -52,6 +56,12 @@ class Puller {
   absl::Mutex mu_;
   // State below is protected by mu_.
   std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+
+  absl::Mutex abort_mu_;  // taken after mu_, never before
+  // State below is protected by abort_mu_.
+  bool aborted_ ABSL_GUARDED_BY(abort_mu_) = false;
+  // The connections of the pull that runs now (open until it clears them).
+  std::vector<int> active_ ABSL_GUARDED_BY(abort_mu_);
 };
 
 }  // namespace ddprpc::rpc::transport::bulk

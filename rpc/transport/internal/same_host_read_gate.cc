@@ -11,70 +11,81 @@
 #include "rpc/transport/internal/spin_poll.h"
 
 namespace ddprpc::rpc::transport::same_host {
-namespace {
 
-// This thread's eventfd for ReadGate::driver_fds (made at its first
-// drive_same_host).
-thread_local int t_driver_fd = -1;
-
-// Reservations this thread holds through each gate (SameHostTransport).
-thread_local std::vector<std::pair<const ReadGate*, int>> t_reserved;
-
-}  // namespace
+ReadGate::~ReadGate() {
+  for (const Driver& d : drivers) {
+    if (d.wake_fd >= 0) ::close(d.wake_fd);
+  }
+  for (int fd : spare_fds) ::close(fd);
+}
 
 void ReadGate::wake_drivers() {
   const uint64_t one = 1;
-  for (int fd : driver_fds) {
-    if (fd == t_driver_fd) continue;
-    ssize_t ignored = ::write(fd, &one, sizeof(one));
+  const std::thread::id me = std::this_thread::get_id();
+  for (const Driver& d : drivers) {
+    if (d.thread == me || d.wake_fd < 0) continue;
+    ssize_t ignored = ::write(d.wake_fd, &one, sizeof(one));
     (void)ignored;
   }
 }
 
-int& reserved_here(const ReadGate* gate) {
-  for (auto& [g, n] : t_reserved) {
-    if (g == gate) return n;
-  }
-  t_reserved.emplace_back(gate, 0);
-  return t_reserved.back().second;
-}
-
 namespace {
 
-// How deep in drive_same_host this thread is.
-thread_local int t_driving = 0;
-
-// Registers this thread's eventfd with the gate for the scope.
+// The calling thread as one of the gate's drivers, for the scope of a
+// drive_same_host (the outermost one of a thread registers it, with an
+// eventfd from the gate's spares or a new one).
 class DriverRegistration {
  public:
-  explicit DriverRegistration(ReadGate* gate) : gate_(gate) {
-    if (t_driver_fd < 0) t_driver_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (t_driving++ > 0) return;
+  explicit DriverRegistration(ReadGate* gate)
+      : gate_(gate), me_(std::this_thread::get_id()) {
     absl::MutexLock lock(&gate_->mu);
-    gate_->driver_fds.push_back(t_driver_fd);
+    for (ReadGate::Driver& d : gate_->drivers) {
+      if (d.thread != me_) continue;
+      ++d.depth;
+      wake_fd_ = d.wake_fd;
+      return;
+    }
+    if (!gate_->spare_fds.empty()) {
+      wake_fd_ = gate_->spare_fds.back();
+      gate_->spare_fds.pop_back();
+    } else {
+      wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);  // -1: polls skip it
+    }
+    gate_->drivers.push_back({me_, wake_fd_, 1});
   }
   ~DriverRegistration() {
-    if (--t_driving > 0) return;
     absl::MutexLock lock(&gate_->mu);
-    auto& fds = gate_->driver_fds;
-    auto it = std::find(fds.begin(), fds.end(), t_driver_fd);
-    if (it != fds.end()) fds.erase(it);
+    auto& drivers = gate_->drivers;
+    auto it = std::find_if(drivers.begin(), drivers.end(),
+                           [this](const ReadGate::Driver& d) { return d.thread == me_; });
+    if (it == drivers.end() || --it->depth > 0) return;
+    if (wake_fd_ >= 0) {
+      uint64_t v;
+      ssize_t ignored = ::read(wake_fd_, &v, sizeof(v));  // a wake nobody waits for now
+      (void)ignored;
+      gate_->spare_fds.push_back(wake_fd_);
+    }
+    drivers.erase(it);
   }
   DriverRegistration(const DriverRegistration&) = delete;
   DriverRegistration& operator=(const DriverRegistration&) = delete;
 
+  int wake_fd() const { return wake_fd_; }
+
  private:
   ReadGate* const gate_;
+  const std::thread::id me_;
+  int wake_fd_ = -1;
 };
 
 // One wait of a driver on the channels whose reading role it holds (and
 // its wake-up fd): reads what came, or checks the peers when nothing did.
 void poll_and_read(const ReadGate& gate,
-                   const std::vector<std::shared_ptr<DrivenChannel>>& reading,
+                   const std::vector<std::shared_ptr<DrivenChannel>>& reading, int wake_fd,
                    absl::Duration wait) {
   std::vector<pollfd> fds;
   fds.reserve(1 + 2 * reading.size());
-  fds.push_back({t_driver_fd, POLLIN, 0});  // a reply handled elsewhere
+  fds.push_back({wake_fd, POLLIN, 0});  // a reply handled elsewhere
   for (auto& ch : reading) {
     const bool out = ch->conn()->flush();
     fds.push_back({ch->conn()->fd(), static_cast<short>(POLLIN | (out ? POLLOUT : 0)), 0});
@@ -85,7 +96,7 @@ void poll_and_read(const ReadGate& gate,
                           static_cast<int>(absl::ToInt64Milliseconds(wait) + 1));
   if (r > 0 && (fds[0].revents & POLLIN)) {
     uint64_t v;
-    ssize_t ignored = ::read(t_driver_fd, &v, sizeof(v));
+    ssize_t ignored = ::read(wake_fd, &v, sizeof(v));
     (void)ignored;
   }
   for (size_t i = 0; i < reading.size() && r > 0; ++i) {
@@ -173,7 +184,9 @@ void drive_same_host(const std::shared_ptr<ReadGate>& gate_, const std::function
       read_ahead = true;
       ch->read_one_or_end();
     }
-    if (!read_ahead) poll_and_read(*gate_, reading, std::min(kSlice, deadline - now));
+    if (!read_ahead) {
+      poll_and_read(*gate_, reading, registered.wake_fd(), std::min(kSlice, deadline - now));
+    }
   }
   release();
 }

@@ -2,8 +2,10 @@
 // and the waits of callers that read their own replies (drive_same_host).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -54,16 +56,35 @@ class DrivenChannel {
 // other kind that its wait depends on is then read by that transport's own
 // background reader.
 struct ReadGate {
+  ReadGate() = default;
+  ~ReadGate();  // closes the drivers' eventfds
+  ReadGate(const ReadGate&) = delete;
+  ReadGate& operator=(const ReadGate&) = delete;
+
   Transport* fallback = nullptr;  // set once, before any channel exists
   std::shared_ptr<Settings> settings;  // likewise
   absl::Mutex mu;
   // State below is protected by mu.
   int reserved ABSL_GUARDED_BY(mu) = 0;
+  // The reservations (Transport::reserve_reading) of each thread that
+  // holds some, which Lend gives back for the thread's wait.
+  std::map<std::thread::id, int> reserved_by ABSL_GUARDED_BY(mu);
+  // Their sum, read without mu: a thread that holds none sees it zero or
+  // others' (its own changes are ordered before its reads), so a wait with
+  // nothing to lend takes no lock.
+  std::atomic<int> reserved_by_threads{0};
   // Moves when a role is let go or a reply has been handled.
   uint64_t version ABSL_GUARDED_BY(mu) = 0;
-  // Eventfds of the threads in drive_same_host: a reply handled anywhere
-  // (either transport) wakes them to look at their done().
-  std::vector<int> driver_fds ABSL_GUARDED_BY(mu);
+  // The threads in drive_same_host (a nested drive counts once), each with
+  // the eventfd a reply handled anywhere (either transport) writes to wake
+  // it to look at its done().
+  struct Driver {
+    std::thread::id thread;
+    int wake_fd = -1;
+    int depth = 0;
+  };
+  std::vector<Driver> drivers ABSL_GUARDED_BY(mu);
+  std::vector<int> spare_fds ABSL_GUARDED_BY(mu);  // of drivers that left
   // All but the calling thread's: a driver that handled the reply itself
   // looks at its done() before it waits again.
   void wake_drivers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -75,16 +96,18 @@ struct ReadGate {
 void drive_same_host(const std::shared_ptr<ReadGate>& gate, const std::function<bool()>& done,
                      absl::Time deadline);
 
-// The reservations this thread holds through `gate` (Transport::
-// reserve_reading), counted per thread.
-int& reserved_here(const ReadGate* gate);
-
-// For the scope of a wait on one kind of channel: gives this thread's
-// reservations of the other kind back, and takes them again at the end.
+// For the scope of a wait on one kind of channel: gives the calling
+// thread's reservations of the other kind back, and takes them again at
+// the end.
 class Lend {
  public:
   Lend(ReadGate* gate, bool same_host_side) : gate_(gate), same_host_side_(same_host_side) {
-    n_ = reserved_here(gate);
+    if (gate->reserved_by_threads.load(std::memory_order_relaxed) == 0) return;
+    {
+      absl::MutexLock lock(&gate->mu);
+      auto it = gate->reserved_by.find(std::this_thread::get_id());
+      n_ = it == gate->reserved_by.end() ? 0 : it->second;
+    }
     for (int i = 0; i < n_; ++i) release();
   }
   ~Lend() {
