@@ -327,7 +327,6 @@ class GradientHooks {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
 };
 
-
 GradientHooks& gradient_hooks() {
   static auto* hooks = new GradientHooks();
   return *hooks;

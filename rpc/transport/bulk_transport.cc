@@ -422,35 +422,29 @@ class BulkTransport : public Transport {
                  offload](OnRequest next) {
       return [state, gate, self, max_bytes, token, offload, next = std::move(next)](
                  std::shared_ptr<Responder> responder, Frame frame) {
-        const int caller = responder->caller();
-        auto fail = [self, caller](const std::shared_ptr<Responder>& responder, const Frame& frame,
-                                   const absl::Status& why) {
-          LOG(WARNING) << "worker " << self << ": a request from worker " << caller
-                       << " fails: " << why.message();
-          if (frame.header.kind() == wire::REQUEST) {
-            responder->send(error_frame(frame.header.id(), self, why));
-          }
-        };
         auto bulk_responder = std::make_shared<BulkResponder>(state, responder, self, max_bytes);
         if (!has_lent(frame)) {
           next(std::move(bulk_responder), std::move(frame));
           return;
         }
-        Frame header_only;
-        header_only.header = frame.header;
+        const int caller = responder->caller();
+        const uint64_t id = frame.header.id();
+        const bool request = frame.header.kind() == wire::REQUEST;
+        auto fail = [self, caller, id, request, responder](const absl::Status& why) {
+          LOG(WARNING) << "worker " << self << ": a request from worker " << caller
+                       << " fails: " << why.message();
+          if (request) responder->send(error_frame(id, self, why));
+        };
         const bool queued = state->pull_then(
             gate, caller, self, token, max_bytes, std::move(frame),
-            [offload, fail, responder, bulk_responder](Frame frame, absl::Status pulled) {
+            [offload, fail, bulk_responder](Frame frame, absl::Status pulled) {
               if (!pulled.ok()) {
-                fail(responder, frame, pulled);
+                fail(pulled);
                 return;
               }
               offload(bulk_responder, std::move(frame));
             });
-        if (!queued) {
-          fail(responder, header_only,
-               absl::UnavailableError("no thread can pull its lent tensors"));
-        }
+        if (!queued) fail(absl::UnavailableError("no thread can pull its lent tensors"));
       };
     };
     std::unique_ptr<Server> server = inner_->listen(host, inner_limits, security, std::move(check),
