@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -154,13 +155,38 @@ std::vector<int64_t> captured_sizes(const std::string& dir) {
   return sizes;
 }
 
-std::string temp_dir() {
-  char templ[] = "/tmp/bulk_test_XXXXXX";
-  return mkdtemp(templ);
-}
+// A directory for captured frames, under the test's temporary directory,
+// removed with its files when the test ends.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TEST_TMPDIR");
+    std::string templ = absl::StrCat(base != nullptr ? base : "/tmp", "/bulk_test_XXXXXX");
+    path_ = mkdtemp(templ.data()) != nullptr ? templ : "";
+  }
+  ~TempDir() {
+    if (path_.empty()) return;
+    if (DIR* d = opendir(path_.c_str())) {
+      while (dirent* e = readdir(d)) {
+        if (e->d_name[0] != '.') unlink((path_ + "/" + e->d_name).c_str());
+      }
+      closedir(d);
+    }
+    rmdir(path_.c_str());
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 TEST(BulkTransportTest, LargeTensorsAreLentBothWaysAndArriveWhole) {
-  const std::string dir0 = temp_dir(), dir1 = temp_dir();
+  TempDir temp0, temp1;
+  const std::string dir0 = temp0.path(), dir1 = temp1.path();
+  ASSERT_FALSE(dir0.empty());
+  ASSERT_FALSE(dir1.empty());
   Worker w0(0, 2, dir0), w1(1, 2, dir1);
   ASSERT_FALSE(w0.bulk_endpoint().empty());
   world({&w0, &w1});
@@ -198,7 +224,9 @@ TEST(BulkTransportTest, LargeTensorsAreLentBothWaysAndArriveWhole) {
 }
 
 TEST(BulkTransportTest, WithoutAPeerEndpointTensorsTravelInTheFrame) {
-  const std::string dir0 = temp_dir();
+  TempDir temp0;
+  const std::string dir0 = temp0.path();
+  ASSERT_FALSE(dir0.empty());
   Worker w0(0, 2, dir0), w1(1, 2);
   world({&w0, &w1}, {w0.bulk_endpoint(), ""});  // worker 1 has no bulk path
   const at::Tensor big = at::arange(1 << 20, at::kInt);
