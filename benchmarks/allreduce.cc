@@ -9,8 +9,12 @@
 //
 // With --hosts, rank r of both sides runs on network namespace r % hosts
 // (network_hosts.h), and ddprpc's same-host allreduce is off: Gloo over
-// TCP on both sides.
+// TCP on both sides. Beside them from 1 MiB up, the bound: the same ranks
+// stream the bytes a ring allreduce moves (2(n-1)/n of the buffer each
+// way) around a ring of plain TCP connections (raw_tcp.h).
+#include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
+#include <arpa/inet.h>
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -24,6 +28,7 @@
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
 #include "benchmarks/network_hosts.h"
+#include "benchmarks/raw_tcp.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/launch.h"
 
@@ -33,6 +38,10 @@ DEFINE_bool(pytorch, true, "also measure torch.distributed gloo (needs the Pytho
 DEFINE_int32(hosts, 0,
              "run the processes on this many network namespaces on a bridge, rank r on r % hosts "
              "(needs root; ddprpc's same-host allreduce off); 0: all on this host's loopback");
+DEFINE_bool(raw_tcp, true,
+            "with the same-host allreduce off (--hosts), also time the bytes a ring allreduce "
+            "moves over a ring of plain TCP connections between the same ranks (the bound), "
+            "from 1 MiB up");
 DECLARE_bool(same_host_allreduce);  // benchmarks/common.cc
 
 namespace bench = ddprpc::benchmarks;
@@ -43,8 +52,33 @@ namespace {
 constexpr int64_t kSizes[] = {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
                               64 << 20};
 
+constexpr int64_t kRawMinBytes = 1 << 20;
+
 int iters_for(int64_t bytes) {
   return static_cast<int>(std::max<int64_t>(5, std::min<int64_t>(200, (256 << 20) / bytes)));
+}
+
+// Joins this rank to a ring of plain TCP connections (rank r to r + 1),
+// the addresses exchanged through `pg`.
+absl::Status join_raw_ring(ddp::ProcessGroup& pg, const std::string& address,
+                           bench::RawTcpRing* ring) {
+  bench::RawTcpListener listener;
+  absl::Status s = bench::raw_tcp_listen(address, &listener);
+  if (!s.ok()) return s;
+  in_addr ip{};
+  ::inet_pton(AF_INET, address.c_str(), &ip);
+  at::Tensor mine = at::empty({2}, at::kLong);
+  mine[0] = static_cast<int64_t>(ntohl(ip.s_addr));
+  mine[1] = static_cast<int64_t>(listener.port);
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < pg.size(); ++r) all.push_back(at::empty({2}, at::kLong));
+  pg.allgather(all, mine)->wait();
+  const at::Tensor& next = all[(pg.rank() + 1) % pg.size()];
+  in_addr next_ip{htonl(static_cast<uint32_t>(next[0].item<int64_t>()))};
+  char host[INET_ADDRSTRLEN] = {};
+  ::inet_ntop(AF_INET, &next_ip, host, sizeof(host));
+  return bench::raw_tcp_ring_connect(listener, host, static_cast<int>(next[1].item<int64_t>()),
+                                     ring);
 }
 
 int worker() {
@@ -53,7 +87,17 @@ int worker() {
   options.listen_address = bench::local_address_towards(master ? master : "127.0.0.1");
   auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
   const int n = pg->size();
-  // Rank 0 hands back [bytes, median seconds, bus GB/s] per size.
+  bench::RawTcpRing ring;
+  if (FLAGS_raw_tcp && !FLAGS_same_host_allreduce && n > 1) {
+    const absl::Status joined = join_raw_ring(*pg, options.listen_address, &ring);
+    if (!joined.ok()) {
+      std::fprintf(stderr, "allreduce: rank %d: no raw TCP ring: %s\n", pg->rank(),
+                   joined.ToString().c_str());
+      return 1;
+    }
+  }
+  // Rank 0 hands back [bytes, median seconds, bus GB/s, raw ring median
+  // seconds (0: not timed)] per size.
   bench::JsonValue out;
   auto* rows = out.mutable_list_value();
   for (int64_t bytes : kSizes) {
@@ -67,11 +111,31 @@ int worker() {
       times.push_back(absl::ToDoubleSeconds(absl::Now() - start));
     }
     double med = bench::percentile(times, 0.5);
+    double raw = 0;
+    if (ring.to_next >= 0 && bytes >= kRawMinBytes) {
+      // What each rank of a ring allreduce sends and receives.
+      const std::string out(static_cast<size_t>(bytes * 2 * (n - 1) / n), '\1');
+      std::string in;
+      std::vector<double> raw_times;
+      for (int i = 0; i < iters_for(bytes) + 2; ++i) {
+        pg->barrier()->wait();
+        absl::Time start = absl::Now();
+        const absl::Status s = bench::raw_tcp_ring_round(ring, out, &in);
+        if (!s.ok()) {
+          std::fprintf(stderr, "allreduce: rank %d: raw TCP ring: %s\n", pg->rank(),
+                       s.ToString().c_str());
+          return 1;
+        }
+        if (i >= 2) raw_times.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+      }
+      raw = bench::percentile(raw_times, 0.5);
+    }
     auto* row = rows->add_values()->mutable_list_value();
-    for (double v : {static_cast<double>(bytes), med, bytes * 2.0 * (n - 1) / n / med / 1e9}) {
+    for (double v : {static_cast<double>(bytes), med, bytes * 2.0 * (n - 1) / n / med / 1e9, raw}) {
       row->add_values()->set_number_value(v);
     }
   }
+  bench::raw_tcp_ring_close(&ring);
   std::string error;
   if (pg->rank() == 0 && !bench::write_result(out, &error)) {
     std::fprintf(stderr, "allreduce: cannot hand the results back: %s\n", error.c_str());
@@ -83,12 +147,15 @@ int worker() {
 // bytes -> (median seconds, bus GB/s)
 using Results = std::map<int64_t, std::pair<double, double>>;
 
-Results read_ours(const bench::JsonValue& result) {
+// Ours, and the raw TCP ring's median seconds by size (where timed).
+Results read_ours(const bench::JsonValue& result, std::map<int64_t, double>* raw) {
   Results r;
   for (const auto& row : result.list_value().values()) {
     const auto& v = row.list_value().values();
-    if (v.size() == 3) {
-      r[static_cast<int64_t>(v[0].number_value())] = {v[1].number_value(), v[2].number_value()};
+    if (v.size() == 4) {
+      const auto bytes = static_cast<int64_t>(v[0].number_value());
+      r[bytes] = {v[1].number_value(), v[2].number_value()};
+      if (v[3].number_value() > 0) (*raw)[bytes] = v[3].number_value();
     }
   }
   return r;
@@ -133,7 +200,8 @@ int coordinator(int argc, char** argv) {
       std::fprintf(stderr, "allreduce: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
       return 1;
     }
-    Results ours = read_ours(r.result);
+    std::map<int64_t, double> raw;
+    Results ours = read_ours(r.result, &raw);
     Results theirs;
     const std::string script = bench::source_path("benchmarks/reference/allreduce_gloo.py");
     if (FLAGS_pytorch && !script.empty()) {
@@ -154,19 +222,32 @@ int coordinator(int argc, char** argv) {
                      run.failure().c_str());
       }
     }
-    bench::Table table({absl::StrCat("allreduce, ", n, " processes"), "ddprpc", "busbw",
-                        "torch.distributed", "busbw", "ratio"});
+    std::vector<std::string> columns = {absl::StrCat("allreduce, ", n, " processes"),
+                                        "ddprpc", "busbw", "torch.distributed", "busbw", "ratio"};
+    if (!raw.empty()) {
+      columns.push_back("raw TCP ring");
+      columns.push_back("ddprpc / raw");
+    }
+    bench::Table table(columns);
     json.key(absl::StrCat("nprocs_", n)).begin_object();
     for (int64_t bytes : kSizes) {
       auto [m, bw] = ours[bytes];
       auto [tm, tbw] = theirs.count(bytes) ? theirs[bytes] : std::pair<double, double>{0, 0};
-      table.add({human(bytes), absl::StrFormat("%.1f us", m * 1e6), absl::StrFormat("%.3f GB/s", bw),
-                 tm > 0 ? absl::StrFormat("%.1f us", tm * 1e6) : "-",
-                 tm > 0 ? absl::StrFormat("%.3f GB/s", tbw) : "-",
-                 bench::speedup_cell(m, tm, /*higher_is_better=*/false)});
+      std::vector<std::string> cells = {
+          human(bytes), absl::StrFormat("%.1f us", m * 1e6), absl::StrFormat("%.3f GB/s", bw),
+          tm > 0 ? absl::StrFormat("%.1f us", tm * 1e6) : "-",
+          tm > 0 ? absl::StrFormat("%.3f GB/s", tbw) : "-",
+          bench::speedup_cell(m, tm, /*higher_is_better=*/false)};
+      const double rm = raw.count(bytes) ? raw[bytes] : 0;
+      if (!raw.empty()) {
+        cells.push_back(rm > 0 ? absl::StrFormat("%.1f us", rm * 1e6) : "-");
+        cells.push_back(rm > 0 ? absl::StrFormat("%.2fx", m / rm) : "-");
+      }
+      table.add(cells);
       json.key(absl::StrCat(bytes)).begin_object();
       json.key("ddprpc_busbw_gbps").value(bw).key("ddprpc_median_s").value(m);
       json.key("pytorch_busbw_gbps").value(tbw).key("pytorch_median_s").value(tm);
+      if (rm > 0) json.key("raw_tcp_ring_median_s").value(rm);
       json.end_object();
     }
     json.end_object();

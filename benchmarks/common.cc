@@ -50,6 +50,9 @@ DEFINE_uint64(bulk_min_bytes, 256 << 10,
               "tensors at least this large between hosts leave gRPC for the bulk path, pulled "
               "over --bulk_streams TCP connections (RpcBackendOptions::bulk_min_bytes; 0: off)");
 DEFINE_int32(bulk_streams, 3, "connections a bulk pull is spread over (1..16)");
+DEFINE_int64(bulk_receive_cache_mb, 128,
+             "MiB of idle buffers kept resident for pulled tensors "
+             "(RpcBackendOptions::bulk_receive_cache_bytes; 0: the CPU allocator's memory)");
 DEFINE_bool(same_host_allreduce, true,
             "let Gloo groups on one host reduce through shared memory and cross-process reads "
             "(false: Gloo's TCP algorithms)");
@@ -102,6 +105,7 @@ rpc::RpcBackendOptions backend_options() {
   options.same_host_transport = FLAGS_same_host_transport;
   options.bulk_min_bytes = FLAGS_bulk_min_bytes;
   options.bulk_streams = std::clamp(FLAGS_bulk_streams, 1, 16);
+  options.bulk_receive_cache_bytes = std::max<int64_t>(0, FLAGS_bulk_receive_cache_mb) << 20;
   options.capture_frames_dir = FLAGS_capture_frames;
   options.allow_insecure = FLAGS_allow_insecure;
   return options;

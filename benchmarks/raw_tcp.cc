@@ -238,4 +238,56 @@ absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_
   return s;
 }
 
+absl::Status raw_tcp_ring_connect(RawTcpListener listener, const std::string& next_host,
+                                  int next_port, RawTcpRing* out) {
+  *out = RawTcpRing{};
+  sockaddr_in addr;
+  absl::Status s;
+  if (!parse_ipv4(next_host, next_port, &addr)) {
+    s = absl::InvalidArgumentError(absl::StrCat("raw TCP: not an IPv4 address: ", next_host));
+  }
+  // The next rank's kernel completes the connection before it accepts, so
+  // every rank may connect first and accept second.
+  if (s.ok()) {
+    out->to_next = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (out->to_next < 0 ||
+        ::connect(out->to_next, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      s = errno_status("connect");
+    }
+  }
+  if (s.ok() && !wait_for(listener.fd, POLLIN)) {
+    s = absl::DeadlineExceededError("raw TCP: the previous rank never connected");
+  }
+  if (s.ok()) {
+    out->from_previous = ::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (out->from_previous < 0) s = errno_status("accept");
+  }
+  ::close(listener.fd);
+  if (!s.ok()) {
+    raw_tcp_ring_close(out);
+    return s;
+  }
+  configure(out->to_next);
+  configure(out->from_previous);
+  return s;
+}
+
+absl::Status raw_tcp_ring_round(const RawTcpRing& ring, const std::string& out, std::string* in) {
+  in->resize(out.size());
+  absl::Status sent;
+  std::thread writer([&] {
+    sched_param normal{};
+    ::sched_setscheduler(0, SCHED_OTHER, &normal);  // this thread only
+    sent = write_all(ring.to_next, out.data(), out.size());
+  });
+  const absl::Status read = read_all(ring.from_previous, in->data(), in->size());
+  writer.join();
+  return sent.ok() ? read : sent;
+}
+
+void raw_tcp_ring_close(RawTcpRing* ring) {
+  close_all({ring->to_next, ring->from_previous});
+  *ring = RawTcpRing{};
+}
+
 }  // namespace ddprpc::benchmarks

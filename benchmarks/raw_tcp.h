@@ -36,4 +36,24 @@ absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t b
 absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_t bytes,
                           int total_rounds);
 
+// A ring over plain TCP, the bound beside a ring allreduce's figures: each
+// rank streams bytes to the next rank while it reads as many from the one
+// before (a thread writes while the caller reads), with none of the
+// allreduce's waits between steps and none of its reductions.
+struct RawTcpRing {
+  int to_next = -1;
+  int from_previous = -1;
+};
+
+// Connects to the next rank's listener at host:port and accepts the
+// previous rank's connection on `listener` (then closes it).
+absl::Status raw_tcp_ring_connect(RawTcpListener listener, const std::string& next_host,
+                                  int next_port, RawTcpRing* out);
+
+// One round: writes `out` to the next rank and reads as many bytes from
+// the previous one into `in`.
+absl::Status raw_tcp_ring_round(const RawTcpRing& ring, const std::string& out, std::string* in);
+
+void raw_tcp_ring_close(RawTcpRing* ring);
+
 }  // namespace ddprpc::benchmarks

@@ -133,6 +133,11 @@ struct RpcBackendOptions {
   // on the encrypted stream) or when bulk_min_bytes is 0.
   uint64_t bulk_min_bytes = 256 << 10;
   int bulk_streams = 3;
+  // Pulled tensors take their memory from buffers that earlier ones gave
+  // back, pages still resident, keeping at most this many bytes of buffers
+  // no tensor uses, each for at most 10 s (0: the CPU allocator's memory,
+  // whose fresh pages fault in one by one as the bytes land).
+  int64_t bulk_receive_cache_bytes = int64_t{128} << 20;
   // The agent's threads (stream readers, the worker pool, the timer) run
   // as SCHED_BATCH: a message that wakes one does not preempt the thread
   // running on its core. On a host with more runnable threads than cores,

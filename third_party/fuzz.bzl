@@ -71,7 +71,9 @@ def _fuzzer_binary_impl(ctx):
         link_flags += linker_input.user_link_flags
         lib_inputs += linker_input.additional_inputs
         for lib in linker_input.libraries:
-            archive = lib.pic_static_library or lib.static_library
+            # The archives the tests and binaries link (non-PIC objects in
+            # an optimized build), so that no library is compiled twice.
+            archive = lib.static_library or lib.pic_static_library
             if archive:
                 lib_inputs.append(archive)
                 if lib.alwayslink:

@@ -14,6 +14,7 @@
 #include "rpc/core/errors.h"
 #include "rpc/transport/internal/bulk_lender.h"
 #include "rpc/transport/internal/bulk_pull_pool.h"
+#include "rpc/transport/internal/bulk_receive_cache.h"
 #include "rpc/transport/internal/bulk_puller.h"
 
 namespace ddprpc::rpc::transport {
@@ -77,7 +78,11 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   BulkState(const BulkOptions& options, Transport* inner)
       : options_(options),
         inner_(inner),
-        pool_(bulk::PullPoolOptions{std::max(1, options.pull_threads), absl::Seconds(10)}) {}
+        pool_(bulk::PullPoolOptions{std::max(1, options.pull_threads), absl::Seconds(10)}),
+        cache_(options.receive_cache_bytes > 0
+                   ? bulk::ReceiveCache::create(
+                         {options.receive_cache_bytes, options.receive_cache_idle_time})
+                   : nullptr) {}
 
   const BulkOptions& options() const { return options_; }
 
@@ -94,6 +99,7 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
     for (auto& puller : pullers) puller->abort();
     pool_.stop();
     pool_.wait();
+    if (cache_) cache_->close();
   }
 
   // Pulls `frame`'s lent tensors from `peer` on a pool thread, then passes
@@ -232,7 +238,11 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       if (meta->lent() == 0) continue;
       at::Tensor t;
       try {
-        t = internal::allocate_tensor(*meta);
+        t = cache_ ? internal::allocate_tensor(*meta,
+                                               [this](c10::ScalarType dtype, c10::IntArrayRef sizes) {
+                                                 return cache_->allocate(dtype, sizes);
+                                               })
+                   : internal::allocate_tensor(*meta);
       } catch (const std::exception&) {
         return absl::ResourceExhaustedError(
             absl::StrCat("no memory for a lent tensor of ", meta->nbytes(), " bytes"));
@@ -251,6 +261,8 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   const BulkOptions options_;
   Transport* const inner_;  // outlives the pool's threads (stop())
   bulk::PullPool pool_;
+  // Memory for pulled tensors; null when off.
+  const std::shared_ptr<bulk::ReceiveCache> cache_;
   absl::Mutex mu_;
   // State below is protected by mu_.
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;

@@ -42,6 +42,12 @@
 // as the wrapped transport reads it when it writes the frame. A tensor
 // changed in place before its call completes may arrive changed.
 //
+// Pulled tensors get their memory from a cache of buffers that earlier
+// pulled tensors gave back, pages still resident
+// (internal/bulk_receive_cache.h, BulkOptions::receive_cache_bytes): a
+// fresh multi-megabyte buffer's pages fault in one by one as the bytes
+// arrive, which costs more than the transfer on a virtual machine.
+//
 // With TLS the bulk path is off: tensors stay on the wrapped transport's
 // encrypted stream.
 #pragma once
@@ -71,6 +77,12 @@ struct BulkOptions {
   // Threads that pull, all peers together (one pull per peer at a time). A
   // reply's delivery, which runs its call's callbacks, holds its thread.
   int pull_threads = 16;
+  // Memory for the tensors pulls fill, kept resident between uses (a fresh
+  // buffer's pages fault in one by one as the bytes arrive): at most this
+  // many bytes of buffers no tensor uses, each kept at most the idle time.
+  // 0: every tensor from the CPU allocator.
+  int64_t receive_cache_bytes = int64_t{128} << 20;
+  absl::Duration receive_cache_idle_time = absl::Seconds(10);
 };
 
 // Serves and connects through `inner`, lending large tensors on the bulk

@@ -945,9 +945,24 @@ void ClientQueue::release_reading() {
 void ClientQueue::interrupt() {
   absl::MutexLock lock(&mu_);
   if (reader_ == std::thread::id() || shutting_down_ || alarm_) return;
+  // The reader looks at its condition before it waits again. The
+  // background reader waits for nothing a completion elsewhere brings,
+  // unless a caller waits for its role (that caller's condition is looked
+  // at again when the alarm's event releases mu_).
+  if (reader_ == std::this_thread::get_id()) return;
+  if (reader_ == background_.get_id() && want_role_ == 0) return;
   ++pending_;  // the alarm's completion uncounts it
   alarm_ = std::make_unique<grpc::Alarm>();
-  alarm_->Set(&cq_, gpr_now(GPR_CLOCK_MONOTONIC), &alarm_tag_);
+  // A deadline already past: gRPC completes the alarm at once. gRPC's
+  // timers count whole milliseconds, rounded up, so a deadline of "now"
+  // fires at the next millisecond tick: that is kept for interrupts less
+  // than a millisecond apart (a stream of replies from the same host),
+  // which then wake the reader at most once a tick between them.
+  const absl::Time now = absl::Now();
+  const bool recent = now - last_interrupt_ < absl::Milliseconds(1);
+  last_interrupt_ = now;
+  alarm_->Set(&cq_, recent ? gpr_now(GPR_CLOCK_MONOTONIC) : gpr_inf_past(GPR_CLOCK_MONOTONIC),
+              &alarm_tag_);
 }
 
 bool ClientQueue::read_if_free(const std::function<bool()>& done, absl::Time deadline) {

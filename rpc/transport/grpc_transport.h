@@ -153,6 +153,7 @@ class ClientQueue {
   int reserved_ ABSL_GUARDED_BY(mu_) = 0;     // see reserve_reading()
   // The thread that holds the reading role; std::thread::id(): none.
   std::thread::id reader_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_interrupt_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // interrupt()'s alarm
   int want_role_ ABSL_GUARDED_BY(mu_) = 0;    // drive()rs waiting for it
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   bool drained_ ABSL_GUARDED_BY(mu_) = false;  // the queue returned SHUTDOWN

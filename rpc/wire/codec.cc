@@ -188,12 +188,12 @@ uint64_t Frame::lent_bytes() const {
   return n;
 }
 
-at::Tensor allocate_tensor(const wire::TensorMeta& meta) {
+at::Tensor allocate_tensor(const wire::TensorMeta& meta, const EmptyTensor& empty) {
   const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
+  const c10::IntArrayRef sizes(meta.sizes().data(), static_cast<size_t>(meta.sizes().size()));
   // Straight from the CPU allocator: a factory op through the dispatcher
   // costs more than the allocation for a small tensor.
-  at::Tensor t = at::detail::empty_cpu(
-      c10::IntArrayRef(meta.sizes().data(), static_cast<size_t>(meta.sizes().size())), dtype);
+  at::Tensor t = empty ? empty(dtype, sizes) : at::detail::empty_cpu(sizes, dtype);
   if (meta.requires_grad() && (at::isFloatingType(dtype) || at::isComplexType(dtype))) {
     t.requires_grad_(true);  // writing its bytes through data_ptr() afterwards is fine
   }

@@ -56,7 +56,10 @@ struct ParseOptions {
 
 // A new tensor for checked metadata (as parse_frame allocates one), with
 // requires_grad as the metadata says (floating and complex dtypes only).
-at::Tensor allocate_tensor(const wire::TensorMeta& meta);
+// `empty`, when given, makes the uninitialized contiguous tensor of a
+// dtype and sizes instead of the CPU allocator.
+using EmptyTensor = std::function<at::Tensor(c10::ScalarType, c10::IntArrayRef)>;
+at::Tensor allocate_tensor(const wire::TensorMeta& meta, const EmptyTensor& empty = nullptr);
 
 // How values held in c10 capsules (e.g. RRefs) cross the wire, given by
 // the layer that defines them. Both ends need the peer: encoding may
