@@ -14,8 +14,8 @@
 #include "rpc/core/errors.h"
 #include "rpc/transport/internal/bulk_lender.h"
 #include "rpc/transport/internal/bulk_pull_pool.h"
-#include "rpc/transport/internal/bulk_receive_cache.h"
 #include "rpc/transport/internal/bulk_puller.h"
+#include "rpc/transport/internal/bulk_receive_cache.h"
 
 namespace ddprpc::rpc::transport {
 namespace {
@@ -232,17 +232,19 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       }
       puller = slot;
     }
+    internal::EmptyTensor empty;  // null: the CPU allocator
+    if (cache_) {
+      empty = [this](c10::ScalarType dtype, c10::IntArrayRef sizes) {
+        return cache_->allocate(dtype, sizes);
+      };
+    }
     auto* metas = frame->header.mutable_tensors();
     for (int i = 0; i < metas->size(); ++i) {
       auto* meta = metas->Mutable(i);
       if (meta->lent() == 0) continue;
       at::Tensor t;
       try {
-        t = cache_ ? internal::allocate_tensor(*meta,
-                                               [this](c10::ScalarType dtype, c10::IntArrayRef sizes) {
-                                                 return cache_->allocate(dtype, sizes);
-                                               })
-                   : internal::allocate_tensor(*meta);
+        t = internal::allocate_tensor(*meta, empty);
       } catch (const std::exception&) {
         return absl::ResourceExhaustedError(
             absl::StrCat("no memory for a lent tensor of ", meta->nbytes(), " bytes"));
