@@ -52,7 +52,7 @@ constexpr absl::Duration kStoreReadTimeout = absl::Seconds(10);
 // control holds it to the stream's initial window) nor parsed.
 class StoreServer::Service final : public grpc::CallbackGenericService {
  public:
-  enum Method { kSet, kGet, kAdd, kWait, kCheck, kUnknown };
+  enum Method { kSet, kGet, kAdd, kWait, kCheck, kCompareSet, kUnknown };
 
   explicit Service(const Security& security)
       : auth_(security.authenticated() ? std::make_unique<internal::AuthChecker>(security.token)
@@ -75,9 +75,11 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
     static const char* const kNames[] = {"/ddprpc.rendezvous.Store/Set", "/ddprpc.rendezvous.Store/Get",
                                          "/ddprpc.rendezvous.Store/Add", "/ddprpc.rendezvous.Store/Wait",
-                                         "/ddprpc.rendezvous.Store/Check"};
+                                         "/ddprpc.rendezvous.Store/Check",
+                                         "/ddprpc.rendezvous.Store/CompareSet"};
+    static_assert(sizeof(kNames) / sizeof(kNames[0]) == kUnknown);
     Method method = kUnknown;
-    for (int m = kSet; m <= kCheck; ++m) {
+    for (int m = kSet; m < kUnknown; ++m) {
       if (ctx->method() == kNames[m]) method = static_cast<Method>(m);
     }
     grpc::Status status;
@@ -241,7 +243,8 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
   // refused request is logged with the client's address.
   grpc::Status handle(Method method, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& raw,
                       grpc::ByteBuffer* raw_resp) {
-    static const char* const kOps[] = {"set", "get", "add", "wait", "check"};
+    static const char* const kOps[] = {"set", "get", "add", "wait", "check", "compare_set"};
+    static_assert(sizeof(kOps) / sizeof(kOps[0]) == kUnknown);
     grpc::Status status;
     try {
       internal::fault_point("store.request");
@@ -258,6 +261,7 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
           case kAdd: status = state_.add(req, &resp); break;
           case kWait: status = state_.wait(req, &resp, cancelled); break;
           case kCheck: status = state_.check(req, &resp); break;
+          case kCompareSet: status = state_.compare_set(req, &resp); break;
           case kUnknown: status = grpc::Status(grpc::StatusCode::UNIMPLEMENTED, ""); break;
         }
       }
@@ -369,10 +373,12 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
                          const rendezvous::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
   rendezvous::Store::Stub stub(channel);
   const absl::Time deadline = absl::Now() + timeout + absl::Seconds(1);
-  // A call that can run twice without harm (all but add) is tried again when
-  // the server cancelled it (a store host shutting down while the job is
-  // still meeting), until its deadline, as one that finds no server waits.
-  const bool idempotent = std::string_view(what) != "add";
+  // A call that can run twice without harm (all but add and compare_set) is
+  // tried again when the server cancelled it (a store host shutting down
+  // while the job is still meeting), until its deadline, as one that finds
+  // no server waits. A compare_set that took effect before its answer was
+  // lost would, run again, answer what others stored since.
+  const bool idempotent = std::string_view(what) != "add" && std::string_view(what) != "compare_set";
   rendezvous::StoreResponse resp;
   grpc::Status status;
   for (;;) {
@@ -436,6 +442,16 @@ bool Store::check(const std::vector<std::string>& keys) {
   rendezvous::StoreRequest req;
   for (const auto& k : keys) req.add_keys(k);
   return call(channel_, address_, token_, &rendezvous::Store::Stub::Check, "check", req, timeout_, fail_fast_).number() == 1;
+}
+
+std::string Store::compare_set(const std::string& key, const std::string& expected,
+                               const std::string& desired) {
+  rendezvous::StoreRequest req;
+  req.set_key(key);
+  req.set_value(expected);
+  req.set_desired(desired);
+  return call(channel_, address_, token_, &rendezvous::Store::Stub::CompareSet, "compare_set", req,
+              timeout_, fail_fast_).value();
 }
 
 }  // namespace ddprpc::rpc

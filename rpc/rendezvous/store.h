@@ -59,6 +59,18 @@ class Store {
   // Blocks until every key is set, at most `timeout`.
   void wait(const std::vector<std::string>& keys, absl::Duration timeout);
   bool check(const std::vector<std::string>& keys);
+  // Atomically stores `desired` at `key` when `key` holds `expected`, or
+  // when `key` is unset and `expected` is empty (as c10d's
+  // Store::compareSet). Returns what `key` holds afterwards, except that an
+  // unset `key` with a non-empty `expected` stays unset and `expected` is
+  // returned. The call stored `desired` when it returns `desired`, provided
+  // no other caller stores that same value and `desired` != `expected`
+  // (make it name the caller, e.g. "epoch:rank"). A store it cannot fit in
+  // refuses it as set() does (nothing stored); what it stores wakes get()
+  // and wait() on `key` as set() does. Like add(), a call the server
+  // cancelled is not tried again: it may have taken effect.
+  std::string compare_set(const std::string& key, const std::string& expected,
+                          const std::string& desired);
 
   // By default calls wait for the server to come up (rendezvous); with
   // fail_fast they fail at once when it is unreachable (e.g. at shutdown).

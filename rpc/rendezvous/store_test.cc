@@ -4,11 +4,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "rpc/core/errors.h"
@@ -43,6 +46,168 @@ TEST(StoreTest, SetGetAddWaitAcrossThreads) {
   EXPECT_TRUE(a.check({"k", "n"}));
   EXPECT_FALSE(a.check({"k", "missing"}));
   b.wait({"k", "n"}, absl::Seconds(1));
+}
+
+// compare_set's cases, as c10d's Store::compareSet.
+TEST(StoreTest, CompareSetStoresOnlyOverWhatItExpects) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  Store s("127.0.0.1", server->port(), absl::Seconds(10));
+  // Unset key, empty `expected`: stored.
+  EXPECT_EQ(s.compare_set("k", "", "v1"), "v1");
+  EXPECT_EQ(s.get("k"), "v1");
+  // Unset key, `expected` not empty: stays unset; `expected` is answered.
+  EXPECT_EQ(s.compare_set("absent", "x", "y"), "x");
+  EXPECT_FALSE(s.check({"absent"}));
+  // The key holds `expected`: swapped.
+  EXPECT_EQ(s.compare_set("k", "v1", "v2"), "v2");
+  EXPECT_EQ(s.get("k"), "v2");
+  // The key holds something else: unchanged; what it holds is answered.
+  EXPECT_EQ(s.compare_set("k", "v1", "v3"), "v2");
+  EXPECT_EQ(s.get("k"), "v2");
+  // An empty `expected` does not match a key holding a value...
+  EXPECT_EQ(s.compare_set("k", "", "v4"), "v2");
+  EXPECT_EQ(s.get("k"), "v2");
+  // ...and matches one holding the empty value.
+  s.set("empty", "");
+  EXPECT_EQ(s.compare_set("empty", "", "filled"), "filled");
+  EXPECT_EQ(s.get("empty"), "filled");
+  // Values are bytes: a NUL inside counts in the comparison.
+  const std::string nul("a\0b", 3);
+  s.set("bytes", nul);
+  EXPECT_EQ(s.compare_set("bytes", "a", "c"), nul);
+  EXPECT_EQ(s.compare_set("bytes", nul, "c"), "c");
+}
+
+// What compare_set stores wakes get() and wait() blocked on the key; one
+// that stores nothing wakes neither.
+TEST(StoreTest, CompareSetWakesGetAndWaitOnItsKey) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  Store a("127.0.0.1", server->port(), absl::Seconds(10));
+  Store b("127.0.0.1", server->port(), absl::Seconds(10));
+  Store c("127.0.0.1", server->port(), absl::Seconds(10));
+  std::atomic<bool> got{false}, waited{false};
+  std::string value, get_error, wait_error;
+  std::thread getter([&] {
+    try {
+      value = b.get("epoch");
+      got = true;
+    } catch (const std::exception& e) {
+      get_error = e.what();
+    }
+  });
+  std::thread waiter([&] {
+    try {
+      c.wait({"epoch"}, absl::Seconds(10));
+      waited = true;
+    } catch (const std::exception& e) {
+      wait_error = e.what();
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ(a.compare_set("epoch", "0:rank0", "1:rank0"), "0:rank0");
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_FALSE(got.load()) << "get returned though compare_set stored nothing";
+  EXPECT_FALSE(waited.load()) << "wait returned though compare_set stored nothing";
+  EXPECT_EQ(a.compare_set("epoch", "", "1:rank0"), "1:rank0");
+  getter.join();
+  waiter.join();
+  EXPECT_EQ(get_error, "");
+  EXPECT_EQ(wait_error, "");
+  EXPECT_TRUE(got.load());
+  EXPECT_TRUE(waited.load());
+  EXPECT_EQ(value, "1:rank0");
+}
+
+// The count in a record "count:writer".
+int64_t count_of(const std::string& record) {
+  int64_t count = -1;
+  if (!absl::SimpleAtoi(record.substr(0, record.find(':')), &count)) return -1;
+  return count;
+}
+
+// `threads` writers each advance the record at "record" `times`: a step
+// reads it and compare_sets it to the next count under the writer's own
+// name, again until that is answered (so a writer's value is stored at most
+// once). Returns the steps that writers saw succeed; `errors` gets what
+// failed. With an atomic compare_set, no two steps succeed from the same
+// count, so the record's count ends equal to the steps.
+template <typename MakeClient>
+int advance_concurrently(int threads, int times, MakeClient make_client,
+                         std::vector<std::string>* errors) {
+  std::atomic<int> steps{0};
+  errors->assign(threads, "");
+  std::vector<std::thread> writers;
+  for (int t = 0; t < threads; ++t) {
+    writers.emplace_back([&, t] {
+      try {
+        auto client = make_client();
+        for (int i = 0; i < times; ++i) {
+          for (;;) {
+            const std::string old = client->get("record");
+            const int64_t count = count_of(old);
+            if (count < 0) {
+              (*errors)[t] = absl::StrCat("malformed record '", old, "'");
+              return;
+            }
+            const std::string next = absl::StrCat(count + 1, ":", t);
+            if (client->compare_set("record", old, next) == next) break;
+          }
+          ++steps;
+        }
+      } catch (const std::exception& e) {
+        (*errors)[t] = e.what();
+      }
+    });
+  }
+  for (auto& w : writers) w.join();
+  return steps.load();
+}
+
+TEST(StoreTest, CompareSetIsAtomicAcrossClients) {
+  constexpr int kThreads = 8;
+  constexpr int kTimes = 100;
+  auto server = StoreServer::start("127.0.0.1", 0);
+  Store s("127.0.0.1", server->port(), absl::Seconds(30));
+  ASSERT_EQ(s.compare_set("record", "", "0:init"), "0:init");
+  std::vector<std::string> errors;
+  const int steps = advance_concurrently(
+      kThreads, kTimes,
+      [&] { return std::make_unique<Store>("127.0.0.1", server->port(), absl::Seconds(30)); },
+      &errors);
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "writer " << t;
+  EXPECT_EQ(steps, kThreads * kTimes);
+  EXPECT_EQ(count_of(s.get("record")), kThreads * kTimes);
+}
+
+// Refused as set() refuses: keys and values beyond their bounds; nothing
+// is stored.
+TEST(StoreTest, CompareSetIsBoundedAsSet) {
+  using internal::StoreState;
+  auto server = StoreServer::start("127.0.0.1", 0);
+  Store s("127.0.0.1", server->port(), absl::Seconds(10));
+  auto refused = [&](const std::function<void()>& f, const std::string& why) {
+    try {
+      f();
+      ADD_FAILURE() << "not refused: " << why;
+    } catch (const RpcError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  const std::string too_long(StoreState::kMaxValueBytes + 1, 'x');
+  refused([&] { s.compare_set("big", "", too_long); },
+          absl::StrCat("value of ", too_long.size(), " bytes (at most ",
+                       StoreState::kMaxValueBytes, ")"));
+  EXPECT_FALSE(s.check({"big"}));
+  refused([&] { s.compare_set(std::string(StoreState::kMaxKeyBytes + 1, 'k'), "", "v"); },
+          absl::StrCat("key of ", StoreState::kMaxKeyBytes + 1, " bytes"));
+  refused([&] { s.compare_set("", "", "v"); }, "empty key");
+  s.set("k", "v");
+  refused([&] { s.compare_set("k", too_long, "w"); }, "expected value of");
+  EXPECT_EQ(s.get("k"), "v");
+  // At the bound: stored.
+  const std::string longest(StoreState::kMaxValueBytes, 'x');
+  EXPECT_EQ(s.compare_set("k", "v", longest), longest);
+  EXPECT_EQ(s.compare_set("k", longest, "w"), "w");
 }
 
 TEST(StoreTest, MissingKeyTimesOut) {
@@ -94,6 +259,18 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   EXPECT_EQ(state.set(req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   req.set_key("0");  // overwriting an existing key is fine
   EXPECT_TRUE(state.set(req, &resp).ok());
+  // compare_set neither: a new key is refused, an existing one swapped.
+  rendezvous::StoreRequest cas;
+  cas.set_key("one more");
+  cas.set_desired("v");
+  EXPECT_EQ(state.compare_set(cas, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  cas.set_key("0");
+  EXPECT_TRUE(state.compare_set(cas, &resp).ok());
+  EXPECT_EQ(resp.value(), "v");
+  rendezvous::StoreRequest check;
+  check.add_keys("one more");
+  EXPECT_TRUE(state.check(check, &resp).ok());
+  EXPECT_EQ(resp.number(), 0) << "a refused compare_set stored its key";
 
   // Integers that would overflow.
   req.set_key("n");
@@ -128,6 +305,91 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   waits.stop();  // wakes them all
   for (auto& t : waiters) t.join();
   EXPECT_EQ(unavailable.load(), kWaiters);
+}
+
+// compare_set on the store's state: within its byte bound, and atomic
+// under more contention than clients over gRPC produce.
+TEST(StoreStateTest, CompareSetIsBoundedAndAtomic) {
+  using internal::StoreState;
+  StoreState state;
+  rendezvous::StoreRequest req;
+  rendezvous::StoreResponse resp;
+  // Bytes held: 63 of the longest values leave the store less than one more.
+  const std::string longest(StoreState::kMaxValueBytes, 'x');
+  static_assert(64 * StoreState::kMaxValueBytes >= StoreState::kMaxBytes);
+  for (int i = 0; i < 63; ++i) {
+    req.set_key(absl::StrCat("fill", i));
+    req.set_desired(longest);
+    ASSERT_TRUE(state.compare_set(req, &resp).ok()) << i;
+  }
+  req.set_key("one more");
+  EXPECT_EQ(state.compare_set(req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Growing a held value past the bound is refused and leaves it.
+  req.set_key("small");
+  req.set_desired("s");
+  ASSERT_TRUE(state.compare_set(req, &resp).ok());
+  req.set_value("s");
+  req.set_desired(longest);
+  EXPECT_EQ(state.compare_set(req, &resp).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  rendezvous::StoreRequest get;
+  get.set_key("small");
+  ASSERT_TRUE(state.get(get, &resp, [] { return false; }).ok());
+  EXPECT_EQ(resp.value(), "s");
+
+  // Oversize keys and values are refused before the store is looked at.
+  StoreState fresh;
+  rendezvous::StoreRequest big;
+  big.set_key(std::string(StoreState::kMaxKeyBytes + 1, 'k'));
+  EXPECT_EQ(fresh.compare_set(big, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  big.set_key("k");
+  big.set_desired(std::string(StoreState::kMaxValueBytes + 1, 'v'));
+  EXPECT_EQ(fresh.compare_set(big, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  big.set_desired("v");
+  big.set_value(std::string(StoreState::kMaxValueBytes + 1, 'v'));
+  EXPECT_EQ(fresh.compare_set(big, &resp).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  rendezvous::StoreRequest check;
+  check.add_keys("k");
+  ASSERT_TRUE(fresh.check(check, &resp).ok());
+  EXPECT_EQ(resp.number(), 0);
+
+  // Atomicity.
+  constexpr int kThreads = 8;
+  constexpr int kTimes = 2000;
+  req.Clear();
+  req.set_key("record");
+  req.set_desired("0:init");
+  ASSERT_TRUE(fresh.compare_set(req, &resp).ok());
+  // A client of the state alone: get() and compare_set() as Store's.
+  struct Client {
+    StoreState* state;
+    std::string get(const std::string& key) {
+      rendezvous::StoreRequest r;
+      r.set_key(key);
+      rendezvous::StoreResponse out;
+      grpc::Status status = state->get(r, &out, [] { return false; });
+      if (!status.ok()) throw std::runtime_error(status.error_message());
+      return out.value();
+    }
+    std::string compare_set(const std::string& key, const std::string& expected,
+                            const std::string& desired) {
+      rendezvous::StoreRequest r;
+      r.set_key(key);
+      r.set_value(expected);
+      r.set_desired(desired);
+      rendezvous::StoreResponse out;
+      grpc::Status status = state->compare_set(r, &out);
+      if (!status.ok()) throw std::runtime_error(status.error_message());
+      return out.value();
+    }
+  };
+  std::vector<std::string> errors;
+  const int steps = advance_concurrently(
+      kThreads, kTimes, [&] { return std::make_unique<Client>(Client{&fresh}); }, &errors);
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "writer " << t;
+  EXPECT_EQ(steps, kThreads * kTimes);
+  get.set_key("record");
+  ASSERT_TRUE(fresh.get(get, &resp, [] { return false; }).ok());
+  EXPECT_EQ(count_of(resp.value()), kThreads * kTimes);
 }
 
 // ---- strangers and members that never finish their messages

@@ -18,12 +18,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (req.timeout_ms() > 2 && req.timeout_ms() <= StoreState::kMaxTimeoutMs) req.set_timeout_ms(2);
   ddprpc::rendezvous::StoreResponse resp;
   auto never = [] { return false; };
-  switch (data[0] % 5) {
+  switch (data[0] % 6) {
     case 0: state->set(req, &resp); break;
     case 1: state->get(req, &resp, never); break;
     case 2: state->add(req, &resp); break;
     case 3: state->wait(req, &resp, never); break;
     case 4: state->check(req, &resp); break;
+    case 5: state->compare_set(req, &resp); break;
   }
   return 0;
 }

@@ -5,6 +5,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 
 namespace ddprpc::rpc::internal {
@@ -19,6 +20,15 @@ grpc::Status check_key(const std::string& key) {
   if (key.size() > StoreState::kMaxKeyBytes) {
     return invalid(absl::StrCat("key of ", key.size(), " bytes (at most ",
                                 StoreState::kMaxKeyBytes, ")"));
+  }
+  return grpc::Status::OK;
+}
+
+// `what` (a value of a request) within kMaxValueBytes.
+grpc::Status check_value(const std::string& value, absl::string_view what) {
+  if (value.size() > StoreState::kMaxValueBytes) {
+    return invalid(absl::StrCat(what, " of ", value.size(), " bytes (at most ",
+                                StoreState::kMaxValueBytes, ")"));
   }
   return grpc::Status::OK;
 }
@@ -60,13 +70,40 @@ grpc::Status StoreState::put(const std::string& key, std::string value) {
 
 grpc::Status StoreState::set(const rendezvous::StoreRequest& req, rendezvous::StoreResponse*) {
   grpc::Status ok = check_key(req.key());
+  if (ok.ok()) ok = check_value(req.value(), "value");
   if (!ok.ok()) return ok;
-  if (req.value().size() > kMaxValueBytes) {
-    return invalid(absl::StrCat("value of ", req.value().size(), " bytes (at most ",
-                                kMaxValueBytes, ")"));
-  }
   absl::MutexLock lock(&mu_);
   return put(req.key(), req.value());
+}
+
+// The largest compare_set request gRPC lets through (key, both values and
+// their tags and lengths) is one the store reads.
+static_assert(StoreState::kMaxKeyBytes + 2 * StoreState::kMaxValueBytes + 64 <=
+              static_cast<size_t>(StoreState::kMaxRequestBytes));
+
+grpc::Status StoreState::compare_set(const rendezvous::StoreRequest& req,
+                                     rendezvous::StoreResponse* resp) {
+  const std::string& expected = req.value();
+  grpc::Status ok = check_key(req.key());
+  if (ok.ok()) ok = check_value(expected, "expected value");
+  if (ok.ok()) ok = check_value(req.desired(), "value");
+  if (!ok.ok()) return ok;
+  absl::MutexLock lock(&mu_);
+  auto it = data_.find(req.key());
+  if (it == data_.end() && !expected.empty()) {
+    resp->set_value(expected);
+    return grpc::Status::OK;
+  }
+  if (it != data_.end() && it->second != expected) {
+    resp->set_value(it->second);
+    return grpc::Status::OK;
+  }
+  // put() changes data_ under mu_: its release re-evaluates the conditions
+  // of blocked get()/wait() calls, as after set().
+  ok = put(req.key(), req.desired());
+  if (!ok.ok()) return ok;
+  resp->set_value(req.desired());
+  return grpc::Status::OK;
 }
 
 grpc::Status StoreState::get(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp,

@@ -41,6 +41,18 @@ class StoreState {
   grpc::Status wait(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp,
                     const std::function<bool()>& cancelled);
   grpc::Status check(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp);
+  // Compare-and-set with c10d's Store::compareSet semantics, `req.value()`
+  // being the expected value and `req.desired()` the one to store:
+  //  - `key` unset and `expected` empty: stores `desired`, answers it;
+  //  - `key` unset and `expected` not empty: stores nothing, answers
+  //    `expected` (not what the key holds: it holds nothing);
+  //  - `key` holding `expected` (an empty value matches an empty `expected`):
+  //    stores `desired`, answers it;
+  //  - `key` holding something else: stores nothing, answers what it holds.
+  // Key and values are bounded as set()'s; a store that cannot take
+  // `desired` refuses it as set() would (nothing stored). What it stores
+  // wakes get() and wait() on `key` as set() does.
+  grpc::Status compare_set(const rendezvous::StoreRequest& req, rendezvous::StoreResponse* resp);
 
   // Wakes every blocked request; later ones fail at once.
   void stop();
