@@ -18,7 +18,10 @@ cases (seconds from the fault to the first error, and to the last
 process's end); leaves no process and no namespace behind. Needs root (ip
 netns).
 
-    fault_matrix.py BINARY [--rpc_timeout_s=20] [--cases=a,b,...]
+Cases run two at a time by default (--groups), each pair on sets of hosts
+of their own: a case spends most of its time waiting for a timeout.
+
+    fault_matrix.py BINARY [--rpc_timeout_s=20] [--cases=a,b,...] [--groups=2]
 """
 
 import argparse
@@ -28,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 TRAINERS, PS = 2, 2
@@ -67,10 +71,11 @@ def sh(*args, check=True):
 
 
 class Hosts:
-    """Three namespaces h1..h3 on a bridge, 10.<a>.<b>.1..3/24."""
+    """Three namespaces h1..h3 on a bridge, 10.<a>.<b>.1..3/24; `group`
+    tells apart the sets of hosts of one run."""
 
-    def __init__(self):
-        tag = os.getpid() % 100000
+    def __init__(self, group=0):
+        tag = (os.getpid() % 25000) * 4 + group
         self.prefix = f"ddpf{tag}"
         self.bridge = f"bf{tag}"
         self.net = f"10.{77 + tag % 100}.{tag % 250}"
@@ -292,6 +297,8 @@ def main():
     parser.add_argument("binary")
     parser.add_argument("--rpc_timeout_s", type=int, default=20)
     parser.add_argument("--cases", default="", help="comma-separated case numbers (1-based)")
+    parser.add_argument("--groups", type=int, default=2,
+                        help="cases run at once, each on three namespaces of its own (1-4)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("fault_matrix: needs root for ip netns", file=sys.stderr)
@@ -300,19 +307,40 @@ def main():
     cases = CASES
     if args.cases:
         cases = [CASES[int(i) - 1] for i in args.cases.split(",")]
-    hosts = Hosts()
+    groups = [Hosts(g) for g in range(max(1, min(4, args.groups)))]
     # Bazel's timeout sends SIGTERM: clean up (finally below) before going.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit("fault_matrix: terminated"))
     logdir = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tempfile.mkdtemp(prefix="fault_matrix.")
-    results = []
-    try:
-        hosts.up()
-        for i, case in enumerate(cases):
+    results = [None] * len(cases)
+    pending = list(enumerate(cases))
+    lock = threading.Lock()
+
+    def work(hosts):
+        # Each group's cases one after another; an exception fails the run
+        # (its case has no result), not the other groups.
+        while True:
+            with lock:
+                if not pending:
+                    return
+                i, case = pending.pop(0)
             print(f"fault_matrix: case {i + 1}/{len(cases)}: {case[0]}", file=sys.stderr, flush=True)
-            results.append(run_case(hosts, binary, case, 29600 + i, args.rpc_timeout_s, logdir))
+            try:
+                results[i] = run_case(hosts, binary, case, 29600 + i, args.rpc_timeout_s, logdir)
+            except Exception as e:  # noqa: BLE001: reported below, as a failure
+                results[i] = {"case": case[0], "crashed": repr(e)}
+
+    try:
+        for hosts in groups:
+            hosts.up()
+        threads = [threading.Thread(target=work, args=(hosts,), daemon=True) for hosts in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
-        hosts.down()
-    left = hosts.leftovers()
+        for hosts in groups:
+            hosts.down()
+    left = [name for hosts in groups for name in hosts.leftovers()]
 
     print(f"\nddp_rpc {TRAINERS} trainers + {PS} PS + master on 3 hosts (network namespaces), "
           f"RPC timeout {args.rpc_timeout_s} s")
@@ -320,6 +348,9 @@ def main():
     print("-" * 120)
     failed = []
     for r in results:
+        if r is None or "crashed" in r:
+            failed.append(f"{r['case'] if r else '?'}: the harness failed: {r and r.get('crashed')}")
+            continue
         to_error = "-" if r["to_error"] is None else f"{r['to_error']:.1f}"
         print(f"{r['case']:38} {r['outcome']:10} {to_error:>10} {r['to_end']:8.1f}  {r['message']}")
         if r["case"] == "none" and r["outcome"] != "completed":
