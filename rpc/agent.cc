@@ -589,6 +589,7 @@ void RpcAgent::check_connections() {
 
 void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable) {
   std::vector<PendingCall> failed;
+  bool newly_unreachable = false;
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
@@ -596,6 +597,7 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable
       if (unreachable_[peer].empty()) {
         LOG(WARNING) << "rpc on '" << workers_[rank_].name << "': lost the connection to worker '"
                      << workers_[peer].name << "': " << why;
+        newly_unreachable = true;
       }
       unreachable_[peer] = why;
     }
@@ -606,6 +608,9 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable
         ++it;
       }
     }
+  }
+  if (newly_unreachable) {
+    for (const auto& hook : rpc_hooks()) hook->worker_unreachable(workers_[peer], why);
   }
   fail_pending(failed, ErrorCode::kUnavailable, why);
 }

@@ -93,6 +93,11 @@ class RpcHook {
                                  const c10::IValue& result, MessageExt* ext) {}
   // Caller: a response arrived from `src`.
   virtual void incoming_response(int src, const c10::IValue& result, const MessageExt& ext) {}
+  // This worker found `worker` unreachable (its connection failed: reset,
+  // refused, or silent past the keepalive timeout; not a worker that closed
+  // its connection on shutdown), with `why`. Once per worker and agent, on
+  // the thread that found it; the calls pending on it fail after this.
+  virtual void worker_unreachable(const WorkerInfo& worker, const std::string& why) {}
 };
 
 using RpcHooks = std::vector<std::shared_ptr<RpcHook>>;

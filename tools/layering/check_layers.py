@@ -22,6 +22,7 @@ LAYERS = [
     ["//rpc/rref", "//rpc/profiler"],
     ["//autograd"],
     ["//optim", "//ddp"],
+    ["//elastic"],
     ["//models"],
     ["//benchmarks", "//benchmarks/testing", "//tools", "//tools/gpu_check", "//tests",
      "//examples"],
