@@ -1,6 +1,7 @@
 #include "elastic/membership_watch.h"
 
 #include <deque>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -42,7 +43,9 @@ class MembershipWatch::State {
   // From the hook, on an RPC thread: queues, never blocks on the store.
   void lost(const std::string& worker) {
     absl::MutexLock lock(&mu_);
-    // At most one entry per worker of the job: the queue stays bounded.
+    // At most one entry per worker of the job, and none for a worker this
+    // watch removed already: the queue stays bounded.
+    if (removed_.count(worker) > 0 || worker == removing_now_) return;
     for (const std::string& w : queue_) {
       if (w == worker) return;
     }
@@ -66,17 +69,20 @@ class MembershipWatch::State {
         if (stopping_) return;
         worker = queue_.front();
         queue_.pop_front();
+        removing_now_ = worker;
       }
       absl::StatusOr<rpc::Membership> m = removing_.remove(worker);
       std::string outcome = worker;
+      absl::MutexLock lock(&mu_);
+      removing_now_.clear();
       if (m.ok()) {
+        if (removed_.size() < rpc::Membership::kMaxWorkers) removed_.insert(worker);
         LOG(WARNING) << "membership: worker '" << worker << "' is out; epoch " << m->epoch;
       } else {
         LOG(WARNING) << "membership: could not remove worker '" << worker
                      << "': " << m.status().message();
         outcome = absl::StrCat(worker, " (", m.status().message(), ")");
       }
-      absl::MutexLock lock(&mu_);
       done_.push_back(std::move(outcome));
     }
   }
@@ -90,6 +96,8 @@ class MembershipWatch::State {
   // State below is protected by mu_.
   std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> done_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> removed_ ABSL_GUARDED_BY(mu_);
+  std::string removing_now_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -129,6 +137,8 @@ absl::StatusOr<rpc::Membership> MembershipWatch::await_change(int64_t epoch,
                                                               absl::Duration timeout) {
   return state_->client().await_change(epoch, timeout);
 }
+
+void MembershipWatch::report_lost(const std::string& worker) { state_->lost(worker); }
 
 std::vector<std::string> MembershipWatch::removals() { return state_->removals(); }
 

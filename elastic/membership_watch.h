@@ -48,6 +48,10 @@ class MembershipWatch {
   absl::StatusOr<rpc::Membership> current();
   // Blocks until the membership's epoch is past `epoch`, at most `timeout`.
   absl::StatusOr<rpc::Membership> await_change(int64_t epoch, absl::Duration timeout);
+  // Queues `worker` for removal, as when this process finds it unreachable
+  // (for a worker found gone some other way: a collective that failed on
+  // it, calls that time out).
+  void report_lost(const std::string& worker);
   // Workers this watch removed or failed to remove (the error), in order.
   std::vector<std::string> removals();
 
