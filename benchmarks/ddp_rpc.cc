@@ -44,6 +44,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "benchmarks/common.h"
 #include "benchmarks/harness.h"
 #include "benchmarks/network_hosts.h"
@@ -76,6 +77,15 @@ DEFINE_bool(check_convergence, false,
             "train on a learnable target (every index of a bag has index % 8 == the bag's "
             "target) and exit with code 3 unless the mean loss of the last iteration is at "
             "least 10% below the first one's and every parameter server's table changed");
+DEFINE_bool(elastic, false,
+            "elastic trainers (docs/elastic.md): a trainer lost in the middle of the run is "
+            "dropped, the survivors re-form their DDP group in the next membership epoch and "
+            "train on; the table marks it lost and the run still ends normally (parameter "
+            "servers are not elastic yet)");
+DEFINE_string(kill, "",
+              "faults to inject, comma-separated trainerN@iterK: trainer N ends its process at "
+              "once (as a crash) when it starts iteration K (0-based, warm-up included); "
+              "needs --elastic to train on, and leaves PyTorch's reference out");
 DEFINE_bool(sparse, false,
             "sparse (COO) embedding gradients: a backward pass sends each parameter server only "
             "the rows its batch looked up, and SGD updates only those (EmbeddingBag's "
@@ -225,6 +235,27 @@ Placement placement() {
   return p;
 }
 
+// --kill, parsed; exits on what it cannot parse.
+std::vector<models::HybridTrainerOptions::Kill> kills() {
+  std::vector<models::HybridTrainerOptions::Kill> out;
+  for (absl::string_view item : absl::StrSplit(FLAGS_kill, ',', absl::SkipEmpty())) {
+    models::HybridTrainerOptions::Kill k;
+    std::vector<absl::string_view> parts = absl::StrSplit(item, '@');
+    if (parts.size() != 2 || !absl::ConsumePrefix(&parts[0], "trainer") ||
+        !absl::ConsumePrefix(&parts[1], "iter") || !absl::SimpleAtoi(parts[0], &k.trainer) ||
+        !absl::SimpleAtoi(parts[1], &k.iteration)) {
+      usage_error(absl::StrCat("--kill: '", item,
+                               "' is not trainerN@iterK (parameter servers cannot be killed yet)"));
+    }
+    if (k.trainer < 0 || k.trainer >= FLAGS_trainers || k.iteration < 0 ||
+        k.iteration >= FLAGS_warmup + FLAGS_iters) {
+      usage_error(absl::StrCat("--kill: '", item, "': no such trainer or iteration"));
+    }
+    out.push_back(k);
+  }
+  return out;
+}
+
 // The workload of the flags, as the trainer library takes it.
 models::HybridTrainerOptions trainer_options() {
   models::HybridTrainerOptions o;
@@ -246,6 +277,8 @@ models::HybridTrainerOptions trainer_options() {
   o.run_timeout = absl::Seconds(FLAGS_timeout_s);
   o.collective_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   o.fetch_tables = FLAGS_check_convergence;
+  o.elastic = FLAGS_elastic;
+  o.kills = kills();
   const ddprpc::ddp::ProcessGroupOptions group = bench::group_options();
   o.same_host_allreduce = group.same_host_allreduce;
   o.max_spin = group.max_spin;
@@ -326,12 +359,14 @@ struct RunFigures {
   std::vector<models::TrainerResult> trainers;  // by rank
   double wall_s = 0;
   std::vector<TableChange> tables;  // with --check_convergence
+  int64_t epoch = 1;                // --elastic: the membership's at the end
 };
 
 RunFigures figures_of(const models::HybridRunResult& result) {
   RunFigures f;
   f.trainers = result.trainers;
   f.wall_s = result.wall_s;
+  f.epoch = result.epoch;
   for (size_t i = 0; i < result.tables_before.size() && i < result.tables_after.size(); ++i) {
     const at::Tensor& before = result.tables_before[i];
     const at::Tensor& after = result.tables_after[i];
@@ -382,9 +417,15 @@ bench::JsonValue to_result(const RunFigures& f) {
   bench::JsonValue out;
   auto& fields = *out.mutable_struct_value()->mutable_fields();
   fields["wall_s"] = number_json(f.wall_s);
+  fields["epoch"] = number_json(static_cast<double>(f.epoch));
   auto* trainers = fields["trainers"].mutable_list_value();
   for (const auto& t : f.trainers) {
     auto& tf = *trainers->add_values()->mutable_struct_value()->mutable_fields();
+    tf["lost"].set_bool_value(t.lost);
+    tf["lost_reason"].set_string_value(t.lost_reason);
+    tf["dropped_batches"] = number_json(t.dropped_batches);
+    tf["recovery_s"] = list_json(t.recovery_s);
+    tf["epoch"] = number_json(static_cast<double>(t.epoch));
     tf["seconds"] = list_json(t.seconds);
     tf["examples"] = list_json(t.examples);
     tf["losses"] = list_json(t.losses);
@@ -404,13 +445,25 @@ bool from_result(const bench::JsonValue& v, RunFigures* f) {
   const bench::JsonValue* trainers = bench::json_at(v, {"trainers"});
   if (trainers == nullptr || !trainers->has_list_value()) return false;
   f->wall_s = bench::json_number(v, {"wall_s"}, 0);
+  f->epoch = static_cast<int64_t>(bench::json_number(v, {"epoch"}, 1));
   for (const auto& t : trainers->list_value().values()) {
     models::TrainerResult r;
+    if (const bench::JsonValue* lost = bench::json_at(t, {"lost"})) r.lost = lost->bool_value();
+    if (const bench::JsonValue* why = bench::json_at(t, {"lost_reason"})) {
+      r.lost_reason = why->string_value();
+    }
+    r.dropped_batches = static_cast<int>(bench::json_number(t, {"dropped_batches"}, 0));
+    r.epoch = static_cast<int64_t>(bench::json_number(t, {"epoch"}, 1));
+    r.recovery_s = json_list<double>(t, "recovery_s");
     r.seconds = json_list<double>(t, "seconds");
     r.examples = json_list<int64_t>(t, "examples");
     r.losses = json_list<double>(t, "losses");
     const std::vector<double> ms = json_list<double>(t, "ms_per_batch");
-    if (ms.size() != 4) return false;
+    if (ms.size() != 4 && !r.lost) return false;
+    if (r.lost) {
+      f->trainers.push_back(std::move(r));
+      continue;
+    }
     r.forward_ms = ms[0];
     r.backward_ms = ms[1];
     r.step_ms = ms[2];
@@ -434,9 +487,12 @@ bool from_result(const bench::JsonValue& v, RunFigures* f) {
 // and every parameter server's table must have changed.
 bool report_convergence(const RunFigures& f, std::ostream& out, bench::Json& json) {
   std::vector<double> loss(FLAGS_iters + FLAGS_warmup, 0.0);
+  size_t survivors = 0;
+  for (const auto& trainer : f.trainers) survivors += trainer.lost ? 0 : 1;
   for (const auto& trainer : f.trainers) {
+    if (trainer.lost) continue;
     for (size_t i = 0; i < loss.size() && i < trainer.losses.size(); ++i) {
-      loss[i] += trainer.losses[i] / f.trainers.size();
+      loss[i] += trainer.losses[i] / static_cast<double>(survivors);
     }
   }
   const double first = loss.front(), last = loss.back();
@@ -481,10 +537,25 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
   json.begin_object();
   std::vector<double> all_sec(FLAGS_iters, 0.0), all_ex(FLAGS_iters, 0.0);
   std::vector<double> phases(4, 0.0);
+  int survivors = 0, dropped = 0;
+  std::vector<double> recovery;  // per loss: the slowest survivor's seconds
+  std::vector<std::string> lost;
+  for (const auto& t : f.trainers) survivors += t.lost ? 0 : 1;
   for (int r = 0; r < trainers; ++r) {
     const models::TrainerResult& t = f.trainers[r];
+    if (t.lost) {
+      out << absl::StrFormat(" Trainer%d:  lost: %s\n", r, t.lost_reason.substr(0, 160));
+      json.key(absl::StrCat("trainer", r)).begin_object().key("lost").value(t.lost_reason).end_object();
+      lost.push_back(absl::StrCat("trainer", r));
+      continue;
+    }
+    dropped = std::max(dropped, t.dropped_batches);
+    for (size_t i = 0; i < t.recovery_s.size(); ++i) {
+      if (recovery.size() <= i) recovery.resize(i + 1, 0.0);
+      recovery[i] = std::max(recovery[i], t.recovery_s[i]);
+    }
     const double phase_ms[] = {t.forward_ms, t.backward_ms, t.step_ms, t.release_ms};
-    for (int i = 0; i < 4; ++i) phases[i] += phase_ms[i] / trainers;
+    for (int i = 0; i < 4; ++i) phases[i] += phase_ms[i] / survivors;
     const std::vector<double>& sec = t.seconds;
     std::vector<double> exd(t.examples.begin(), t.examples.end());
     Percentiles p = percentiles(sec, exd);
@@ -497,7 +568,29 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
     }
   }
   Percentiles all = percentiles(all_sec, all_ex);
-  out << pct_line("All", all) << "\n";
+  out << pct_line(survivors < trainers ? absl::StrCat("All (", survivors, " of ", trainers, ")")
+                                       : std::string("All"),
+                  all)
+      << "\n";
+  if (FLAGS_elastic) {
+    out << absl::StrFormat(
+        "Elastic: membership epoch %d at the end; trainers lost: %s; batches dropped on each "
+        "survivor: %d (of %d per trainer); from the start of a dropped batch to the next "
+        "completed one: %s s; parameter-server updates lost: 0 (no parameter server was lost)\n",
+        f.epoch, lost.empty() ? "none" : absl::StrJoin(lost, ", "), dropped,
+        (FLAGS_warmup + FLAGS_iters) * FLAGS_batches_per_iter,
+        recovery.empty() ? std::string("-")
+                         : absl::StrJoin(recovery, ", ", [](std::string* o, double s) {
+                             absl::StrAppend(o, absl::StrFormat("%.3f", s));
+                           }));
+    json.key("elastic").begin_object().key("epoch").value(static_cast<double>(f.epoch));
+    json.key("trainers_lost").begin_array();
+    for (const std::string& name : lost) json.value(name);
+    json.end_array().key("batches_dropped").value(dropped);
+    json.key("recovery_s").begin_array();
+    for (double s : recovery) json.value(s);
+    json.end_array().end_object();
+  }
   json.key("all");
   json_percentiles(json, all, all_sec, all_ex);
   json.key("wall_s").value(f.wall_s);
@@ -885,7 +978,8 @@ int coordinator(int argc, char** argv) {
                                             : ""));
   const std::string script =
       bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/ddp_rpc.py");
-  const bool pytorch = FLAGS_pytorch && !FLAGS_check_convergence && !script.empty();
+  const bool pytorch =
+      FLAGS_pytorch && !FLAGS_check_convergence && FLAGS_kill.empty() && !script.empty();
   bench::RoundsPlan plan;
   plan.name = "ddp_rpc";
   plan.rounds = FLAGS_pairs;
@@ -906,6 +1000,8 @@ int coordinator(int argc, char** argv) {
   if (rc != 0) return rc;
   if (FLAGS_check_convergence) {
     std::printf("PyTorch reference not run (--check_convergence)\n");
+  } else if (!FLAGS_kill.empty()) {
+    std::printf("PyTorch reference not run (--kill: PyTorch's RPC has no elastic training)\n");
   } else if (!pytorch) {
     std::printf("PyTorch reference not run (--pytorch=false or no reference script found)\n");
   }
@@ -935,6 +1031,8 @@ void check_flags() {
   if (FLAGS_dense_kernel.empty()) FLAGS_dense_kernel = models::default_dense_kernels();
   dense_kernels();  // exits on a name it does not know
   if (FLAGS_pairs < 1) usage_error("--pairs must be at least 1");
+  kills();  // exits on what it cannot parse
+  if (FLAGS_elastic && FLAGS_backend != "gloo") usage_error("--elastic needs --backend=gloo");
   if (FLAGS_hosts < 0 || FLAGS_hosts > 9) usage_error("--hosts is 0..9");
   if (FLAGS_pytorch_iters == 0 || FLAGS_pytorch_iters < -1 || FLAGS_pytorch_warmup < -1) {
     usage_error("--pytorch_iters must be at least 1 (or -1), --pytorch_warmup at least 0 (or -1)");

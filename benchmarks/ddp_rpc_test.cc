@@ -292,6 +292,43 @@ TEST(DdpRpcBenchmarkTest, CheckConvergenceFailsWhenNothingIsLearned) {
   EXPECT_NE(c.err().find("convergence check failed"), std::string::npos) << tail(c.err());
 }
 
+// --elastic --kill: trainer1 of three ends itself at iteration 3; the run
+// completes with the survivors, marks trainer1 lost, reports epoch 2 and
+// the dropped batch, and still converges.
+TEST(DdpRpcBenchmarkTest, ElasticRunTrainsOnWithoutAKilledTrainer) {
+  const std::string json = test_tmp("elastic.json");
+  Child c(binary(kBinary),
+          {"--trainers=3", "--ps=2", "--pytorch=false", "--dense_kernel=xnnpack", "--iters=10",
+           "--warmup=0", "--elastic", "--kill=trainer1@iter3", "--check_convergence",
+           "--rpc_timeout_s=20", "--json=" + json},
+          "elastic");
+  ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.out()) << tail(c.err());
+  const std::string out = c.out();
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(Trainer1:  lost: .*trainer1)"))) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(All \(2 of 3\):  p50:)"))) << out;
+  EXPECT_TRUE(std::regex_search(
+      out, std::regex(R"(Elastic: membership epoch 2 at the end; trainers lost: trainer1; )"
+                      R"(batches dropped on each survivor: 1 )")))
+      << out;
+  EXPECT_NE(out.find("Convergence check: passed"), std::string::npos) << out;
+  JsonValue report;
+  std::string error;
+  ASSERT_TRUE(parse_json(read_file(json), &report, &error)) << error;
+  EXPECT_EQ(json_number(report, {"ddprpc", "elastic", "epoch"}), 2);
+  EXPECT_EQ(json_number(report, {"ddprpc", "elastic", "batches_dropped"}), 1);
+  EXPECT_TRUE(run_processes("elastic").empty()) << "orphaned benchmark processes";
+}
+
+// Faults it cannot inject are refused before anything starts.
+TEST(DdpRpcBenchmarkTest, KillsItCannotInjectAreRefused) {
+  for (const char* kill : {"--kill=ps0@iter3", "--kill=trainer9@iter3", "--kill=trainer1@3",
+                           "--kill=trainer1@iter1000"}) {
+    Child c(binary(kBinary), with(kSmall, {"--elastic", kill}), "badkill");
+    EXPECT_EQ(c.wait_for(absl::Minutes(1)), 2) << kill << "\n" << tail(c.err());
+    EXPECT_NE(c.err().find("--kill"), std::string::npos) << kill << "\n" << tail(c.err());
+  }
+}
+
 TEST(DdpRpcBenchmarkTest, KilledParameterServerFailsTheRunCleanly) {
   // Every progress update reaches stderr (as on a terminal), not 20 lines.
   ::setenv("DDPRPC_PROGRESS_TTY", "1", 1);

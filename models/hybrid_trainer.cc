@@ -6,9 +6,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/tensor.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -20,6 +24,8 @@
 #include "autograd/dist_autograd.h"
 #include "ddp/distributed_data_parallel.h"
 #include "ddp/process_group.h"
+#include "elastic/elastic_group.h"
+#include "elastic/membership_watch.h"
 #include "models/hybrid_model.h"
 #include "optim/distributed_optimizer.h"
 #include "rpc/rendezvous/store.h"
@@ -34,9 +40,32 @@ constexpr char kSeedFunction[] = "ddprpc.models.hybrid_trainer.seed";
 
 // What a trainer sends back: seconds, examples, mean ms per phase (forward,
 // backward, step, release), losses, flattened dense parameters (empty when
-// not asked for).
+// not asked for), batches dropped, the membership epoch it ended in.
 using TrainerReply = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>,
-                                std::vector<double>, at::Tensor>;
+                                std::vector<double>, at::Tensor, int64_t, int64_t,
+                                std::vector<double>>;
+
+// The store key of run `run`'s membership (elastic runs).
+std::string membership_key(int64_t run) { return absl::StrCat("hybrid/", run, "/membership"); }
+
+std::vector<std::string> world_names(const HybridWorld& world) {
+  std::vector<std::string> names;
+  for (int r = 0; r < world.size(); ++r) names.push_back(world.name(r));
+  return names;
+}
+
+// Run `run`'s membership watch in this process (elastic runs); throws when
+// the membership cannot be started.
+std::shared_ptr<elastic::MembershipWatch> watch_membership(std::shared_ptr<rpc::Store> store,
+                                                           const HybridTrainerOptions& o,
+                                                           int64_t run) {
+  rpc::MembershipClient::Options options;
+  options.key = membership_key(run);
+  absl::StatusOr<std::shared_ptr<elastic::MembershipWatch>> watch =
+      elastic::MembershipWatch::start(std::move(store), world_names(HybridWorld(o)), options);
+  if (!watch.ok()) throw std::runtime_error(std::string(watch.status().message()));
+  return *watch;
+}
 
 // The options and callback of this process's HybridTrainerService.
 struct Served {
@@ -97,11 +126,29 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   group_options.max_spin = o.max_spin;
   auto make_group = o.backend == CollectiveBackend::kNccl ? ddp::make_nccl_group
                                                           : ddp::make_gloo_group;
-  auto group = make_group(store, absl::StrCat("ddp/trainers/", run, "/"), static_cast<int>(rank),
-                          o.trainers, group_options);
+  std::shared_ptr<elastic::MembershipWatch> watch;
+  std::unique_ptr<elastic::ElasticGroup> elastic_group;
+  std::shared_ptr<ddp::ProcessGroup> group;
+  if (o.elastic) {
+    watch = watch_membership(store, o, run);
+    elastic::ElasticGroup::Options eo;
+    eo.role = "trainer";
+    eo.prefix = absl::StrCat("ddp/trainers/", run, "/elastic/");
+    eo.group = group_options;
+    eo.change_timeout = o.collective_timeout;
+    elastic_group = std::make_unique<elastic::ElasticGroup>(
+        store, watch, HybridWorld(o).name(static_cast<int>(rank)), eo);
+    group = elastic_group->group();
+  } else {
+    group = make_group(store, absl::StrCat("ddp/trainers/", run, "/"), static_cast<int>(rank),
+                       o.trainers, group_options);
+  }
   ddp::DdpOptions ddp_options;
   ddp_options.timeout = o.collective_timeout;
-  ddp::DistributedDataParallel ddp(model.dense().ptr(), group, ddp_options);
+  auto ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), group, ddp_options);
+  int64_t dropped = 0;
+  std::vector<double> recovery_s;
+  std::optional<absl::Time> failed_at;  // start of the batch dropped last
   optim::DistributedOptimizer optimizer("sgd", {{"lr", o.lr}}, model.parameter_rrefs());
 
   std::vector<double> seconds, losses;
@@ -114,24 +161,56 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   progress.total = total;
   if (service->on_progress) service->on_progress(progress);
   for (int it = 0; it < total; ++it) {
+    for (const HybridTrainerOptions::Kill& kill : o.kills) {
+      if (kill.trainer == rank && kill.iteration == it) {
+        std::fprintf(stderr, "trainer%d: killed at iteration %d (injected fault)\n",
+                     static_cast<int>(rank), it);
+        std::fflush(stdout);
+        std::fflush(stderr);
+        ::_exit(0);
+      }
+    }
     const bool measured = it >= o.warmup;
     const absl::Time start = absl::Now();
-    int64_t n = 0;
+    int64_t n = 0, batches = 0;
     double loss_sum = 0;
     for (const HybridBatch& b : make_batches(o, rng)) {
-      n += b.targets.size(0);
       absl::Time t[5];
-      {
+      double loss_value = 0;
+      try {
         t[0] = absl::Now();
         dist_autograd::Context context;
         at::Tensor loss = at::cross_entropy_loss(model.forward(b.indices, b.offsets), b.targets);
-        loss_sum += loss.item<double>();
+        loss_value = loss.item<double>();
         t[1] = absl::Now();
         dist_autograd::backward(context.id(), {loss});
         t[2] = absl::Now();
         optimizer.step(context.id());
         t[3] = absl::Now();
+      } catch (const std::exception& e) {
+        if (!o.elastic) throw;
+        // A trainer lost in this batch (or another failure: then recover()
+        // says so): the batch is dropped here as on every survivor, which
+        // go on in the next epoch's group from rank 0's dense stack.
+        absl::StatusOr<int64_t> epoch = elastic_group->recover({});
+        if (!epoch.ok()) {
+          throw std::runtime_error(absl::StrCat(e.what(), "; the trainers could not go on without ",
+                                                "the lost one: ", epoch.status().message()));
+        }
+        ddp.reset();
+        ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(),
+                                                             elastic_group->group(), ddp_options);
+        ++dropped;
+        if (!failed_at) failed_at = t[0];
+        continue;
       }
+      if (failed_at) {
+        recovery_s.push_back(absl::ToDoubleSeconds(absl::Now() - *failed_at));
+        failed_at.reset();
+      }
+      n += b.targets.size(0);
+      loss_sum += loss_value;
+      ++batches;
       t[4] = absl::Now();
       if (measured) {
         for (int i = 0; i < 4; ++i) phase_ms[i] += absl::ToDoubleMilliseconds(t[i + 1] - t[i]);
@@ -143,7 +222,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
       seconds.push_back(took);
       examples.push_back(n);
     }
-    losses.push_back(loss_sum / o.batches_per_iter);
+    losses.push_back(loss_sum / static_cast<double>(std::max<int64_t>(1, batches)));
     if (service->on_progress) {
       progress.iteration = it + 1;
       progress.measured = measured;
@@ -160,7 +239,8 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
     for (const auto& p : model.dense()->parameters()) flat.push_back(p.detach().reshape({-1}));
     dense = at::cat(flat).clone();
   }
-  return {seconds, examples, phase_ms, losses, dense};
+  return {seconds, examples, phase_ms, losses, dense, dropped,
+          elastic_group ? elastic_group->epoch() : int64_t{1}, recovery_s};
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_train, kTrainFunction, &train);
 
@@ -186,13 +266,15 @@ std::string describe(const std::vector<HybridTrainingError::Failure>& failures) 
 }  // namespace
 
 std::string HybridTrainerOptions::workload() const {
+  std::string faults;
+  for (const Kill& k : kills) absl::StrAppend(&faults, " kill=trainer", k.trainer, "@", k.iteration);
   return absl::StrFormat(
       "trainers=%d ps=%d num_embeddings=%d embedding_dim=%d iters=%d warmup=%d "
       "batches_per_iter=%d lr=%g seed=%d learnable_target=%d backend=%s lookups=%s "
-      "dense_kernel=%s sparse=%d",
+      "dense_kernel=%s sparse=%d elastic=%d%s",
       trainers, ps, num_embeddings, embedding_dim, iters, warmup, batches_per_iter, lr, seed,
       learnable_target, backend_name(backend), sequential_lookups ? "sequential" : "concurrent",
-      dense_kernel_name(dense_kernel), sparse);
+      dense_kernel_name(dense_kernel), sparse, elastic, faults);
 }
 
 std::string HybridTrainerOptions::invalid() const {
@@ -204,6 +286,15 @@ std::string HybridTrainerOptions::invalid() const {
   }
   if (learnable_target && num_embeddings < kHybridClasses) {
     return "a learnable target needs num_embeddings of at least 8 (a row per class)";
+  }
+  for (const Kill& k : kills) {
+    if (k.trainer < 0 || k.trainer >= trainers || k.iteration < 0 || k.iteration >= warmup + iters) {
+      return absl::StrFormat("kill of trainer%d at iteration %d: no such trainer or iteration",
+                             k.trainer, k.iteration);
+    }
+  }
+  if (elastic && backend == CollectiveBackend::kNccl) {
+    return "elastic runs need the gloo backend";
   }
   return "";
 }
@@ -271,6 +362,13 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   static std::atomic<int64_t> runs{0};  // each run's process group has its own keys
   const int64_t run = runs.fetch_add(1);
   const HybridWorld world(options);
+  std::shared_ptr<elastic::MembershipWatch> watch;
+  if (options.elastic) {
+    auto agent = rpc::current_agent();
+    const auto [store_host, store_port] = split_host_port(agent->store().address());
+    watch = watch_membership(std::make_shared<rpc::Store>(store_host, store_port, options.run_timeout),
+                             options, run);
+  }
   {
     std::vector<rpc::Future<void>> seeded;
     for (int i = 0; i < world.ps(); ++i) {
@@ -295,13 +393,38 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
         run, options.workload(), options.return_dense_parameters));
   }
   rpc::collect_all(runs_on).wait();
+  // Elastic runs: which failed trainers the membership lost (the survivors
+  // removed them before they went on; a failure that is not yet in it gets
+  // one more epoch's time).
+  rpc::Membership membership;
+  if (watch != nullptr) {
+    absl::StatusOr<rpc::Membership> m = watch->current();
+    for (int r = 0; m.ok() && r < world.trainers(); ++r) {
+      if (runs_on[r].has_error() && m->is_member(world.name(r))) {
+        absl::StatusOr<rpc::Membership> next = watch->await_change(m->epoch, absl::Seconds(10));
+        if (next.ok()) m = next;
+        break;
+      }
+    }
+    if (m.ok()) membership = *m;
+    result.epoch = membership.epoch;
+  }
   std::vector<HybridTrainingError::Failure> failures;
   for (int r = 0; r < world.trainers(); ++r) {
     if (runs_on[r].has_error()) {
+      if (watch != nullptr && membership.epoch > 0 && !membership.is_member(world.name(r))) {
+        TrainerResult lost;
+        lost.lost = true;
+        lost.lost_reason = runs_on[r].error_message();
+        result.lost_trainers.push_back(r);
+        result.trainers.push_back(std::move(lost));
+        continue;
+      }
       failures.push_back({r, runs_on[r].error_message()});
       continue;
     }
-    auto [seconds, examples, phase_ms, losses, dense] = runs_on[r].value();
+    auto [seconds, examples, phase_ms, losses, dense, dropped, epoch, recovery] =
+        runs_on[r].value();
     TrainerResult t;
     t.seconds = std::move(seconds);
     t.examples = std::move(examples);
@@ -311,7 +434,13 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
     t.step_ms = phase_ms.at(2);
     t.release_ms = phase_ms.at(3);
     if (options.return_dense_parameters) t.dense_parameters = dense;
+    t.dropped_batches = static_cast<int>(dropped);
+    t.epoch = epoch;
+    t.recovery_s = std::move(recovery);
     result.trainers.push_back(std::move(t));
+  }
+  if (failures.empty() && result.lost_trainers.size() == static_cast<size_t>(world.trainers())) {
+    failures.push_back({0, "every trainer was lost"});
   }
   if (!failures.empty()) throw HybridTrainingError(std::move(failures));
   result.wall_s = absl::ToDoubleSeconds(absl::Now() - start);

@@ -72,6 +72,23 @@ struct HybridTrainerOptions {
   // allreduce, and how long its barriers spin before they sleep.
   bool same_host_allreduce = true;
   absl::Duration max_spin = absl::ZeroDuration();
+  // Elastic trainers (docs/elastic.md): the run keeps a membership of the
+  // world in the store, and the trainers average over an
+  // elastic::ElasticGroup of its trainers. A trainer lost in the middle of
+  // the run is dropped: the batch in flight is dropped on every survivor,
+  // the survivors form the next epoch's group (DDP broadcasting rank 0's
+  // dense stack) and train on, and the master reports the lost trainer
+  // instead of failing. Parameter servers are not elastic yet: losing one
+  // still fails the run.
+  bool elastic = false;
+  // Injected faults: trainer `trainer` ends its process at once (status 0,
+  // no cleanup, as a crash would end it) when it starts iteration
+  // `iteration` (0-based, warm-up included).
+  struct Kill {
+    int trainer = 0;
+    int iteration = 0;
+  };
+  std::vector<Kill> kills;
   // Master only: fetch every table's weight before and after training.
   bool fetch_tables = false;
   // Master only: have each trainer return its dense parameters.
@@ -152,6 +169,16 @@ struct TrainerResult {
   double forward_ms = 0, backward_ms = 0, step_ms = 0, release_ms = 0;
   // Flattened, after training (return_dense_parameters); else undefined.
   at::Tensor dense_parameters;
+  // Elastic runs: the trainer was lost (its timings are empty), and why.
+  bool lost = false;
+  std::string lost_reason;
+  // Elastic runs: batches dropped because a trainer was lost in them, and
+  // the membership epoch the trainer ended in.
+  int dropped_batches = 0;
+  int64_t epoch = 1;
+  // Elastic runs: seconds from the start of each dropped batch (about when
+  // the trainer was lost) to the end of the next batch completed.
+  std::vector<double> recovery_s;
 };
 
 struct HybridRunResult {
@@ -160,6 +187,10 @@ struct HybridRunResult {
   double wall_s = 0;
   // Each table's weight (fetch_tables); else empty.
   std::vector<at::Tensor> tables_before, tables_after;
+  // Elastic runs: the membership's epoch at the end (1: nobody was lost)
+  // and the trainers lost, by rank.
+  int64_t epoch = 1;
+  std::vector<int> lost_trainers;
 };
 
 // Training failed on some trainers.
@@ -179,8 +210,9 @@ class HybridTrainingError : public std::runtime_error {
 };
 
 // Master: one run (see above). Throws std::invalid_argument for options
-// that cannot run, HybridTrainingError when a trainer fails, and rpc errors
-// when a parameter server cannot be reached.
+// that cannot run, HybridTrainingError when a trainer fails (in an elastic
+// run: when a trainer that is still a member fails, or none is left), and
+// rpc errors when a parameter server cannot be reached.
 HybridRunResult run_hybrid_training(const HybridTrainerOptions& options);
 
 }  // namespace ddprpc::models

@@ -59,6 +59,11 @@ TEST(HybridTrainerOptionsTest, InvalidOptionsAreNamed) {
   o.learnable_target = true;
   o.num_embeddings = 7;
   EXPECT_NE(o.invalid(), "");
+  o = HybridTrainerOptions();
+  o.kills = {{o.trainers, 0}};
+  EXPECT_NE(o.invalid(), "");
+  o.kills = {{0, o.warmup + o.iters}};
+  EXPECT_NE(o.invalid(), "");
   EXPECT_THROW(models::run_hybrid_training(o), std::invalid_argument);
 }
 
@@ -76,6 +81,8 @@ TEST(HybridTrainerOptionsTest, WorkloadNamesEveryFieldATrainerUses) {
   EXPECT_TRUE(differs([](auto& o) { o.sequential_lookups = true; }));
   EXPECT_TRUE(differs([](auto& o) { o.dense_kernel = models::DenseKernel::kAten; }));
   EXPECT_TRUE(differs([](auto& o) { o.learnable_target = true; }));
+  EXPECT_TRUE(differs([](auto& o) { o.elastic = true; }));
+  EXPECT_TRUE(differs([](auto& o) { o.kills = {{0, 1}}; }));
   // The master's own choices do not concern trainers.
   EXPECT_FALSE(differs([](auto& o) { o.fetch_tables = true; }));
 }
@@ -215,6 +222,46 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, TwoTrainersUnderDdp, 4, absl::
       }
     }
   }
+}
+
+// Elastic: trainer1 of three dies as it starts its third iteration. The
+// survivors drop the batch they were in, go on as a group of two in epoch 2
+// with identical dense stacks, and still learn; the master reports trainer1
+// lost instead of failing.
+MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticTrainersGoOnWithoutALostOne, 5,
+                               absl::Seconds(300)) {
+  HybridTrainerOptions options = small(3, 1);
+  options.learnable_target = true;
+  options.iters = 6;
+  options.warmup = 0;
+  options.lr = 0.1;
+  options.elastic = true;
+  options.kills = {{1, 2}};
+  options.collective_timeout = absl::Seconds(20);
+  play(options, [&options] {
+    HybridTrainerOptions o = options;
+    o.return_dense_parameters = true;
+    const absl::Time start = absl::Now();
+    const models::HybridRunResult r = models::run_hybrid_training(o);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(60));
+    ASSERT_EQ(r.trainers.size(), 3u);
+    EXPECT_EQ(r.epoch, 2);
+    EXPECT_EQ(r.lost_trainers, std::vector<int>{1});
+    EXPECT_TRUE(r.trainers[1].lost);
+    EXPECT_NE(r.trainers[1].lost_reason.find("trainer1"), std::string::npos)
+        << r.trainers[1].lost_reason;
+    EXPECT_TRUE(r.trainers[1].seconds.empty());
+    for (int t : {0, 2}) {
+      const auto& s = r.trainers[t];
+      EXPECT_FALSE(s.lost);
+      EXPECT_EQ(s.epoch, 2);
+      EXPECT_EQ(s.dropped_batches, 1) << "trainer" << t;
+      ASSERT_EQ(s.losses.size(), 6u);
+      EXPECT_LT(s.losses.back(), s.losses.front()) << "trainer" << t << " did not learn";
+    }
+    EXPECT_TRUE(at::equal(r.trainers[0].dense_parameters, r.trainers[2].dense_parameters))
+        << "the survivors' dense stacks differ";
+  });
 }
 
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, LearnsALearnableTargetAndRefusesOtherOptions, 4,
