@@ -68,8 +68,12 @@ absl::StatusOr<int64_t> ElasticGroup::recover(std::vector<at::Tensor> state) {
   std::shared_ptr<rpc::RpcAgent> agent = rpc::current_agent();
   if (agent == nullptr) return absl::FailedPreconditionError("recover() needs RPC (init_rpc)");
   std::vector<std::pair<std::string, rpc::Future<c10::IValue>>> pings;
+  // No pings when the membership moved on already (another worker found
+  // the lost one while this one waited on its collective).
+  absl::StatusOr<rpc::Membership> now = watch_->current();
+  const bool moved_on = now.ok() && now->epoch > from;
   for (const std::string& w : members_) {
-    if (w == self_) continue;
+    if (w == self_ || moved_on) continue;
     for (const rpc::WorkerInfo& info : agent->workers()) {
       if (info.name == w) {
         pings.emplace_back(w, agent->call(info.id, kPing, {}, options_.ping_timeout, "ping"));

@@ -392,7 +392,26 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
         rpc::CallOptions{options.run_timeout}, world.name(r), kTrainFunction, tables, int64_t{r},
         run, options.workload(), options.return_dense_parameters));
   }
-  rpc::collect_all(runs_on).wait();
+  // Elastic runs: a trainer removed from the membership while its call is
+  // still running (stopped, cut off: its call would only end at its
+  // deadline) is not waited for.
+  std::vector<bool> abandoned(world.trainers(), false);
+  if (watch == nullptr) {
+    rpc::collect_all(runs_on).wait();
+  } else {
+    for (;;) {
+      int waiting = -1;
+      for (int r = 0; r < world.trainers(); ++r) {
+        if (!runs_on[r].completed() && !abandoned[r]) waiting = r;
+      }
+      if (waiting < 0) break;
+      if (runs_on[waiting].wait_for(absl::Milliseconds(200))) continue;
+      absl::StatusOr<rpc::Membership> m = watch->current();
+      for (int r = 0; m.ok() && m->epoch > 0 && r < world.trainers(); ++r) {
+        if (!runs_on[r].completed() && !m->is_member(world.name(r))) abandoned[r] = true;
+      }
+    }
+  }
   // Elastic runs: which failed trainers the membership lost (the survivors
   // removed them before they went on; a failure that is not yet in it gets
   // one more epoch's time).
@@ -411,6 +430,16 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   }
   std::vector<HybridTrainingError::Failure> failures;
   for (int r = 0; r < world.trainers(); ++r) {
+    if (abandoned[r] && !runs_on[r].completed()) {
+      TrainerResult lost;
+      lost.lost = true;
+      lost.lost_reason = absl::StrCat("trainer", r,
+                                      " was removed from the membership while its run was going on "
+                                      "(found unreachable by the other workers)");
+      result.lost_trainers.push_back(r);
+      result.trainers.push_back(std::move(lost));
+      continue;
+    }
     if (runs_on[r].has_error()) {
       if (watch != nullptr && membership.epoch > 0 && !membership.is_member(world.name(r))) {
         TrainerResult lost;

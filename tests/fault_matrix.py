@@ -6,7 +6,9 @@ README's multi-host recipe says (RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT, --listen_address), once without a fault and once per fault:
 kill -9 and kill -STOP of a trainer, a parameter server, the master and
 rank 0 (which hosts the store); one host's link down for 3 s, then up; one
-host's link down for good. Each case must either complete (the master
+host's link down for good; and, with --elastic, kill -9 and kill -STOP of a
+trainer, which must complete with the other trainer and report the lost
+one. Each case must either complete (the master
 prints the table) or end with an error naming a worker and a call, within
 the RPC timeout + 10 s of the fault, and every process that can end must
 have ended 20 s after that. A job that recovers trains on: as long as no
@@ -62,7 +64,12 @@ CASES = [
     ("kill -STOP rank 0 (trainer0, store)", "STOP", 0),
     ("link of host 2 down 3 s, then up", "FLAP", 2),
     ("link of host 2 down for good", "CUT", 2),
+    # With --elastic the job must train on without the lost trainer.
+    ("elastic: kill -9 trainer1", "KILL", 1, "elastic"),
+    ("elastic: kill -STOP trainer1", "STOP", 1, "elastic"),
 ]
+# The master's "All" row (with --elastic after a loss: "All (1 of 2):").
+ALL_ROW = re.compile(r"^ *All( \(\d+ of \d+\))?:", re.M)
 
 
 def sh(*args, check=True):
@@ -121,7 +128,8 @@ class Hosts:
 
 
 def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
-    name, fault, target = case
+    name, fault, target = case[:3]
+    elastic = len(case) > 3 and case[3] == "elastic"
     bound = rpc_timeout_s + 10
     procs, logs = {}, {}
     token = os.urandom(32).hex()  # the job's secret, as the README says
@@ -136,7 +144,7 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
             ["ip", "netns", "exec", hosts.ns[host], binary, f"--trainers={TRAINERS}", f"--ps={PS}",
              f"--iters={ITERS}", "--warmup=2", "--pytorch=false", f"--listen_address={hosts.addr(host)}",
              f"--rpc_timeout_s={rpc_timeout_s}", "--timeout_s=120", f"--bulk_min_bytes={BULK_MIN_BYTES}",
-             f"--json={os.path.join(logdir, f'{port}.json')}"],
+             f"--json={os.path.join(logdir, f'{port}.json')}"] + (["--elastic"] if elastic else []),
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def text(rank):
@@ -206,7 +214,7 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         hosts.link(target, True)
 
     master = text(4)
-    completed = procs[4].returncode == 0 and "All:" in master
+    completed = procs[4].returncode == 0 and ALL_ROW.search(master) is not None
     message = "" if completed else first_error(text, stopped, kind)
     for log in logs.values():
         log.close()
@@ -221,6 +229,8 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         "after_fault_s": t_end - t_fault,  # for "none": after iteration 20
         "message": message[:300],
         "bound": bound,
+        "elastic": elastic,
+        "lost_reported": f"trainers lost: {ROLE[target]}" in master if elastic else False,
     }
 
 
@@ -239,7 +249,7 @@ class Progress:
         now = time.time()
         found = re.findall(r"iteration (\d+)/", self.text(0))
         iteration = int(found[-1]) if found else -1
-        table = "All:" in self.text(4)
+        table = ALL_ROW.search(self.text(4)) is not None
         if iteration > self.iteration or (table and not self.table):
             if self.iteration >= 0 or self.table:  # not the first look
                 self.at = now
@@ -355,6 +365,9 @@ def main():
         print(f"{r['case']:38} {r['outcome']:10} {to_error:>10} {r['to_end']:8.1f}  {r['message']}")
         if r["case"] == "none" and r["outcome"] != "completed":
             failed.append(f"{r['case']}: the job without a fault did not complete")
+        if r["elastic"] and (r["outcome"] != "completed" or not r["lost_reported"]):
+            failed.append(f"{r['case']}: the elastic job did not complete without the lost trainer "
+                          f"(outcome {r['outcome']}, lost trainer reported: {r['lost_reported']})")
         if r["outcome"] == "error" and not r["message"]:
             failed.append(f"{r['case']}: ended without an error naming a worker")
         if r["to_error"] is not None and r["to_error"] > r["bound"]:
