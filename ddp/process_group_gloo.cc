@@ -66,6 +66,15 @@ class GlooStore : public gloo::rendezvous::Store {
 // group sizes only); larger ones use the ring.
 constexpr int64_t kBcubeMaxBytes = 1 << 20;
 
+// The ring's largest message (Gloo keeps two in flight, in a buffer of
+// their size). Gloo's default of 1 MiB announces and acknowledges a message
+// per megabyte; between 4 network namespaces (//benchmarks:allreduce
+// --hosts=4, alternating runs) 4 MiB segments took 8.2-9.3 ms at 4 MiB
+// against 9.9-10.2 ms, 26-28 ms at 16 MiB against 30-32 ms and 103-116 ms
+// at 64 MiB against 131-132 ms; 256 KiB ones were slower still, and 16 MiB
+// ones no faster than 4 MiB.
+constexpr size_t kRingSegmentBytes = 4 << 20;
+
 // bool tensors reduce as bytes of 0 or 1: a sum is their maximum (a
 // logical or, as in PyTorch's Gloo group).
 internal::Reduction reduction_of(ReduceOp op, at::ScalarType type) {
@@ -279,6 +288,7 @@ class ProcessGroupGloo : public ProcessGroup {
       opts.setAlgorithm((size_ & (size_ - 1)) == 0 && small
                             ? gloo::AllreduceOptions::Algorithm::BCUBE
                             : gloo::AllreduceOptions::Algorithm::RING);
+      opts.setMaxSegmentSize(kRingSegmentBytes);
       gloo::allreduce(opts);
     });
   }
