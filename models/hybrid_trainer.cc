@@ -54,19 +54,6 @@ std::vector<std::string> world_names(const HybridWorld& world) {
   return names;
 }
 
-// Run `run`'s membership watch in this process (elastic runs); throws when
-// the membership cannot be started.
-std::shared_ptr<elastic::MembershipWatch> watch_membership(std::shared_ptr<rpc::Store> store,
-                                                           const HybridTrainerOptions& o,
-                                                           int64_t run) {
-  rpc::MembershipClient::Options options;
-  options.key = membership_key(run);
-  absl::StatusOr<std::shared_ptr<elastic::MembershipWatch>> watch =
-      elastic::MembershipWatch::start(std::move(store), world_names(HybridWorld(o)), options);
-  if (!watch.ok()) throw std::runtime_error(std::string(watch.status().message()));
-  return *watch;
-}
-
 // The options and callback of this process's HybridTrainerService.
 struct Served {
   const HybridTrainerOptions options;
@@ -84,6 +71,25 @@ std::shared_ptr<const Served> current_service() {
 std::pair<std::string, int> split_host_port(const std::string& address) {
   const size_t colon = address.rfind(':');
   return {address.substr(0, colon), std::stoi(address.substr(colon + 1))};
+}
+
+// Run `run`'s membership watch in this process (elastic runs); throws when
+// the membership cannot be started. Its store client is its own: each call
+// waits at most a collective's timeout, and fails at once when the store's
+// host is gone, so that neither a removal nor the watch's end can hang on
+// a lost store.
+std::shared_ptr<elastic::MembershipWatch> watch_membership(const HybridTrainerOptions& o,
+                                                           int64_t run) {
+  const auto [host, port] = split_host_port(rpc::current_agent()->store().address());
+  auto store = std::make_shared<rpc::Store>(host, port, o.collective_timeout);
+  store->set_fail_fast(true);
+  rpc::MembershipClient::Options options;
+  options.key = membership_key(run);
+  options.max_attempts = 16;
+  absl::StatusOr<std::shared_ptr<elastic::MembershipWatch>> watch =
+      elastic::MembershipWatch::start(std::move(store), world_names(HybridWorld(o)), options);
+  if (!watch.ok()) throw std::runtime_error(std::string(watch.status().message()));
+  return *watch;
 }
 
 const char* backend_name(CollectiveBackend backend) {
@@ -130,7 +136,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   std::unique_ptr<elastic::ElasticGroup> elastic_group;
   std::shared_ptr<ddp::ProcessGroup> group;
   if (o.elastic) {
-    watch = watch_membership(store, o, run);
+    watch = watch_membership(o, run);
     elastic::ElasticGroup::Options eo;
     eo.role = "trainer";
     eo.prefix = absl::StrCat("ddp/trainers/", run, "/elastic/");
@@ -364,10 +370,7 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   const HybridWorld world(options);
   std::shared_ptr<elastic::MembershipWatch> watch;
   if (options.elastic) {
-    auto agent = rpc::current_agent();
-    const auto [store_host, store_port] = split_host_port(agent->store().address());
-    watch = watch_membership(std::make_shared<rpc::Store>(store_host, store_port, options.run_timeout),
-                             options, run);
+    watch = watch_membership(options, run);
   }
   {
     std::vector<rpc::Future<void>> seeded;

@@ -8,7 +8,8 @@ kill -9 and kill -STOP of a trainer, a parameter server, the master and
 rank 0 (which hosts the store); one host's link down for 3 s, then up; one
 host's link down for good; and, with --elastic, kill -9 and kill -STOP of a
 trainer, which must complete with the other trainer and report the lost
-one. Each case must either complete (the master
+one, and kill -9 of rank 0, the store's host, which must end as without
+--elastic. Each case must either complete (the master
 prints the table) or end with an error naming a worker and a call, within
 the RPC timeout + 10 s of the fault, and every process that can end must
 have ended 20 s after that. A job that recovers trains on: as long as no
@@ -67,6 +68,9 @@ CASES = [
     # With --elastic the job must train on without the lost trainer.
     ("elastic: kill -9 trainer1", "KILL", 1, "elastic"),
     ("elastic: kill -STOP trainer1", "STOP", 1, "elastic"),
+    # The store's host is not elastic: the job ends with an error naming a
+    # worker, as without --elastic.
+    ("elastic: kill -9 rank 0 (store)", "KILL", 0, "elastic, store lost"),
 ]
 # The master's "All" row (with --elastic after a loss: "All (1 of 2):").
 ALL_ROW = re.compile(r"^ *All( \(\d+ of \d+\))?:", re.M)
@@ -129,7 +133,8 @@ class Hosts:
 
 def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
     name, fault, target = case[:3]
-    elastic = len(case) > 3 and case[3] == "elastic"
+    elastic = len(case) > 3 and case[3].startswith("elastic")
+    must_complete = elastic and case[3] == "elastic"
     bound = rpc_timeout_s + 10
     procs, logs = {}, {}
     token = os.urandom(32).hex()  # the job's secret, as the README says
@@ -229,7 +234,7 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         "after_fault_s": t_end - t_fault,  # for "none": after iteration 20
         "message": message[:300],
         "bound": bound,
-        "elastic": elastic,
+        "elastic": must_complete,
         "lost_reported": f"trainers lost: {ROLE[target]}" in master if elastic else False,
     }
 
