@@ -67,9 +67,10 @@ class ElasticGroup {
   int64_t epoch() const { return epoch_; }
 
   // After a collective of group() failed: see above. Returns the new epoch,
-  // or an error when no member was found gone (the failure was something
-  // else) or the membership did not change within change_timeout. Every
-  // tensor of `state` is overwritten by rank 0's of the new group.
+  // or an error when the membership did not change within change_timeout
+  // (every member answered this one's pings and no other worker found one
+  // gone: the failure was something else). Every tensor of `state` is
+  // overwritten by rank 0's of the new group.
   absl::StatusOr<int64_t> recover(std::vector<at::Tensor> state);
 
  private:

@@ -57,7 +57,6 @@ class MembershipWatch::State {
     return done_;
   }
 
-
  private:
   void run() {
     for (;;) {
@@ -83,7 +82,8 @@ class MembershipWatch::State {
                      << "': " << m.status().message();
         outcome = absl::StrCat(worker, " (", m.status().message(), ")");
       }
-      done_.push_back(std::move(outcome));
+      // Bounded: failed removals may come back.
+      if (done_.size() < 4 * rpc::Membership::kMaxWorkers) done_.push_back(std::move(outcome));
     }
   }
 

@@ -432,24 +432,23 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
     result.epoch = membership.epoch;
   }
   std::vector<HybridTrainingError::Failure> failures;
+  auto lose = [&result](int r, std::string reason) {
+    TrainerResult lost;
+    lost.lost = true;
+    lost.lost_reason = std::move(reason);
+    result.lost_trainers.push_back(r);
+    result.trainers.push_back(std::move(lost));
+  };
   for (int r = 0; r < world.trainers(); ++r) {
     if (abandoned[r] && !runs_on[r].completed()) {
-      TrainerResult lost;
-      lost.lost = true;
-      lost.lost_reason = absl::StrCat("trainer", r,
-                                      " was removed from the membership while its run was going on "
-                                      "(found unreachable by the other workers)");
-      result.lost_trainers.push_back(r);
-      result.trainers.push_back(std::move(lost));
+      lose(r, absl::StrCat("trainer", r,
+                           " was removed from the membership while its run was going on "
+                           "(found unreachable by the other workers)"));
       continue;
     }
     if (runs_on[r].has_error()) {
       if (watch != nullptr && membership.epoch > 0 && !membership.is_member(world.name(r))) {
-        TrainerResult lost;
-        lost.lost = true;
-        lost.lost_reason = runs_on[r].error_message();
-        result.lost_trainers.push_back(r);
-        result.trainers.push_back(std::move(lost));
+        lose(r, runs_on[r].error_message());
         continue;
       }
       failures.push_back({r, runs_on[r].error_message()});
