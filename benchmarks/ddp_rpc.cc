@@ -78,14 +78,26 @@ DEFINE_bool(check_convergence, false,
             "target) and exit with code 3 unless the mean loss of the last iteration is at "
             "least 10% below the first one's and every parameter server's table changed");
 DEFINE_bool(elastic, false,
-            "elastic trainers (docs/elastic.md): a trainer lost in the middle of the run is "
+            "elastic training (docs/elastic.md): a trainer lost in the middle of the run is "
             "dropped, the survivors re-form their DDP group in the next membership epoch and "
-            "train on; the table marks it lost and the run still ends normally (parameter "
-            "servers are not elastic yet)");
+            "train on; a parameter server lost has its shards restored on a surviving server "
+            "from their last checkpoint, and the trainers re-bind to them; the table marks "
+            "what was lost (and the updates lost) and the run still ends normally");
 DEFINE_string(kill, "",
-              "faults to inject, comma-separated trainerN@iterK: trainer N ends its process at "
-              "once (as a crash) when it starts iteration K (0-based, warm-up included); "
-              "needs --elastic to train on, and leaves PyTorch's reference out");
+              "faults to inject, comma-separated trainerN@iterK or psN@iterK: trainer N ends "
+              "its process at once (as a crash) when it starts iteration K (0-based, warm-up "
+              "included); parameter server N ends its own when the trainers' rank 0 starts "
+              "iteration K (before that iteration's checkpoint); trainers need --elastic to "
+              "train on, servers need it at all; leaves PyTorch's reference out");
+DEFINE_int32(checkpoint_every, 10,
+             "--elastic: checkpoint every embedding shard every N iterations (and once before "
+             "the first); 0: only before the first");
+DEFINE_bool(replicate_checkpoints, true,
+            "--elastic: keep each shard's checkpoint in the memory of the next parameter server");
+DEFINE_string(checkpoint_dir, "",
+              "--elastic: parameter servers also write each shard's checkpoint under this "
+              "directory, which every server must share (a subdirectory per run; a shard is "
+              "restored from the newer of its replica and its file); empty: no files");
 DEFINE_bool(sparse, false,
             "sparse (COO) embedding gradients: a backward pass sends each parameter server only "
             "the rows its batch looked up, and SGD updates only those (EmbeddingBag's "
@@ -237,19 +249,30 @@ Placement placement() {
 
 // --kill, parsed; exits on what it cannot parse.
 std::vector<models::HybridTrainerOptions::Kill> kills() {
+  using Role = models::HybridTrainerOptions::Role;
   std::vector<models::HybridTrainerOptions::Kill> out;
   for (absl::string_view item : absl::StrSplit(FLAGS_kill, ',', absl::SkipEmpty())) {
     models::HybridTrainerOptions::Kill k;
     std::vector<absl::string_view> parts = absl::StrSplit(item, '@');
-    if (parts.size() != 2 || !absl::ConsumePrefix(&parts[0], "trainer") ||
-        !absl::ConsumePrefix(&parts[1], "iter") || !absl::SimpleAtoi(parts[0], &k.trainer) ||
-        !absl::SimpleAtoi(parts[1], &k.iteration)) {
-      usage_error(absl::StrCat("--kill: '", item,
-                               "' is not trainerN@iterK (parameter servers cannot be killed yet)"));
+    bool named = parts.size() == 2;
+    if (named && absl::ConsumePrefix(&parts[0], "trainer")) {
+      k.role = Role::kTrainer;
+    } else if (named && absl::ConsumePrefix(&parts[0], "ps")) {
+      k.role = Role::kPs;
+    } else {
+      named = false;
     }
-    if (k.trainer < 0 || k.trainer >= FLAGS_trainers || k.iteration < 0 ||
+    if (!named || !absl::ConsumePrefix(&parts[1], "iter") || !absl::SimpleAtoi(parts[0], &k.index) ||
+        !absl::SimpleAtoi(parts[1], &k.iteration)) {
+      usage_error(absl::StrCat("--kill: '", item, "' is not trainerN@iterK or psN@iterK"));
+    }
+    const int count = k.role == Role::kPs ? FLAGS_ps : FLAGS_trainers;
+    if (k.index < 0 || k.index >= count || k.iteration < 0 ||
         k.iteration >= FLAGS_warmup + FLAGS_iters) {
-      usage_error(absl::StrCat("--kill: '", item, "': no such trainer or iteration"));
+      usage_error(absl::StrCat("--kill: '", item, "': no such worker or iteration"));
+    }
+    if (k.role == Role::kPs && !FLAGS_elastic) {
+      usage_error(absl::StrCat("--kill: '", item, "': killing a parameter server needs --elastic"));
     }
     out.push_back(k);
   }
@@ -278,6 +301,8 @@ models::HybridTrainerOptions trainer_options() {
   o.collective_timeout = absl::Seconds(FLAGS_rpc_timeout_s);
   o.fetch_tables = FLAGS_check_convergence;
   o.elastic = FLAGS_elastic;
+  o.checkpoint_every = FLAGS_checkpoint_every;
+  o.replicate_checkpoints = FLAGS_replicate_checkpoints;
   o.kills = kills();
   const ddprpc::ddp::ProcessGroupOptions group = bench::group_options();
   o.same_host_allreduce = group.same_host_allreduce;
@@ -360,6 +385,8 @@ struct RunFigures {
   double wall_s = 0;
   std::vector<TableChange> tables;  // with --check_convergence
   int64_t epoch = 1;                // --elastic: the membership's at the end
+  std::vector<models::ShardRestore> restores;  // --elastic
+  int64_t checkpoints = 0;                     // --elastic
 };
 
 RunFigures figures_of(const models::HybridRunResult& result) {
@@ -367,6 +394,8 @@ RunFigures figures_of(const models::HybridRunResult& result) {
   f.trainers = result.trainers;
   f.wall_s = result.wall_s;
   f.epoch = result.epoch;
+  f.restores = result.restores;
+  f.checkpoints = result.checkpoints;
   for (size_t i = 0; i < result.tables_before.size() && i < result.tables_after.size(); ++i) {
     const at::Tensor& before = result.tables_before[i];
     const at::Tensor& after = result.tables_after[i];
@@ -418,6 +447,19 @@ bench::JsonValue to_result(const RunFigures& f) {
   auto& fields = *out.mutable_struct_value()->mutable_fields();
   fields["wall_s"] = number_json(f.wall_s);
   fields["epoch"] = number_json(static_cast<double>(f.epoch));
+  fields["checkpoints"] = number_json(static_cast<double>(f.checkpoints));
+  auto* restores = fields["restores"].mutable_list_value();
+  for (const models::ShardRestore& r : f.restores) {
+    auto& rf = *restores->add_values()->mutable_struct_value()->mutable_fields();
+    rf["shard"] = number_json(r.shard);
+    rf["lost_server"].set_string_value(r.lost_server);
+    rf["restored_on"].set_string_value(r.restored_on);
+    rf["source"].set_string_value(r.source);
+    rf["epoch"] = number_json(static_cast<double>(r.epoch));
+    rf["checkpoint_iteration"] = number_json(static_cast<double>(r.checkpoint_iteration));
+    rf["updates_lost"] = number_json(static_cast<double>(r.updates_lost));
+    rf["seconds"] = number_json(r.seconds);
+  }
   auto* trainers = fields["trainers"].mutable_list_value();
   for (const auto& t : f.trainers) {
     auto& tf = *trainers->add_values()->mutable_struct_value()->mutable_fields();
@@ -446,6 +488,26 @@ bool from_result(const bench::JsonValue& v, RunFigures* f) {
   if (trainers == nullptr || !trainers->has_list_value()) return false;
   f->wall_s = bench::json_number(v, {"wall_s"}, 0);
   f->epoch = static_cast<int64_t>(bench::json_number(v, {"epoch"}, 1));
+  f->checkpoints = static_cast<int64_t>(bench::json_number(v, {"checkpoints"}, 0));
+  if (const bench::JsonValue* restores = bench::json_at(v, {"restores"})) {
+    for (const auto& r : restores->list_value().values()) {
+      models::ShardRestore restore;
+      restore.shard = static_cast<int>(bench::json_number(r, {"shard"}, 0));
+      auto text = [&r](const std::string& key) {
+        const bench::JsonValue* s = bench::json_at(r, {key});
+        return s == nullptr ? std::string() : s->string_value();
+      };
+      restore.lost_server = text("lost_server");
+      restore.restored_on = text("restored_on");
+      restore.source = text("source");
+      restore.epoch = static_cast<int64_t>(bench::json_number(r, {"epoch"}, 0));
+      restore.checkpoint_iteration =
+          static_cast<int64_t>(bench::json_number(r, {"checkpoint_iteration"}, 0));
+      restore.updates_lost = static_cast<int64_t>(bench::json_number(r, {"updates_lost"}, 0));
+      restore.seconds = bench::json_number(r, {"seconds"}, 0);
+      f->restores.push_back(std::move(restore));
+    }
+  }
   for (const auto& t : trainers->list_value().values()) {
     models::TrainerResult r;
     if (const bench::JsonValue* lost = bench::json_at(t, {"lost"})) r.lost = lost->bool_value();
@@ -511,8 +573,12 @@ bool report_convergence(const RunFigures& f, std::ostream& out, bench::Json& jso
   for (size_t i = 0; i < f.tables.size(); ++i) {
     const TableChange& t = f.tables[i];
     all_changed = all_changed && t.rows_changed > 0;
-    out << absl::StrFormat("  ps%d: %d of %d embedding rows changed, weight norm %.4f -> %.4f\n",
-                           i, t.rows_changed, t.rows, t.norm_before, t.norm_after);
+    std::string moved;  // --elastic: the server it was restored on
+    for (const models::ShardRestore& r : f.restores) {
+      if (r.shard == static_cast<int>(i)) moved = absl::StrCat(" (its shard now on ", r.restored_on, ")");
+    }
+    out << absl::StrFormat("  ps%d%s: %d of %d embedding rows changed, weight norm %.4f -> %.4f\n",
+                           i, moved, t.rows_changed, t.rows, t.norm_before, t.norm_after);
     json.begin_object().key("rows_changed").value(t.rows_changed);
     json.key("norm_before").value(t.norm_before).key("norm_after").value(t.norm_after).end_object();
   }
@@ -573,22 +639,53 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
                   all)
       << "\n";
   if (FLAGS_elastic) {
+    int64_t updates_lost = 0;
+    std::vector<std::string> servers_lost;
+    for (const models::ShardRestore& r : f.restores) {
+      updates_lost += r.updates_lost;
+      if (std::find(servers_lost.begin(), servers_lost.end(), r.lost_server) == servers_lost.end()) {
+        servers_lost.push_back(r.lost_server);
+      }
+    }
     out << absl::StrFormat(
-        "Elastic: membership epoch %d at the end; trainers lost: %s; batches dropped on each "
-        "survivor: %d (of %d per trainer); from the start of a dropped batch to the next "
-        "completed one: %s s; parameter-server updates lost: 0 (no parameter server was lost)\n",
-        f.epoch, lost.empty() ? "none" : absl::StrJoin(lost, ", "), dropped,
+        "Elastic: membership epoch %d at the end; trainers lost: %s; parameter servers lost: %s; "
+        "batches dropped on each survivor: %d at most (of %d per trainer); from the start of a "
+        "dropped batch to the next completed one: %s s; shard checkpoints taken: %d; "
+        "parameter-server updates lost: %d\n",
+        f.epoch, lost.empty() ? "none" : absl::StrJoin(lost, ", "),
+        servers_lost.empty() ? "none" : absl::StrJoin(servers_lost, ", "), dropped,
         (FLAGS_warmup + FLAGS_iters) * FLAGS_batches_per_iter,
         recovery.empty() ? std::string("-")
                          : absl::StrJoin(recovery, ", ", [](std::string* o, double s) {
                              absl::StrAppend(o, absl::StrFormat("%.3f", s));
-                           }));
+                           }),
+        f.checkpoints, updates_lost);
+    for (const models::ShardRestore& r : f.restores) {
+      out << absl::StrFormat(
+          "  shard %d: lost with %s, restored on %s (epoch %d) from its %s of iteration %d in "
+          "%.3f s; %d updates lost (optimizer steps the surviving shards had applied since)\n",
+          r.shard, r.lost_server, r.restored_on, r.epoch, r.source, r.checkpoint_iteration,
+          r.seconds, r.updates_lost);
+    }
     json.key("elastic").begin_object().key("epoch").value(static_cast<double>(f.epoch));
     json.key("trainers_lost").begin_array();
     for (const std::string& name : lost) json.value(name);
+    json.end_array().key("servers_lost").begin_array();
+    for (const std::string& name : servers_lost) json.value(name);
     json.end_array().key("batches_dropped").value(dropped);
     json.key("recovery_s").begin_array();
     for (double s : recovery) json.value(s);
+    json.end_array().key("checkpoints").value(static_cast<double>(f.checkpoints));
+    json.key("updates_lost").value(static_cast<double>(updates_lost));
+    json.key("restores").begin_array();
+    for (const models::ShardRestore& r : f.restores) {
+      json.begin_object().key("shard").value(r.shard).key("lost_server").value(r.lost_server);
+      json.key("restored_on").value(r.restored_on).key("source").value(r.source);
+      json.key("epoch").value(static_cast<double>(r.epoch));
+      json.key("checkpoint_iteration").value(static_cast<double>(r.checkpoint_iteration));
+      json.key("updates_lost").value(static_cast<double>(r.updates_lost));
+      json.key("seconds").value(r.seconds).end_object();
+    }
     json.end_array().end_object();
   }
   json.key("all");
@@ -799,9 +896,14 @@ int worker(const Placement& where) {
   // A trainer trains when the master reaches it; the tables are created
   // on the parameter servers by the master.
   std::unique_ptr<models::HybridTrainerService> trainer;
+  std::unique_ptr<models::HybridServerService> server;
   if (roles.is_trainer(rank)) {
     trainer = std::make_unique<models::HybridTrainerService>(
         trainer_options(), rank == 0 ? trainer0_progress() : nullptr);
+  }
+  if (roles.is_ps(rank)) {
+    server = std::make_unique<models::HybridServerService>(
+        models::HybridServerOptions{FLAGS_checkpoint_dir});
   }
   rpc::init_rpc(roles.name(rank), rank, roles.size(), options);
   int rc = 0;
@@ -1033,6 +1135,7 @@ void check_flags() {
   if (FLAGS_pairs < 1) usage_error("--pairs must be at least 1");
   kills();  // exits on what it cannot parse
   if (FLAGS_elastic && FLAGS_backend != "gloo") usage_error("--elastic needs --backend=gloo");
+  if (FLAGS_checkpoint_every < 0) usage_error("--checkpoint_every must be at least 0");
   if (FLAGS_hosts < 0 || FLAGS_hosts > 9) usage_error("--hosts is 0..9");
   if (FLAGS_pytorch_iters == 0 || FLAGS_pytorch_iters < -1 || FLAGS_pytorch_warmup < -1) {
     usage_error("--pytorch_iters must be at least 1 (or -1), --pytorch_warmup at least 0 (or -1)");

@@ -5,6 +5,7 @@
 // a parameter server mid-run makes it fail promptly with a message naming
 // the server and the call, leaving no process behind.
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -308,7 +309,7 @@ TEST(DdpRpcBenchmarkTest, ElasticRunTrainsOnWithoutAKilledTrainer) {
   EXPECT_TRUE(std::regex_search(out, std::regex(R"(All \(2 of 3\):  p50:)"))) << out;
   EXPECT_TRUE(std::regex_search(
       out, std::regex(R"(Elastic: membership epoch 2 at the end; trainers lost: trainer1; )"
-                      R"(batches dropped on each survivor: 1 )")))
+                      R"(parameter servers lost: none; batches dropped on each survivor: 1 at most)")))
       << out;
   EXPECT_NE(out.find("Convergence check: passed"), std::string::npos) << out;
   JsonValue report;
@@ -319,14 +320,59 @@ TEST(DdpRpcBenchmarkTest, ElasticRunTrainsOnWithoutAKilledTrainer) {
   EXPECT_TRUE(run_processes("elastic").empty()) << "orphaned benchmark processes";
 }
 
+// --elastic --kill: trainer1 of three ends itself at iteration 3, ps2 of
+// three as iteration 6 starts. The run completes: shard 2 is restored on
+// ps0 from the checkpoint of iteration 4 (ps2's of iteration 6 was not
+// taken), the trainers re-bind to it, the updates since that checkpoint
+// are counted as lost, and the run still converges.
+TEST(DdpRpcBenchmarkTest, ElasticRunReplacesAKilledParameterServer) {
+  const std::string json = test_tmp("elastic_ps.json");
+  const std::string dir = test_tmp("checkpoints");
+  ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
+  Child c(binary(kBinary),
+          {"--trainers=3", "--ps=3", "--pytorch=false", "--dense_kernel=xnnpack", "--iters=12",
+           "--warmup=0", "--elastic", "--kill=trainer1@iter3,ps2@iter6", "--checkpoint_every=4",
+           "--checkpoint_dir=" + dir, "--check_convergence", "--rpc_timeout_s=20",
+           "--json=" + json},
+          "elastic_ps");
+  ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.out()) << tail(c.err());
+  const std::string out = c.out();
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(All \(2 of 3\):  p50:)"))) << out;
+  EXPECT_TRUE(std::regex_search(
+      out, std::regex(R"(Elastic: membership epoch 3 at the end; trainers lost: trainer1; )"
+                      R"(parameter servers lost: ps2; .*updates lost: [1-9][0-9]*)")))
+      << out;
+  EXPECT_TRUE(std::regex_search(
+      out, std::regex(R"(shard 2: lost with ps2, restored on ps0 \(epoch 3\) from its replica )"
+                      R"(of iteration 4 in [0-9.]+ s; [1-9][0-9]* updates lost)")))
+      << out;
+  EXPECT_NE(out.find("ps2 (its shard now on ps0): 300 of 300 embedding rows changed"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("Convergence check: passed"), std::string::npos) << out;
+  JsonValue report;
+  std::string error;
+  ASSERT_TRUE(parse_json(read_file(json), &report, &error)) << error;
+  EXPECT_EQ(json_number(report, {"ddprpc", "elastic", "epoch"}), 3);
+  // Iterations 4 and 5 of two trainers (10 batches each), less what
+  // reached neither: at least one iteration's worth.
+  EXPECT_GE(json_number(report, {"ddprpc", "elastic", "updates_lost"}), 10);
+  EXPECT_LE(json_number(report, {"ddprpc", "elastic", "updates_lost"}), 2 * 2 * 10 + 3);
+  EXPECT_TRUE(run_processes("elastic_ps").empty()) << "orphaned benchmark processes";
+}
+
 // Faults it cannot inject are refused before anything starts.
 TEST(DdpRpcBenchmarkTest, KillsItCannotInjectAreRefused) {
-  for (const char* kill : {"--kill=ps0@iter3", "--kill=trainer9@iter3", "--kill=trainer1@3",
-                           "--kill=trainer1@iter1000"}) {
+  for (const char* kill : {"--kill=ps5@iter3", "--kill=trainer9@iter3", "--kill=trainer1@3",
+                           "--kill=master@iter3", "--kill=trainer1@iter1000"}) {
     Child c(binary(kBinary), with(kSmall, {"--elastic", kill}), "badkill");
     EXPECT_EQ(c.wait_for(absl::Minutes(1)), 2) << kill << "\n" << tail(c.err());
     EXPECT_NE(c.err().find("--kill"), std::string::npos) << kill << "\n" << tail(c.err());
   }
+  // A server's loss is survived only with --elastic.
+  Child c(binary(kBinary), with(kSmall, {"--kill=ps0@iter3"}), "badkill");
+  EXPECT_EQ(c.wait_for(absl::Minutes(1)), 2) << tail(c.err());
+  EXPECT_NE(c.err().find("needs --elastic"), std::string::npos) << tail(c.err());
 }
 
 TEST(DdpRpcBenchmarkTest, KilledParameterServerFailsTheRunCleanly) {

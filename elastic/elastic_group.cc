@@ -52,6 +52,10 @@ absl::Status ElasticGroup::form(const rpc::Membership& m) {
   return absl::OkStatus();
 }
 
+int ElasticGroup::rank() const {
+  return static_cast<int>(std::find(members_.begin(), members_.end(), self_) - members_.begin());
+}
+
 std::shared_ptr<ddp::ProcessGroup> ElasticGroup::group() {
   if (group_ == nullptr) {
     absl::StatusOr<rpc::Membership> m = watch_->current();
@@ -63,6 +67,10 @@ std::shared_ptr<ddp::ProcessGroup> ElasticGroup::group() {
 
 absl::StatusOr<int64_t> ElasticGroup::recover(std::vector<at::Tensor> state) {
   const int64_t from = epoch_;
+  // The old group goes first (the caller's holds on it too): a survivor
+  // still waiting in one of its collectives fails at once, not at its
+  // timeout, and comes to recover as well.
+  group_.reset();
   // Which members are gone: a dead one fails its ping at once (the agent's
   // hook then reports it), a stopped or cut-off one by the ping's timeout.
   std::shared_ptr<rpc::RpcAgent> agent = rpc::current_agent();

@@ -65,8 +65,12 @@ class ElasticGroup {
   // the membership cannot be read or `self` is not in it.
   std::shared_ptr<ddp::ProcessGroup> group();
   int64_t epoch() const { return epoch_; }
+  // This member's rank in group(), and the group's members, ranked.
+  int rank() const;
+  const std::vector<std::string>& members() const { return members_; }
 
-  // After a collective of group() failed: see above. Returns the new epoch,
+  // After a collective of group() failed: see above. Callers drop their
+  // own references to the old group first. Returns the new epoch,
   // or an error when the membership did not change within change_timeout
   // (every member answered this one's pings and no other worker found one
   // gone: the failure was something else). Every tensor of `state` is

@@ -4,14 +4,44 @@
 #include "models/linear.h"
 
 #include <ATen/ops/cat.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/modules/activation.h>
 
+#include <stdexcept>
 #include <variant>
+
+#include "optim/distributed_optimizer.h"
 
 namespace ddprpc::models {
 
 EmbeddingTable::EmbeddingTable(int64_t num_embeddings, int64_t embedding_dim)
-    : table_(torch::nn::EmbeddingBagOptions(num_embeddings, embedding_dim).mode(torch::kSum)) {}
+    : table_(torch::nn::EmbeddingBagOptions(num_embeddings, embedding_dim).mode(torch::kSum)),
+      version_base_(table_->weight._version()) {}
+
+int64_t EmbeddingTable::steps() {
+  return steps_base_ + (static_cast<int64_t>(table_->weight._version()) - version_base_);
+}
+
+std::pair<at::Tensor, int64_t> EmbeddingTable::snapshot() {
+  std::pair<at::Tensor, int64_t> out;
+  optim::without_steps([&] {
+    out.first = table_->weight.detach().clone();
+    out.second = steps();
+  });
+  return out;
+}
+
+void EmbeddingTable::restore(const at::Tensor& weight, int64_t steps) {
+  if (!weight.defined() || weight.sizes() != table_->weight.sizes()) {
+    throw std::invalid_argument("EmbeddingTable::restore: a weight of another shape");
+  }
+  optim::without_steps([&] {
+    torch::NoGradGuard no_grad;
+    table_->weight.copy_(weight);
+    steps_base_ = steps;
+    version_base_ = table_->weight._version();
+  });
+}
 
 at::Tensor EmbeddingTable::forward(at::Tensor indices, at::Tensor offsets) {
   const torch::nn::EmbeddingBagOptions& o = table_->options;
@@ -36,7 +66,8 @@ static auto embedding_table_registration =
         .constructor<int64_t, int64_t>()
         .method("forward", &EmbeddingTable::forward)
         .method("parameter_rrefs", &EmbeddingTable::parameter_rrefs)
-        .method("set_sparse", &EmbeddingTable::set_sparse);
+        .method("set_sparse", &EmbeddingTable::set_sparse)
+        .method("steps", &EmbeddingTable::steps);
 
 torch::nn::Sequential make_dense(int64_t fc_in, DenseKernel kernel) {
   // models::Linear: torch::nn::Linear with its products on XNNPACK or
@@ -61,6 +92,18 @@ HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t 
     for (const auto& table : tables_) set.push_back(table.rpc_async(&EmbeddingTable::set_sparse, true));
     rpc::wait_all(set);
   }
+}
+
+void HybridModel::set_tables(std::vector<rpc::RRef<EmbeddingTable>> tables) {
+  if (tables.size() != tables_.size()) {
+    throw std::invalid_argument("HybridModel::set_tables: another number of tables");
+  }
+  if (options_.sparse) {
+    std::vector<rpc::Future<void>> set;
+    for (const auto& table : tables) set.push_back(table.rpc_async(&EmbeddingTable::set_sparse, true));
+    rpc::wait_all(set);
+  }
+  tables_ = std::move(tables);
 }
 
 at::Tensor HybridModel::forward(const at::Tensor& indices, const at::Tensor& offsets) {

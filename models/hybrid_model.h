@@ -15,7 +15,9 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/embedding.h>
 
+#include <atomic>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "models/linear.h"
@@ -38,8 +40,23 @@ class EmbeddingTable {
   void set_sparse(bool sparse);
   torch::nn::EmbeddingBag& module() { return table_; }
 
+  // Optimizer steps applied to the weight: changes made in place since the
+  // table was built (an optimizer's step makes one), plus the steps the
+  // last restore() said it holds.
+  int64_t steps();
+  // A copy of the weight and its steps(), taken between optimizer steps
+  // (optim::without_steps).
+  std::pair<at::Tensor, int64_t> snapshot();
+  // Overwrites the weight with `weight` (same shape), which is taken to
+  // hold `steps` optimizer steps.
+  void restore(const at::Tensor& weight, int64_t steps);
+
  private:
   torch::nn::EmbeddingBag table_;
+  // steps() when the weight's version was version_base_; written only
+  // between optimizer steps.
+  std::atomic<int64_t> steps_base_{0};
+  std::atomic<int64_t> version_base_{0};
 };
 
 // The dense stack for `fc_in` inputs, its Linear layers on `kernel`.
@@ -65,6 +82,9 @@ class HybridModel {
   at::Tensor forward(const at::Tensor& indices, const at::Tensor& offsets);
   torch::nn::Sequential& dense() { return dense_; }
   const std::vector<rpc::RRef<EmbeddingTable>>& tables() const { return tables_; }
+  // Looks up `tables` from now on (as many as before, of the same shape:
+  // a shard restored on another server); applies the sparse option to them.
+  void set_tables(std::vector<rpc::RRef<EmbeddingTable>> tables);
   // RRefs of every parameter: each table's (on its server), then the local
   // dense ones.
   std::vector<rpc::RRef<at::Tensor>> parameter_rrefs();

@@ -13,11 +13,14 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <random>
 #include <tuple>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -26,7 +29,9 @@
 #include "ddp/process_group.h"
 #include "elastic/elastic_group.h"
 #include "elastic/membership_watch.h"
+#include "glog/logging.h"
 #include "models/hybrid_model.h"
+#include "models/shard_checkpoint.h"
 #include "optim/distributed_optimizer.h"
 #include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
@@ -37,13 +42,27 @@ namespace {
 
 constexpr char kTrainFunction[] = "ddprpc.models.hybrid_trainer.train";
 constexpr char kSeedFunction[] = "ddprpc.models.hybrid_trainer.seed";
+// Elastic runs: on parameter servers.
+constexpr char kCheckpointFunction[] = "ddprpc.models.hybrid_trainer.checkpoint_shard";
+constexpr char kHoldReplicaFunction[] = "ddprpc.models.hybrid_trainer.hold_replica";
+constexpr char kReplicaIterationFunction[] = "ddprpc.models.hybrid_trainer.replica_iteration";
+constexpr char kRestoreFunction[] = "ddprpc.models.hybrid_trainer.restore_shard";
+constexpr char kDropReplicasFunction[] = "ddprpc.models.hybrid_trainer.drop_replicas";
+constexpr char kDieFunction[] = "ddprpc.models.hybrid_trainer.die";
+// Elastic runs: on the master.
+constexpr char kTablesFunction[] = "ddprpc.models.hybrid_trainer.tables";
 
 // What a trainer sends back: seconds, examples, mean ms per phase (forward,
 // backward, step, release), losses, flattened dense parameters (empty when
-// not asked for), batches dropped, the membership epoch it ended in.
+// not asked for), batches dropped, the membership epoch it ended in,
+// seconds to recover from each loss, shard checkpoints it took.
 using TrainerReply = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>,
                                 std::vector<double>, at::Tensor, int64_t, int64_t,
-                                std::vector<double>>;
+                                std::vector<double>, int64_t>;
+
+// What the master answers a trainer asking for the tables: how many shards
+// it has restored in the run so far, and the tables.
+using TablesReply = std::tuple<int64_t, std::vector<rpc::RRef<EmbeddingTable>>>;
 
 // The store key of run `run`'s membership (elastic runs).
 std::string membership_key(int64_t run) { return absl::StrCat("hybrid/", run, "/membership"); }
@@ -96,10 +115,237 @@ const char* backend_name(CollectiveBackend backend) {
   return backend == CollectiveBackend::kNccl ? "nccl" : "gloo";
 }
 
-// Runs on trainer `rank`, called by the master: run `run` of the world,
-// over `tables`.
+// ---------------------------------------------------------------------------
+// Elastic runs: shard checkpoints and restores.
+
+// The options of this process's HybridServerService.
+absl::Mutex server_mu;
+std::shared_ptr<const HybridServerOptions> server ABSL_GUARDED_BY(server_mu);
+
+std::string server_checkpoint_dir() {
+  absl::MutexLock lock(&server_mu);
+  return server == nullptr ? std::string() : server->checkpoint_dir;
+}
+
+void check_job(const std::string& job) {
+  if (!valid_job_name(job)) throw std::invalid_argument("not a job name");
+}
+
+// The index of "ps<i>", or -1.
+int ps_index(const std::string& worker) {
+  int i = -1;
+  absl::string_view rest = worker;
+  if (!absl::ConsumePrefix(&rest, "ps") || !absl::SimpleAtoi(rest, &i)) return -1;
+  return i;
+}
+
+// The parameter servers of `m`, by index.
+std::vector<std::string> servers_of(const rpc::Membership& m) {
+  std::vector<std::string> out;
+  for (const std::string& w : m.members) {
+    if (ps_index(w) >= 0) out.push_back(w);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const std::string& a, const std::string& b) { return ps_index(a) < ps_index(b); });
+  return out;
+}
+
+// The first of `servers` after `server` in ring order, or "" when there is
+// no other.
+std::string next_server(const std::vector<std::string>& servers, const std::string& server) {
+  const int from = ps_index(server);
+  std::string best;
+  int best_distance = 0;
+  for (const std::string& s : servers) {
+    const int i = ps_index(s);
+    if (s == server) continue;
+    const int distance = i > from ? i - from : i - from + (1 << 20);
+    if (best.empty() || distance < best_distance) best = s, best_distance = distance;
+  }
+  return best;
+}
+
+// On a parameter server: checkpoint `table` (shard `shard` of job `job`,
+// taken at `iteration`) to this server's checkpoint directory and, when
+// `replica` names another server, into its memory. Returns the steps the
+// checkpoint holds; throws when it was kept nowhere.
+int64_t checkpoint_shard(rpc::RRef<EmbeddingTable> table, std::string job, int64_t shard,
+                         int64_t iteration, std::string replica) {
+  check_job(job);
+  auto [weight, steps] = table.local_value()->snapshot();
+  ShardCheckpoint c{shard, iteration, steps, weight};
+  const std::string dir = server_checkpoint_dir();
+  std::string errors;
+  int kept = 0;
+  if (!dir.empty()) {
+    absl::Status ok = write_shard_file(dir, job, c);
+    if (ok.ok()) ++kept;
+    else absl::StrAppend(&errors, " ", ok.message());
+  }
+  if (!replica.empty()) {
+    try {
+      rpc::rpc_sync<void>(replica, kHoldReplicaFunction, job, shard, iteration, steps, weight);
+      ++kept;
+    } catch (const std::exception& e) {
+      absl::StrAppend(&errors, " replica on ", replica, ": ", e.what());
+    }
+  }
+  if (kept == 0) {
+    throw std::runtime_error(absl::StrCat(
+        "checkpoint of shard ", shard, " at iteration ", iteration, " was kept nowhere",
+        errors.empty() ? std::string(" (no checkpoint directory here, no replica named)")
+                       : absl::StrCat(":", errors)));
+  }
+  return steps;
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_checkpoint_shard, kCheckpointFunction,
+                            &checkpoint_shard);
+
+void hold_replica_here(std::string job, int64_t shard, int64_t iteration, int64_t steps,
+                       at::Tensor weight) {
+  absl::Status ok = hold_replica(job, ShardCheckpoint{shard, iteration, steps, std::move(weight)});
+  if (!ok.ok()) throw std::runtime_error(std::string(ok.message()));
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_hold_replica, kHoldReplicaFunction, &hold_replica_here);
+
+// The iteration of the replica of `shard` held here, or -1.
+int64_t replica_iteration(std::string job, int64_t shard) {
+  check_job(job);
+  std::optional<ShardCheckpoint> c = held_replica(job, shard);
+  return c ? c->iteration : -1;
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_replica_iteration, kReplicaIterationFunction,
+                            &replica_iteration);
+
+void drop_replicas_here(std::string job) {
+  check_job(job);
+  drop_replicas(job);
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_drop_replicas, kDropReplicasFunction,
+                            &drop_replicas_here);
+
+// What a restore found: the new table (owned here), the checkpoint's
+// iteration and steps, and where it came from.
+using RestoreReply = std::tuple<rpc::RRef<EmbeddingTable>, int64_t, int64_t, std::string>;
+
+// On a surviving parameter server: a table of `rows` x `dim` built here from
+// the newest checkpoint of `shard` this server can reach (a replica it
+// holds, or its checkpoint directory's file), taken to hold `steps` steps
+// (the surviving shards' count: the steps the checkpoint lacks are lost).
+RestoreReply restore_shard(std::string job, int64_t shard, int64_t rows, int64_t dim,
+                           int64_t steps) {
+  check_job(job);
+  std::optional<ShardCheckpoint> best = held_replica(job, shard);
+  std::string source = best ? "replica" : "";
+  std::string file_error;
+  if (const std::string dir = server_checkpoint_dir(); !dir.empty()) {
+    absl::StatusOr<ShardCheckpoint> file = read_shard_file(dir, job, shard, rows, dim);
+    if (!file.ok()) {
+      file_error = std::string(file.status().message());
+    } else if (!best || file->iteration > best->iteration) {
+      best = std::move(*file);
+      source = "file";
+    }
+  }
+  if (!best) {
+    throw std::runtime_error(absl::StrCat(
+        "no checkpoint of shard ", shard, " here (no replica",
+        file_error.empty() ? ", no checkpoint directory" : absl::StrCat("; ", file_error), ")"));
+  }
+  if (best->weight.size(0) != rows || best->weight.size(1) != dim) {
+    throw std::runtime_error(absl::StrCat("the replica of shard ", shard, " is not ", rows, "x", dim));
+  }
+  auto table = std::make_shared<EmbeddingTable>(rows, dim);
+  table->restore(best->weight, std::max(steps, best->steps));
+  return {rpc::RRef<EmbeddingTable>(std::move(table)), best->iteration, best->steps, source};
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_restore_shard, kRestoreFunction, &restore_shard);
+
+// An injected fault: this process ends at once, as a crash would end it.
+void die(std::string why) {
+  const std::shared_ptr<rpc::RpcAgent> agent = rpc::current_agent();
+  std::fprintf(stderr, "%s: killed %s (injected fault)\n",
+               agent ? agent->self().name.c_str() : "?", why.c_str());
+  std::fflush(stdout);
+  std::fflush(stderr);
+  ::_exit(0);
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_die, kDieFunction, &die);
+
+// Checkpoints shard i of `tables` (but those on `skip`'s servers) at
+// `iteration`, each replicated to the next server of `m` when `replicate`.
+// Returns the checkpoints taken; logs those that failed (a server lost
+// shows up in the next batch).
+int64_t checkpoint_tables(const std::vector<rpc::RRef<EmbeddingTable>>& tables,
+                          const std::string& job, int64_t iteration, const rpc::Membership& m,
+                          bool replicate, const std::vector<std::string>& skip,
+                          absl::Duration timeout, std::string* error = nullptr) {
+  const std::vector<std::string> servers = servers_of(m);
+  std::vector<std::pair<int64_t, rpc::Future<int64_t>>> calls;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const std::string host = tables[i].owner_name();
+    if (std::find(skip.begin(), skip.end(), host) != skip.end()) continue;
+    const std::string replica = replicate ? next_server(servers, host) : std::string();
+    calls.emplace_back(i, rpc::rpc_async<int64_t>(rpc::CallOptions{timeout}, host,
+                                                  kCheckpointFunction, tables[i], job,
+                                                  static_cast<int64_t>(i), iteration, replica));
+  }
+  int64_t taken = 0;
+  for (auto& [shard, call] : calls) {
+    call.wait_for(absl::InfiniteDuration());
+    if (!call.has_error()) {
+      ++taken;
+      continue;
+    }
+    LOG_FIRST_N(WARNING, 8) << "checkpoint of shard " << shard << " at iteration " << iteration
+                            << " failed: " << call.error_message();
+    if (error != nullptr && error->empty()) *error = call.error_message();
+  }
+  return taken;
+}
+
+// The master's tables of each elastic run in progress, by job, for the
+// trainers to re-bind to after a restore.
+struct RunTables {
+  absl::Mutex mu;
+  int64_t epoch ABSL_GUARDED_BY(mu) = 0;  // the membership epoch they are current for
+  int64_t restores ABSL_GUARDED_BY(mu) = 0;
+  std::vector<rpc::RRef<EmbeddingTable>> tables ABSL_GUARDED_BY(mu);
+  std::string error ABSL_GUARDED_BY(mu);  // why a shard could not be restored
+  absl::Duration timeout;                 // of a trainer's wait
+};
+
+absl::Mutex runs_mu;
+std::map<std::string, std::shared_ptr<RunTables>>* runs_in_progress ABSL_GUARDED_BY(runs_mu) =
+    new std::map<std::string, std::shared_ptr<RunTables>>();
+
+// On the master: the tables of `job` once they are current for membership
+// epoch `epoch` (every shard of a server lost by then restored).
+TablesReply tables_of(std::string job, int64_t epoch) {
+  std::shared_ptr<RunTables> run;
+  {
+    absl::MutexLock lock(&runs_mu);
+    auto it = runs_in_progress->find(job);
+    if (it != runs_in_progress->end()) run = it->second;
+  }
+  if (run == nullptr) throw std::invalid_argument("no elastic run of that job on this worker");
+  absl::MutexLock lock(&run->mu);
+  auto ready = [&run, epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(run->mu) {
+    return run->epoch >= epoch || !run->error.empty();
+  };
+  if (!run->mu.AwaitWithTimeout(absl::Condition(&ready), run->timeout)) {
+    throw std::runtime_error(absl::StrCat("the master's tables are not current for membership epoch ",
+                                          epoch, " after ", absl::FormatDuration(run->timeout)));
+  }
+  if (!run->error.empty()) throw std::runtime_error(run->error);
+  return {run->restores, run->tables};
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_tables, kTablesFunction, &tables_of);
+
+// Runs on trainer `rank`, called by the master: run `run` of the world
+// (job `job`), over `tables`.
 TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, int64_t run,
-                   std::string master_workload, bool return_dense) {
+                   std::string job, std::string master_workload, bool return_dense) {
   const std::shared_ptr<const Served> service = current_service();
   if (service == nullptr) {
     throw std::runtime_error(absl::StrCat("trainer", rank, " serves no hybrid training"));
@@ -151,11 +397,19 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   }
   ddp::DdpOptions ddp_options;
   ddp_options.timeout = o.collective_timeout;
-  auto ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), group, ddp_options);
-  int64_t dropped = 0;
+  auto ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), std::move(group),
+                                                           ddp_options);
+  int64_t dropped = 0, checkpoints = 0;
   std::vector<double> recovery_s;
   std::optional<absl::Time> failed_at;  // start of the batch dropped last
-  optim::DistributedOptimizer optimizer("sgd", {{"lr", o.lr}}, model.parameter_rrefs());
+  auto make_optimizer = [&model, &o] {
+    return std::make_unique<optim::DistributedOptimizer>(
+        "sgd", std::map<std::string, double>{{"lr", o.lr}}, model.parameter_rrefs());
+  };
+  std::unique_ptr<optim::DistributedOptimizer> optimizer = make_optimizer();
+  int64_t restores_seen = 0;  // the master's count of restored shards
+  int64_t batch_index = 0;    // of the run: the same batch on every trainer
+  int64_t resume_at = 0;      // elastic runs: the batches before it are dropped
 
   std::vector<double> seconds, losses;
   std::vector<int64_t> examples;
@@ -168,12 +422,28 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   if (service->on_progress) service->on_progress(progress);
   for (int it = 0; it < total; ++it) {
     for (const HybridTrainerOptions::Kill& kill : o.kills) {
-      if (kill.trainer == rank && kill.iteration == it) {
-        std::fprintf(stderr, "trainer%d: killed at iteration %d (injected fault)\n",
-                     static_cast<int>(rank), it);
-        std::fflush(stdout);
-        std::fflush(stderr);
-        ::_exit(0);
+      if (kill.role == HybridTrainerOptions::Role::kTrainer && kill.index == rank &&
+          kill.iteration == it) {
+        die(absl::StrCat("at iteration ", it));
+      }
+    }
+    // Elastic runs: the trainers' rank 0 injects the servers' faults of
+    // this iteration, then checkpoints the other shards.
+    if (o.elastic && elastic_group->rank() == 0) {
+      std::vector<std::string> killed;
+      for (const HybridTrainerOptions::Kill& kill : o.kills) {
+        if (kill.role != HybridTrainerOptions::Role::kPs || kill.iteration != it) continue;
+        killed.push_back(absl::StrCat("ps", kill.index));
+        // Its answer never comes: the server ends as it reads the call.
+        rpc::rpc_async<void>(killed.back(), kDieFunction,
+                             absl::StrCat("when trainer", rank, " started iteration ", it));
+      }
+      if (o.checkpoint_every > 0 && it > 0 && it % o.checkpoint_every == 0) {
+        absl::StatusOr<rpc::Membership> m = watch->current();
+        if (m.ok()) {
+          checkpoints += checkpoint_tables(model.tables(), job, it, *m, o.replicate_checkpoints,
+                                           killed, o.collective_timeout);
+        }
       }
     }
     const bool measured = it >= o.warmup;
@@ -181,6 +451,10 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
     int64_t n = 0, batches = 0;
     double loss_sum = 0;
     for (const HybridBatch& b : make_batches(o, rng)) {
+      if (batch_index++ < resume_at) {
+        ++dropped;
+        continue;
+      }
       absl::Time t[5];
       double loss_value = 0;
       try {
@@ -191,21 +465,42 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
         t[1] = absl::Now();
         dist_autograd::backward(context.id(), {loss});
         t[2] = absl::Now();
-        optimizer.step(context.id());
+        optimizer->step(context.id());
         t[3] = absl::Now();
       } catch (const std::exception& e) {
         if (!o.elastic) throw;
         // A trainer lost in this batch (or another failure: then recover()
         // says so): the batch is dropped here as on every survivor, which
-        // go on in the next epoch's group from rank 0's dense stack.
+        // go on in the next epoch's group from rank 0's dense stack. This
+        // one's hold on the old group goes first: a survivor still waiting
+        // in one of its collectives fails at once instead of at its timeout.
+        LOG(WARNING) << "trainer" << rank << ": iteration " << it << " drops a batch: " << e.what();
+        ddp.reset();
         absl::StatusOr<int64_t> epoch = elastic_group->recover({});
         if (!epoch.ok()) {
           throw std::runtime_error(absl::StrCat(e.what(), "; the trainers could not go on without ",
                                                 "the lost one: ", epoch.status().message()));
         }
-        ddp.reset();
         ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(),
                                                              elastic_group->group(), ddp_options);
+        // A server lost: its shards are restored elsewhere by the master;
+        // the tables and the optimizer follow them.
+        auto [restores, current] = rpc::rpc_sync<TablesReply>(
+            rpc::CallOptions{o.collective_timeout + absl::Seconds(5)}, "master", kTablesFunction,
+            job, *epoch);
+        if (restores != restores_seen) {
+          model.set_tables(std::move(current));
+          optimizer.reset();
+          optimizer = make_optimizer();
+          restores_seen = restores;
+        }
+        // Every survivor goes on from the same batch, the one after the
+        // furthest batch dropped: a trainer whose call to a lost server
+        // failed a batch earlier than another's drops one more.
+        at::Tensor next = at::tensor(std::vector<int64_t>{batch_index}, at::kLong);
+        elastic_group->group()->allreduce_and_wait({next}, ddp::ReduceOp::kMax,
+                                                   o.collective_timeout);
+        resume_at = next.item<int64_t>();
         ++dropped;
         if (!failed_at) failed_at = t[0];
         continue;
@@ -245,8 +540,15 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
     for (const auto& p : model.dense()->parameters()) flat.push_back(p.detach().reshape({-1}));
     dense = at::cat(flat).clone();
   }
-  return {seconds, examples, phase_ms, losses, dense, dropped,
-          elastic_group ? elastic_group->epoch() : int64_t{1}, recovery_s};
+  return {seconds,
+          examples,
+          phase_ms,
+          losses,
+          dense,
+          dropped,
+          elastic_group ? elastic_group->epoch() : int64_t{1},
+          recovery_s,
+          checkpoints};
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_train, kTrainFunction, &train);
 
@@ -273,14 +575,18 @@ std::string describe(const std::vector<HybridTrainingError::Failure>& failures) 
 
 std::string HybridTrainerOptions::workload() const {
   std::string faults;
-  for (const Kill& k : kills) absl::StrAppend(&faults, " kill=trainer", k.trainer, "@", k.iteration);
+  for (const Kill& k : kills) {
+    absl::StrAppend(&faults, " kill=", k.role == Role::kPs ? "ps" : "trainer", k.index, "@",
+                    k.iteration);
+  }
   return absl::StrFormat(
       "trainers=%d ps=%d num_embeddings=%d embedding_dim=%d iters=%d warmup=%d "
       "batches_per_iter=%d lr=%g seed=%d learnable_target=%d backend=%s lookups=%s "
-      "dense_kernel=%s sparse=%d elastic=%d%s",
+      "dense_kernel=%s sparse=%d elastic=%d checkpoint_every=%d replicate_checkpoints=%d%s",
       trainers, ps, num_embeddings, embedding_dim, iters, warmup, batches_per_iter, lr, seed,
       learnable_target, backend_name(backend), sequential_lookups ? "sequential" : "concurrent",
-      dense_kernel_name(dense_kernel), sparse, elastic, faults);
+      dense_kernel_name(dense_kernel), sparse, elastic, checkpoint_every, replicate_checkpoints,
+      faults);
 }
 
 std::string HybridTrainerOptions::invalid() const {
@@ -294,11 +600,16 @@ std::string HybridTrainerOptions::invalid() const {
     return "a learnable target needs num_embeddings of at least 8 (a row per class)";
   }
   for (const Kill& k : kills) {
-    if (k.trainer < 0 || k.trainer >= trainers || k.iteration < 0 || k.iteration >= warmup + iters) {
-      return absl::StrFormat("kill of trainer%d at iteration %d: no such trainer or iteration",
-                             k.trainer, k.iteration);
+    const bool ps_kill = k.role == Role::kPs;
+    if (k.index < 0 || k.index >= (ps_kill ? ps : trainers) || k.iteration < 0 ||
+        k.iteration >= warmup + iters) {
+      return absl::StrFormat("kill of %s%d at iteration %d: no such %s or iteration",
+                             ps_kill ? "ps" : "trainer", k.index, k.iteration,
+                             ps_kill ? "parameter server" : "trainer");
     }
+    if (ps_kill && !elastic) return "killing a parameter server needs an elastic run";
   }
+  if (checkpoint_every < 0) return "checkpoint_every must be at least 0";
   if (elastic && backend == CollectiveBackend::kNccl) {
     return "elastic runs need the gloo backend";
   }
@@ -362,11 +673,102 @@ HybridTrainerService::~HybridTrainerService() {
 HybridTrainingError::HybridTrainingError(std::vector<Failure> failures)
     : std::runtime_error(describe(failures)), failures_(std::move(failures)) {}
 
+HybridServerService::HybridServerService(HybridServerOptions options) {
+  auto kept = std::make_shared<const HybridServerOptions>(std::move(options));
+  absl::MutexLock lock(&server_mu);
+  if (server != nullptr) throw std::logic_error("a HybridServerService already runs in this process");
+  server = std::move(kept);
+}
+
+HybridServerService::~HybridServerService() {
+  absl::MutexLock lock(&server_mu);
+  server.reset();
+}
+
+namespace {
+
+// A job's name for checkpoints: unique to the run.
+std::string new_job_name(int64_t run) {
+  std::random_device random;
+  return absl::StrFormat("hybrid%d-%08x%08x", run, random(), random());
+}
+
+// Elastic runs, on the master: restores on surviving servers of `m` each
+// shard whose server `m` lost, into `tables` (shared with the trainers
+// through `run_tables`). Throws when a shard cannot be restored.
+void restore_lost_shards(const HybridTrainerOptions& o, const std::string& job,
+                         const rpc::Membership& m, RunTables& run_tables,
+                         std::vector<rpc::RRef<EmbeddingTable>>& tables,
+                         std::vector<ShardRestore>& restores) {
+  const std::vector<std::string> servers = servers_of(m);
+  const rpc::CallOptions call{o.collective_timeout};
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const std::string lost = tables[i].owner_name();
+    if (m.is_member(lost)) continue;
+    const absl::Time start = absl::Now();
+    const std::string shard = absl::StrCat("shard ", i, " (lost with ", lost, ")");
+    if (servers.empty()) throw std::runtime_error(absl::StrCat(shard, ": every server is lost"));
+    // Where it goes: the server holding its newest replica, else the next
+    // one (its own checkpoint directory).
+    std::vector<rpc::Future<int64_t>> held;
+    for (const std::string& s : servers) {
+      held.push_back(rpc::rpc_async<int64_t>(call, s, kReplicaIterationFunction, job,
+                                             static_cast<int64_t>(i)));
+    }
+    std::string to = next_server(servers, lost);
+    int64_t newest = -1;
+    for (size_t s = 0; s < servers.size(); ++s) {
+      held[s].wait_for(absl::InfiniteDuration());
+      if (!held[s].has_error() && held[s].value() > newest) {
+        newest = held[s].value();
+        to = servers[s];
+      }
+    }
+    // The steps it should hold: the most any surviving shard has applied.
+    int64_t steps = 0;
+    std::vector<rpc::Future<int64_t>> counts;
+    for (const auto& table : tables) {
+      if (m.is_member(table.owner_name())) counts.push_back(table.rpc_async(call, &EmbeddingTable::steps));
+    }
+    for (auto& c : counts) {
+      c.wait_for(absl::InfiniteDuration());
+      if (!c.has_error()) steps = std::max(steps, c.value());
+    }
+    RestoreReply restored;
+    try {
+      restored = rpc::rpc_sync<RestoreReply>(call, to, kRestoreFunction, job, static_cast<int64_t>(i),
+                                             o.num_embeddings, o.embedding_dim, steps);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(absl::StrCat(shard, " could not be restored on ", to, ": ", e.what()));
+    }
+    auto& [table, iteration, checkpoint_steps, source] = restored;
+    ShardRestore r;
+    r.shard = static_cast<int>(i);
+    r.lost_server = lost;
+    r.restored_on = to;
+    r.source = source;
+    r.epoch = m.epoch;
+    r.checkpoint_iteration = iteration;
+    r.updates_lost = std::max<int64_t>(0, steps - checkpoint_steps);
+    r.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    LOG(WARNING) << shard << " restored on " << to << " from its " << source
+                 << " of iteration " << iteration << ": " << r.updates_lost << " updates lost";
+    restores.push_back(r);
+    tables[i] = table;
+    absl::MutexLock lock(&run_tables.mu);
+    run_tables.tables = tables;
+    ++run_tables.restores;
+  }
+}
+
+}  // namespace
+
 HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   const std::string why = options.invalid();
   if (!why.empty()) throw std::invalid_argument("run_hybrid_training: " + why);
   static std::atomic<int64_t> runs{0};  // each run's process group has its own keys
   const int64_t run = runs.fetch_add(1);
+  const std::string job = new_job_name(run);
   const HybridWorld world(options);
   std::shared_ptr<elastic::MembershipWatch> watch;
   if (options.elastic) {
@@ -389,30 +791,84 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   }
   HybridRunResult result;
   if (options.fetch_tables) result.tables_before = fetch_weights(tables);
+  // Elastic runs: every shard is checkpointed before training, and the
+  // trainers find the tables here after a restore.
+  auto run_tables = std::make_shared<RunTables>();
+  struct Unlist {
+    explicit Unlist(std::string job) : job(std::move(job)) {}
+    Unlist(const Unlist&) = delete;
+    Unlist& operator=(const Unlist&) = delete;
+    const std::string job;
+    ~Unlist() {
+      absl::MutexLock lock(&runs_mu);
+      runs_in_progress->erase(job);
+    }
+  };
+  std::optional<Unlist> unlist;
+  int64_t handled_epoch = 0;
+  if (watch != nullptr) {
+    absl::StatusOr<rpc::Membership> m = watch->current();
+    if (!m.ok()) throw std::runtime_error(std::string(m.status().message()));
+    std::string error;
+    result.checkpoints = checkpoint_tables(tables, job, 0, *m, options.replicate_checkpoints, {},
+                                           options.collective_timeout, &error);
+    if (result.checkpoints < static_cast<int64_t>(tables.size())) {
+      // Training goes on; a server lost before a later checkpoint of its
+      // shards ends the run with the restore's error.
+      LOG(WARNING) << "elastic run: the shards' first checkpoint failed (" << error
+                   << "); a parameter server lost now cannot be replaced";
+    }
+    handled_epoch = m->epoch;
+    {
+      absl::MutexLock lock(&run_tables->mu);
+      run_tables->epoch = m->epoch;
+      run_tables->tables = tables;
+      run_tables->timeout = options.collective_timeout;
+    }
+    {
+      absl::MutexLock lock(&runs_mu);
+      runs_in_progress->emplace(job, run_tables);
+    }
+    unlist.emplace(job);
+  }
   std::vector<rpc::Future<TrainerReply>> runs_on;
   for (int r = 0; r < world.trainers(); ++r) {
     runs_on.push_back(rpc::rpc_async<TrainerReply>(
         rpc::CallOptions{options.run_timeout}, world.name(r), kTrainFunction, tables, int64_t{r},
-        run, options.workload(), options.return_dense_parameters));
+        run, job, options.workload(), options.return_dense_parameters));
   }
-  // Elastic runs: a trainer removed from the membership while its call is
-  // still running (stopped, cut off: its call would only end at its
-  // deadline) is not waited for.
+  // Elastic runs: each change of the membership is handled as it comes
+  // (the shards of a lost server restored), and a trainer removed from the
+  // membership while its call is still running (stopped, cut off: its call
+  // would only end at its deadline) is not waited for.
   std::vector<bool> abandoned(world.trainers(), false);
+  std::string restore_error;
   if (watch == nullptr) {
     rpc::collect_all(runs_on).wait();
   } else {
     for (;;) {
-      int waiting = -1;
+      bool waiting = false;
       for (int r = 0; r < world.trainers(); ++r) {
-        if (!runs_on[r].completed() && !abandoned[r]) waiting = r;
+        waiting = waiting || (!runs_on[r].completed() && !abandoned[r]);
       }
-      if (waiting < 0) break;
-      if (runs_on[waiting].wait_for(absl::Milliseconds(200))) continue;
-      absl::StatusOr<rpc::Membership> m = watch->current();
-      for (int r = 0; m.ok() && m->epoch > 0 && r < world.trainers(); ++r) {
+      if (!waiting) break;
+      absl::StatusOr<rpc::Membership> m = watch->await_change(handled_epoch, absl::Milliseconds(100));
+      if (!m.ok() || m->epoch <= handled_epoch) continue;
+      for (int r = 0; r < world.trainers(); ++r) {
         if (!runs_on[r].completed() && !m->is_member(world.name(r))) abandoned[r] = true;
       }
+      if (restore_error.empty()) {
+        try {
+          restore_lost_shards(options, job, *m, *run_tables, tables, result.restores);
+        } catch (const std::exception& e) {
+          restore_error = e.what();
+          LOG(ERROR) << "elastic run: " << restore_error;
+        }
+      }
+      handled_epoch = m->epoch;
+      absl::MutexLock lock(&run_tables->mu);
+      run_tables->epoch = m->epoch;
+      if (!restore_error.empty()) run_tables->error = restore_error;
     }
   }
   // Elastic runs: which failed trainers the membership lost (the survivors
@@ -454,8 +910,9 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
       failures.push_back({r, runs_on[r].error_message()});
       continue;
     }
-    auto [seconds, examples, phase_ms, losses, dense, dropped, epoch, recovery] =
+    auto [seconds, examples, phase_ms, losses, dense, dropped, epoch, recovery, checkpoints] =
         runs_on[r].value();
+    result.checkpoints += checkpoints;
     TrainerResult t;
     t.seconds = std::move(seconds);
     t.examples = std::move(examples);
@@ -475,6 +932,15 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   }
   if (!failures.empty()) throw HybridTrainingError(std::move(failures));
   result.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  if (watch != nullptr) {
+    // The replicas go with the run (best effort: a server may be gone).
+    std::vector<rpc::Future<void>> dropped;
+    for (const std::string& s : servers_of(membership)) {
+      dropped.push_back(rpc::rpc_async<void>(rpc::CallOptions{options.collective_timeout}, s,
+                                             kDropReplicasFunction, job));
+    }
+    for (auto& d : dropped) d.wait_for(absl::InfiniteDuration());
+  }
   if (options.fetch_tables) result.tables_after = fetch_weights(tables);
   return result;
 }

@@ -72,21 +72,36 @@ struct HybridTrainerOptions {
   // allreduce, and how long its barriers spin before they sleep.
   bool same_host_allreduce = true;
   absl::Duration max_spin = absl::ZeroDuration();
-  // Elastic trainers (docs/elastic.md): the run keeps a membership of the
+  // Elastic runs (docs/elastic.md): the run keeps a membership of the
   // world in the store, and the trainers average over an
-  // elastic::ElasticGroup of its trainers. A trainer lost in the middle of
-  // the run is dropped: the batch in flight is dropped on every survivor,
-  // the survivors form the next epoch's group (DDP broadcasting rank 0's
-  // dense stack) and train on, and the master reports the lost trainer
-  // instead of failing. Parameter servers are not elastic yet: losing one
-  // still fails the run.
+  // elastic::ElasticGroup of its trainers.
+  //   - A trainer lost in the middle of the run is dropped: the batch in
+  //     flight is dropped on every survivor, the survivors form the next
+  //     epoch's group (DDP broadcasting rank 0's dense stack) and train on,
+  //     and the master reports the lost trainer instead of failing.
+  //   - A parameter server lost is replaced: the master restores each of
+  //     its shards on a surviving server from the shard's newest checkpoint,
+  //     the trainers re-bind their tables and optimizer to it and train on
+  //     (each drops the batch its call to the lost server failed in), and
+  //     the master reports the optimizer steps the checkpoint lacked.
   bool elastic = false;
-  // Injected faults: trainer `trainer` ends its process at once (status 0,
-  // no cleanup, as a crash would end it) when it starts iteration
-  // `iteration` (0-based, warm-up included).
+  // Elastic runs: every `checkpoint_every` iterations (and once before the
+  // first) each shard is copied, between optimizer steps, to where it
+  // survives its server: in the memory of the next surviving server
+  // (replicate_checkpoints) and to a file under the servers' own
+  // checkpoint directory (HybridServerService), where they have one. 0:
+  // only the first.
+  int checkpoint_every = 10;
+  bool replicate_checkpoints = true;
+  // Injected faults: trainer<index> ends its process at once (status 0, no
+  // cleanup, as a crash would end it) when it starts iteration `iteration`
+  // (0-based, warm-up included); ps<index> ends its own when the trainers'
+  // rank 0 starts that iteration (it tells it to).
+  enum class Role { kTrainer, kPs };
   struct Kill {
-    int trainer = 0;
+    int index = 0;
     int iteration = 0;
+    Role role = Role::kTrainer;
   };
   std::vector<Kill> kills;
   // Master only: fetch every table's weight before and after training.
@@ -149,6 +164,26 @@ struct TrainerProgress {
   double mean_loss = 0;  // over this iteration's batches
 };
 
+// Parameter-server ranks (optional): where this server keeps checkpoint
+// files of the shards it holds (elastic runs). Without one, or with an
+// empty directory, a server keeps no files, and a shard lost with its
+// server is restored from a replica only.
+struct HybridServerOptions {
+  // A directory shared by every server (the job's files go under
+  // "<checkpoint_dir>/<job>/", shard_checkpoint.h), or "".
+  std::string checkpoint_dir;
+};
+
+// While one lives, this process's parameter server keeps `options`. At most
+// one per process.
+class HybridServerService {
+ public:
+  explicit HybridServerService(HybridServerOptions options);
+  ~HybridServerService();
+  HybridServerService(const HybridServerService&) = delete;
+  HybridServerService& operator=(const HybridServerService&) = delete;
+};
+
 // Trainer ranks: while one lives, this process trains when a master's
 // run_hybrid_training reaches it. At most one per process.
 class HybridTrainerService {
@@ -181,6 +216,20 @@ struct TrainerResult {
   std::vector<double> recovery_s;
 };
 
+// Elastic runs: a shard restored after its server was lost.
+struct ShardRestore {
+  int shard = 0;
+  std::string lost_server;  // "ps<i>"
+  std::string restored_on;  // the surviving server that holds it now
+  std::string source;       // "replica" or "file"
+  int64_t epoch = 0;        // the membership epoch it was restored for
+  int64_t checkpoint_iteration = 0;
+  // Optimizer steps the surviving shards had applied that the checkpoint
+  // lacks: the updates lost, counted when the shard was restored.
+  int64_t updates_lost = 0;
+  double seconds = 0;  // from the master seeing the loss to the restore
+};
+
 struct HybridRunResult {
   std::vector<TrainerResult> trainers;  // by rank
   // From the tables' creation until every trainer returned.
@@ -191,6 +240,10 @@ struct HybridRunResult {
   // and the trainers lost, by rank.
   int64_t epoch = 1;
   std::vector<int> lost_trainers;
+  // Elastic runs: each shard restored, in order, and the checkpoints taken
+  // (each of every shard).
+  std::vector<ShardRestore> restores;
+  int64_t checkpoints = 0;
 };
 
 // Training failed on some trainers.

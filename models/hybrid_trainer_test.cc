@@ -141,14 +141,17 @@ void record(const models::TrainerProgress& p) {
 // Runs the body of a world's rank: a trainer serves `options` (recording
 // its progress), every rank joins, the master runs `master`.
 template <typename Master>
-void play(const HybridTrainerOptions& options, Master master) {
+void play(const HybridTrainerOptions& options, Master master,
+          const models::HybridServerOptions& server = {}) {
   at::set_num_threads(1);
   const HybridWorld world(options);
   const int rank = mp::rank();
   std::unique_ptr<models::HybridTrainerService> service;
+  std::unique_ptr<models::HybridServerService> server_service;
   if (world.is_trainer(rank)) {
     service = std::make_unique<models::HybridTrainerService>(options, record);
   }
+  if (world.is_ps(rank)) server_service = std::make_unique<models::HybridServerService>(server);
   rpc::init_rpc(world.name(rank), rank, world.size(), mp::backend_options());
   if (world.is_master(rank)) master();
   rpc::shutdown();
@@ -262,6 +265,82 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticTrainersGoOnWithoutALos
     EXPECT_TRUE(at::equal(r.trainers[0].dense_parameters, r.trainers[2].dense_parameters))
         << "the survivors' dense stacks differ";
   });
+}
+
+// Elastic: ps1 of two dies as trainer0 starts the fourth iteration; the
+// shards were checkpointed before the first and at the third. The master
+// restores shard 1 on ps0 from that checkpoint (`source`: a replica ps0
+// holds, or a file under the servers' checkpoint directory), the trainers
+// re-bind to it, drop the batch they were in and still learn, and the
+// updates lost are counted: about one iteration of both trainers' steps.
+void lose_a_server(bool replicate, const std::string& dir, const std::string& source) {
+  HybridTrainerOptions options = small(2, 2);
+  options.learnable_target = true;
+  options.iters = 6;
+  options.warmup = 0;
+  options.lr = 0.1;
+  options.elastic = true;
+  options.checkpoint_every = 2;
+  options.replicate_checkpoints = replicate;
+  options.kills = {{1, 3, HybridTrainerOptions::Role::kPs}};
+  options.collective_timeout = absl::Seconds(20);
+  play(
+      options,
+      [&options, &source] {
+        HybridTrainerOptions o = options;
+        o.fetch_tables = true;
+        o.return_dense_parameters = true;
+        const absl::Time start = absl::Now();
+        const models::HybridRunResult r = models::run_hybrid_training(o);
+        EXPECT_LT(absl::Now() - start, absl::Seconds(60));
+        EXPECT_EQ(r.epoch, 2);
+        EXPECT_TRUE(r.lost_trainers.empty());
+        ASSERT_EQ(r.restores.size(), 1u);
+        const models::ShardRestore& restore = r.restores[0];
+        EXPECT_EQ(restore.shard, 1);
+        EXPECT_EQ(restore.lost_server, "ps1");
+        EXPECT_EQ(restore.restored_on, "ps0");
+        EXPECT_EQ(restore.source, source);
+        EXPECT_EQ(restore.epoch, 2);
+        EXPECT_EQ(restore.checkpoint_iteration, 2);
+        // Iteration 2 of both trainers (3 batches each), and part of the
+        // third at most.
+        EXPECT_GE(restore.updates_lost, 3);
+        EXPECT_LE(restore.updates_lost, 2 * 3 + 2 * 3);
+        // Both shards before the first iteration and at the third; at the
+        // fifth, both live on ps0, which has no other server to replicate
+        // to (a file is kept all the same).
+        EXPECT_EQ(r.checkpoints, source == "file" ? 2 + 2 + 2 : 2 + 2);
+        for (int t : {0, 1}) {
+          const auto& s = r.trainers[t];
+          EXPECT_FALSE(s.lost);
+          EXPECT_EQ(s.epoch, 2);
+          // The batch its call to ps1 failed in, and the other trainer's
+          // when that came one batch later.
+          EXPECT_GE(s.dropped_batches, 1) << "trainer" << t;
+          EXPECT_LE(s.dropped_batches, 2) << "trainer" << t;
+          ASSERT_EQ(s.losses.size(), 6u);
+          EXPECT_LT(s.losses.back(), s.losses.front()) << "trainer" << t << " did not learn";
+        }
+        EXPECT_TRUE(at::equal(r.trainers[0].dense_parameters, r.trainers[1].dense_parameters))
+            << "the trainers' dense stacks differ";
+        ASSERT_EQ(r.tables_after.size(), 2u);
+        EXPECT_EQ(r.tables_after[1].sizes(), (std::vector<int64_t>{64, 8}));
+        EXPECT_FALSE(at::equal(r.tables_before[1], r.tables_after[1]));
+      },
+      models::HybridServerOptions{dir});
+}
+
+MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticServerLostIsRestoredFromAReplica, 5,
+                               absl::Seconds(300)) {
+  lose_a_server(/*replicate=*/true, "", "replica");
+}
+
+MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticServerLostIsRestoredFromAFile, 5,
+                               absl::Seconds(300)) {
+  // Every rank of the test shares the directory (its parent's TEST_TMPDIR).
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  lose_a_server(/*replicate=*/false, tmp != nullptr ? tmp : "/tmp", "file");
 }
 
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, LearnsALearnableTargetAndRefusesOtherOptions, 4,

@@ -225,21 +225,37 @@ LocalOptimizer::LocalOptimizer(std::string kind, std::vector<std::string> option
 
 LocalOptimizer::~LocalOptimizer() = default;
 
+void without_steps(const std::function<void()>& fn) {
+  absl::MutexLock lock(&g_step_mu);
+  fn();
+}
+
 int64_t LocalOptimizer::step(int64_t context_id) {
   c10::Dict<at::Tensor, at::Tensor> grads = dist_autograd::get_gradients(context_id);
   absl::MutexLock lock(&g_step_mu);
   int64_t applied = 0;
-  for (at::Tensor& p : impl_->params) {
+  // Each parameter's version before the step (-1: no gradient).
+  std::vector<int64_t> versions(impl_->params.size(), -1);
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    at::Tensor& p = impl_->params[i];
     auto it = grads.find(p);
     if (it != grads.end()) {
       p.mutable_grad() = it->value();
+      versions[i] = p._version();
       ++applied;
     } else {
       p.mutable_grad() = at::Tensor();
     }
   }
   impl_->optimizer->step();
-  for (at::Tensor& p : impl_->params) p.mutable_grad() = at::Tensor();
+  // Some of torch::optim's rules update through .data(), which leaves the
+  // parameter's version counter as it was; a step counts at least once, as
+  // torch.optim's in-place update counts.
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    at::Tensor& p = impl_->params[i];
+    if (versions[i] >= 0 && p._version() == versions[i]) p.unsafeGetTensorImpl()->bump_version();
+    p.mutable_grad() = at::Tensor();
+  }
   return applied;
 }
 

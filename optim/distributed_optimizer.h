@@ -3,6 +3,10 @@
 //   optim::DistributedOptimizer opt("sgd", {{"lr", 0.05}}, param_rrefs);
 //   opt.step(context_id);   // inside dist_autograd::Context
 //
+// A step changes each parameter it updates in place, as torch.optim's
+// update does: the parameter's version counter (_version()) grows with
+// every step applied to it, by exactly one for "sgd".
+//
 // Parameters are RRef<at::Tensor>s that may live on any worker. One local
 // torch::optim optimizer is created per owner (by rpc::remote); step() runs
 // all of them in parallel with that context's gradients and throws the first
@@ -13,6 +17,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -45,6 +50,11 @@ class DistributedOptimizer {
  private:
   std::vector<rpc::RRef<LocalOptimizer>> optimizers_;
 };
+
+// Runs `fn` while no LocalOptimizer of this process applies a step: what
+// it reads of parameters that optimizers update (a checkpoint's copy, say)
+// is whole steps, never part of one. `fn` must not step an optimizer.
+void without_steps(const std::function<void()>& fn);
 
 // The per-owner part (created remotely by DistributedOptimizer).
 class LocalOptimizer {

@@ -115,12 +115,22 @@ void every_kind_matches_torch_optim(at::ScalarType dtype, double rtol, double at
       rpc::RRef<at::Tensor> untouched = rpc::remote<at::Tensor>(
           "worker1", "make_param", std::vector<double>{1.0, 2.0}, type);
       optim::DistributedOptimizer opt(c.kind, c.ours, {p, untouched});
+      const int64_t p_version = p.rpc_sync<int64_t>("version");
+      const int64_t untouched_version = untouched.rpc_sync<int64_t>("version");
       for (const auto& g : kGrads) {
         dist_autograd::Context context;
         at::Tensor scaled = rpc::rpc_sync<at::Tensor>("worker1", "times", p, at::tensor(g, at::kFloat));
         dist_autograd::backward(context.id(), {scaled.sum()});
         opt.step(context.id());
       }
+      // A step changes each parameter it updates: sgd's once.
+      const int64_t changes = p.rpc_sync<int64_t>("version") - p_version;
+      if (c.kind == "sgd") {
+        EXPECT_EQ(changes, static_cast<int64_t>(kGrads.size()));
+      } else {
+        EXPECT_GE(changes, static_cast<int64_t>(kGrads.size()));
+      }
+      EXPECT_EQ(untouched.rpc_sync<int64_t>("version"), untouched_version);
       const at::Tensor got = p.to_here();
       EXPECT_EQ(got.scalar_type(), dtype);
       const at::Tensor want = at::tensor(expected.at(c.kind), at::kFloat);
@@ -150,6 +160,12 @@ at::Tensor make_param(std::vector<double> values, int64_t dtype) {
   return at::tensor(values, at::kFloat).to(static_cast<at::ScalarType>(dtype)).requires_grad_(true);
 }
 DDPRPC_REGISTER_FUNCTION(make_param);
+
+// The version counter of a parameter, on its owner.
+static bool version_registered = [] {
+  rpc::register_value_method("version", [](const at::Tensor& t) { return t._version(); });
+  return true;
+}();
 at::Tensor times(rpc::RRef<at::Tensor> param, at::Tensor factor) { return param.local_value() * factor; }
 DDPRPC_REGISTER_FUNCTION(times);
 }  // namespace

@@ -7,8 +7,10 @@ MASTER_PORT, --listen_address), once without a fault and once per fault:
 kill -9 and kill -STOP of a trainer, a parameter server, the master and
 rank 0 (which hosts the store); one host's link down for 3 s, then up; one
 host's link down for good; and, with --elastic, kill -9 and kill -STOP of a
-trainer, which must complete with the other trainer and report the lost
-one, and kill -9 of rank 0, the store's host, which must end as without
+trainer and of a parameter server, and host 2's link (a trainer and a
+server) down for good, which must complete with the other trainer and the
+lost server's shard restored on the other server, and report what was
+lost, and kill -9 of rank 0, the store's host, which must end as without
 --elastic. Each case must either complete (the master
 prints the table) or end with an error naming a worker and a call, within
 the RPC timeout + 10 s of the fault, and every process that can end must
@@ -65,9 +67,13 @@ CASES = [
     ("kill -STOP rank 0 (trainer0, store)", "STOP", 0),
     ("link of host 2 down 3 s, then up", "FLAP", 2),
     ("link of host 2 down for good", "CUT", 2),
-    # With --elastic the job must train on without the lost trainer.
+    # With --elastic the job must train on without the lost trainer, and
+    # with ps1's shard restored on ps0 (from the replica ps0 holds).
     ("elastic: kill -9 trainer1", "KILL", 1, "elastic"),
     ("elastic: kill -STOP trainer1", "STOP", 1, "elastic"),
+    ("elastic: kill -9 ps1", "KILL", 3, "elastic"),
+    ("elastic: kill -STOP ps1", "STOP", 3, "elastic"),
+    ("elastic: link of host 2 down for good", "CUT", 2, "elastic"),
     # The store's host is not elastic: the job ends with an error naming a
     # worker, as without --elastic.
     ("elastic: kill -9 rank 0 (store)", "KILL", 0, "elastic, store lost"),
@@ -235,8 +241,21 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         "message": message[:300],
         "bound": bound,
         "elastic": must_complete,
-        "lost_reported": f"trainers lost: {ROLE[target]}" in master if elastic else False,
+        "lost_reported": all(lost in master for lost in expected_losses(fault, target))
+                         if elastic else False,
     }
+
+
+def expected_losses(fault, target):
+    """What the master of an elastic run must report lost: the workers of
+    the host cut off, or the one killed or stopped."""
+    ranks = [r for r, h in HOST_OF.items() if h == target] if fault == "CUT" else [target]
+    out = []
+    for r in ranks:
+        role = ROLE[r]
+        out.append(f"trainers lost: {role}" if role.startswith("trainer")
+                   else f"parameter servers lost: {role}")
+    return out
 
 
 class Progress:
@@ -371,8 +390,8 @@ def main():
         if r["case"] == "none" and r["outcome"] != "completed":
             failed.append(f"{r['case']}: the job without a fault did not complete")
         if r["elastic"] and (r["outcome"] != "completed" or not r["lost_reported"]):
-            failed.append(f"{r['case']}: the elastic job did not complete without the lost trainer "
-                          f"(outcome {r['outcome']}, lost trainer reported: {r['lost_reported']})")
+            failed.append(f"{r['case']}: the elastic job did not complete without the lost workers "
+                          f"(outcome {r['outcome']}, lost workers reported: {r['lost_reported']})")
         if r["outcome"] == "error" and not r["message"]:
             failed.append(f"{r['case']}: ended without an error naming a worker")
         if r["to_error"] is not None and r["to_error"] > r["bound"]:
