@@ -28,6 +28,7 @@
 #include <netdb.h>
 #include <sys/socket.h>
 #include <torch/version.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1136,6 +1137,10 @@ void check_flags() {
   kills();  // exits on what it cannot parse
   if (FLAGS_elastic && FLAGS_backend != "gloo") usage_error("--elastic needs --backend=gloo");
   if (FLAGS_checkpoint_every < 0) usage_error("--checkpoint_every must be at least 0");
+  if (struct stat st; !FLAGS_checkpoint_dir.empty() &&
+                      (::stat(FLAGS_checkpoint_dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))) {
+    usage_error(absl::StrCat("--checkpoint_dir: '", FLAGS_checkpoint_dir, "' is not a directory"));
+  }
   if (FLAGS_hosts < 0 || FLAGS_hosts > 9) usage_error("--hosts is 0..9");
   if (FLAGS_pytorch_iters == 0 || FLAGS_pytorch_iters < -1 || FLAGS_pytorch_warmup < -1) {
     usage_error("--pytorch_iters must be at least 1 (or -1), --pytorch_warmup at least 0 (or -1)");

@@ -190,6 +190,10 @@ int64_t checkpoint_shard(rpc::RRef<EmbeddingTable> table, std::string job, int64
       absl::StrAppend(&errors, " replica on ", replica, ": ", e.what());
     }
   }
+  if (kept > 0 && !errors.empty()) {
+    LOG_FIRST_N(WARNING, 4) << "checkpoint of shard " << shard << " at iteration " << iteration
+                            << " kept in part:" << errors;
+  }
   if (kept == 0) {
     throw std::runtime_error(absl::StrCat(
         "checkpoint of shard ", shard, " at iteration ", iteration, " was kept nowhere",
@@ -217,9 +221,11 @@ int64_t replica_iteration(std::string job, int64_t shard) {
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_replica_iteration, kReplicaIterationFunction,
                             &replica_iteration);
 
+// The end of a run: its replicas and checkpoint files go.
 void drop_replicas_here(std::string job) {
   check_job(job);
   drop_replicas(job);
+  remove_shard_files(server_checkpoint_dir(), job);
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_drop_replicas, kDropReplicasFunction,
                             &drop_replicas_here);

@@ -14,6 +14,7 @@
 #include <ATen/ops/equal.h>
 
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -286,7 +287,7 @@ void lose_a_server(bool replicate, const std::string& dir, const std::string& so
   options.collective_timeout = absl::Seconds(20);
   play(
       options,
-      [&options, &source] {
+      [&options, &source, &dir] {
         HybridTrainerOptions o = options;
         o.fetch_tables = true;
         o.return_dense_parameters = true;
@@ -327,6 +328,13 @@ void lose_a_server(bool replicate, const std::string& dir, const std::string& so
         ASSERT_EQ(r.tables_after.size(), 2u);
         EXPECT_EQ(r.tables_after[1].sizes(), (std::vector<int64_t>{64, 8}));
         EXPECT_FALSE(at::equal(r.tables_before[1], r.tables_after[1]));
+        // The run's checkpoint files went with it.
+        if (!dir.empty()) {
+          std::error_code error;
+          for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+            EXPECT_NE(entry.path().filename().string().rfind("hybrid", 0), 0u) << entry.path();
+          }
+        }
       },
       models::HybridServerOptions{dir});
 }

@@ -10,6 +10,7 @@
 #include <map>
 #include <utility>
 
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -124,6 +125,21 @@ absl::StatusOr<ShardCheckpoint> read_shard_file(const std::string& dir, const st
     return absl::DataLossError(absl::StrCat(path, " is not ", rows, "x", dim, " values long"));
   }
   return c;
+}
+
+void remove_shard_files(const std::string& dir, const std::string& job) {
+  if (!valid_job_name(job) || dir.empty()) return;
+  const std::string job_dir = absl::StrCat(dir, "/", job);
+  if (DIR* d = ::opendir(job_dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name.rfind("shard", 0) == 0 && name.find(".ckpt") != std::string::npos) {
+        ::unlink(absl::StrCat(job_dir, "/", name).c_str());
+      }
+    }
+    ::closedir(d);
+  }
+  ::rmdir(job_dir.c_str());
 }
 
 absl::Status hold_replica(const std::string& job, ShardCheckpoint checkpoint) {

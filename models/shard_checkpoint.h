@@ -43,6 +43,9 @@ absl::Status write_shard_file(const std::string& dir, const std::string& job,
 absl::StatusOr<ShardCheckpoint> read_shard_file(const std::string& dir, const std::string& job,
                                                 int64_t shard, int64_t rows, int64_t dim);
 
+// Removes the checkpoint files of `job` under `dir`, and its directory.
+void remove_shard_files(const std::string& dir, const std::string& job);
+
 // Replicas this process holds for other servers: the newest of each
 // (job, shard), at most kMaxReplicas in all (an older job's are dropped to
 // make room). Thread-safe.

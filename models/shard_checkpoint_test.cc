@@ -11,6 +11,8 @@
 #include <fstream>
 #include <string>
 
+#include <sys/stat.h>
+
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "models/hybrid_model.h"
@@ -53,6 +55,13 @@ TEST(ShardCheckpoint, FileRoundTripAndReplacement) {
   EXPECT_EQ(read_shard_file(dir, "job1", 2, 6, 3).status().code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(read_shard_file(dir, "job2", 2, 5, 3).status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(read_shard_file(dir, "../job1", 2, 5, 3).ok());
+  // The end of the job: its files and directory go, nothing else.
+  ASSERT_TRUE(write_shard_file(dir, "job3", first).ok());
+  remove_shard_files(dir, "job1");
+  EXPECT_EQ(read_shard_file(dir, "job1", 2, 5, 3).status().code(), absl::StatusCode::kNotFound);
+  struct stat st;
+  EXPECT_NE(::stat(absl::StrCat(dir, "/job1").c_str(), &st), 0);
+  EXPECT_TRUE(read_shard_file(dir, "job3", 2, 5, 3).ok());
 }
 
 TEST(ShardCheckpoint, DamagedFilesAreRefused) {
