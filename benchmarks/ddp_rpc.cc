@@ -90,6 +90,12 @@ DEFINE_string(kill, "",
               "included); parameter server N ends its own when the trainers' rank 0 starts "
               "iteration K (before that iteration's checkpoint); trainers need --elastic to "
               "train on, servers need it at all; leaves PyTorch's reference out");
+DEFINE_string(add, "",
+              "--elastic: standby trainers, comma-separated trainer@iterK: one more trainer "
+              "process per entry (trainer<trainers + j>, started with the job, outside the "
+              "membership) asks to join when the trainers' rank 0 starts iteration K, is "
+              "admitted at the next iteration boundary, takes the dense stack from the "
+              "trainers' rank 0 and trains on; the world size counts them");
 DEFINE_int32(checkpoint_every, 10,
              "--elastic: checkpoint every embedding shard every N iterations (and once before "
              "the first); 0: only before the first");
@@ -196,7 +202,12 @@ std::vector<models::DenseKernel> dense_kernels() {
   return out;
 }
 
-models::HybridWorld world() { return models::HybridWorld(FLAGS_trainers, FLAGS_ps); }
+std::vector<models::HybridTrainerOptions::Add> adds();
+
+// Every trainer of the world: --trainers, then the standbys of --add.
+int all_trainers() { return FLAGS_trainers + static_cast<int>(adds().size()); }
+
+models::HybridWorld world() { return models::HybridWorld(all_trainers(), FLAGS_ps); }
 
 // ---------------------------------------------------------------------------
 // Placement: which role this process runs and where the rendezvous is.
@@ -227,15 +238,16 @@ Placement placement() {
     p.master_addr = env.master_addr;
   }
   if (p.master_port == 0) p.master_port = env.master_port;
-  const int world = FLAGS_trainers + FLAGS_ps + 1;
+  const int world = all_trainers() + FLAGS_ps + 1;
   const int world_size = FLAGS_world_size > 0 ? FLAGS_world_size : env.world_size;
   if (world_size <= 0) usage_error("a rank needs --world_size (or WORLD_SIZE, SLURM_NTASKS)");
   if (world_size != world) {
     usage_error(absl::StrFormat(
-        "world size %d does not match --trainers=%d --ps=%d: the ranks are trainers 0..%d, "
+        "world size %d does not match --trainers=%d --ps=%d%s: the ranks are trainers 0..%d, "
         "parameter servers %d..%d and the master %d, so the world size must be %d",
-        world_size, FLAGS_trainers, FLAGS_ps, FLAGS_trainers - 1, FLAGS_trainers, world - 2,
-        world - 1, world));
+        world_size, FLAGS_trainers, FLAGS_ps,
+        adds().empty() ? "" : absl::StrCat(" and ", adds().size(), " --add standby trainer(s)"),
+        all_trainers() - 1, all_trainers(), world - 2, world - 1, world));
   }
   if (p.rank >= world) {
     usage_error(absl::StrFormat("rank %d is outside the world of %d processes", p.rank, world));
@@ -280,6 +292,24 @@ std::vector<models::HybridTrainerOptions::Kill> kills() {
   return out;
 }
 
+// --add, parsed; exits on what it cannot parse.
+std::vector<models::HybridTrainerOptions::Add> adds() {
+  std::vector<models::HybridTrainerOptions::Add> out;
+  for (absl::string_view item : absl::StrSplit(FLAGS_add, ',', absl::SkipEmpty())) {
+    models::HybridTrainerOptions::Add a;
+    absl::string_view rest = item;
+    if (!absl::ConsumePrefix(&rest, "trainer@iter") || !absl::SimpleAtoi(rest, &a.iteration)) {
+      usage_error(absl::StrCat("--add: '", item, "' is not trainer@iterK"));
+    }
+    if (a.iteration < 0 || a.iteration >= FLAGS_warmup + FLAGS_iters) {
+      usage_error(absl::StrCat("--add: '", item, "': no such iteration"));
+    }
+    if (!FLAGS_elastic) usage_error(absl::StrCat("--add: '", item, "' needs --elastic"));
+    out.push_back(a);
+  }
+  return out;
+}
+
 // The workload of the flags, as the trainer library takes it.
 models::HybridTrainerOptions trainer_options() {
   models::HybridTrainerOptions o;
@@ -305,6 +335,7 @@ models::HybridTrainerOptions trainer_options() {
   o.checkpoint_every = FLAGS_checkpoint_every;
   o.replicate_checkpoints = FLAGS_replicate_checkpoints;
   o.kills = kills();
+  o.adds = adds();
   const ddprpc::ddp::ProcessGroupOptions group = bench::group_options();
   o.same_host_allreduce = group.same_host_allreduce;
   o.max_spin = group.max_spin;
@@ -465,6 +496,8 @@ bench::JsonValue to_result(const RunFigures& f) {
   for (const auto& t : f.trainers) {
     auto& tf = *trainers->add_values()->mutable_struct_value()->mutable_fields();
     tf["lost"].set_bool_value(t.lost);
+    tf["joined"].set_bool_value(t.joined);
+    tf["first_iteration"] = number_json(t.first_iteration);
     tf["lost_reason"].set_string_value(t.lost_reason);
     tf["dropped_batches"] = number_json(t.dropped_batches);
     tf["recovery_s"] = list_json(t.recovery_s);
@@ -512,6 +545,8 @@ bool from_result(const bench::JsonValue& v, RunFigures* f) {
   for (const auto& t : trainers->list_value().values()) {
     models::TrainerResult r;
     if (const bench::JsonValue* lost = bench::json_at(t, {"lost"})) r.lost = lost->bool_value();
+    if (const bench::JsonValue* j = bench::json_at(t, {"joined"})) r.joined = j->bool_value();
+    r.first_iteration = static_cast<int>(bench::json_number(t, {"first_iteration"}, 0));
     if (const bench::JsonValue* why = bench::json_at(t, {"lost_reason"})) {
       r.lost_reason = why->string_value();
     }
@@ -607,9 +642,16 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
   int survivors = 0, dropped = 0;
   std::vector<double> recovery;  // per loss: the slowest survivor's seconds
   std::vector<std::string> lost;
-  for (const auto& t : f.trainers) survivors += t.lost ? 0 : 1;
+  std::vector<std::string> joined;  // --add: "trainer<r> at iteration <k>"
+  for (const auto& t : f.trainers) survivors += t.lost || !t.joined ? 0 : 1;
   for (int r = 0; r < trainers; ++r) {
     const models::TrainerResult& t = f.trainers[r];
+    if (!t.joined) {
+      out << absl::StrFormat(" Trainer%d:  standby, never joined (the run ended first)\n", r);
+      json.key(absl::StrCat("trainer", r)).begin_object().key("joined").value(false).end_object();
+      continue;
+    }
+    if (r >= FLAGS_trainers) joined.push_back(absl::StrCat("trainer", r, " at iteration ", t.first_iteration));
     if (t.lost) {
       out << absl::StrFormat(" Trainer%d:  lost: %s\n", r, t.lost_reason.substr(0, 160));
       json.key(absl::StrCat("trainer", r)).begin_object().key("lost").value(t.lost_reason).end_object();
@@ -629,9 +671,11 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
     out << pct_line(absl::StrCat("Trainer", r), p) << "\n";
     json.key(absl::StrCat("trainer", r));
     json_percentiles(json, p, sec, exd);
-    for (size_t i = 0; i < sec.size() && i < all_sec.size(); ++i) {
-      all_sec[i] = std::max(all_sec[i], sec[i]);
-      all_ex[i] += exd[i];
+    // A standby's measured iterations start where it joined.
+    const size_t from = static_cast<size_t>(std::max(0, t.first_iteration - FLAGS_warmup));
+    for (size_t i = 0; i < sec.size() && from + i < all_sec.size(); ++i) {
+      all_sec[from + i] = std::max(all_sec[from + i], sec[i]);
+      all_ex[from + i] += exd[i];
     }
   }
   Percentiles all = percentiles(all_sec, all_ex);
@@ -649,12 +693,14 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
       }
     }
     out << absl::StrFormat(
-        "Elastic: membership epoch %d at the end; trainers lost: %s; parameter servers lost: %s; "
+        "Elastic: membership epoch %d at the end; trainers lost: %s; trainers joined: %s; "
+        "parameter servers lost: %s; "
         "batches dropped on each survivor: %d at most (of %d per trainer); from the start of a "
-        "dropped batch to the next completed one: %s s; shard checkpoints taken: %d; "
+        "failure (a dropped batch, a failed collective) to the next completed batch: %s s; shard "
+        "checkpoints taken: %d; "
         "parameter-server updates lost: %d\n",
         f.epoch, lost.empty() ? "none" : absl::StrJoin(lost, ", "),
-        servers_lost.empty() ? "none" : absl::StrJoin(servers_lost, ", "), dropped,
+        joined.empty() ? "none" : absl::StrJoin(joined, ", "), servers_lost.empty() ? "none" : absl::StrJoin(servers_lost, ", "), dropped,
         (FLAGS_warmup + FLAGS_iters) * FLAGS_batches_per_iter,
         recovery.empty() ? std::string("-")
                          : absl::StrJoin(recovery, ", ", [](std::string* o, double s) {
@@ -671,6 +717,8 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
     json.key("elastic").begin_object().key("epoch").value(static_cast<double>(f.epoch));
     json.key("trainers_lost").begin_array();
     for (const std::string& name : lost) json.value(name);
+    json.end_array().key("trainers_joined").begin_array();
+    for (const std::string& name : joined) json.value(name);
     json.end_array().key("servers_lost").begin_array();
     for (const std::string& name : servers_lost) json.value(name);
     json.end_array().key("batches_dropped").value(dropped);
@@ -1082,7 +1130,8 @@ int coordinator(int argc, char** argv) {
   const std::string script =
       bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/ddp_rpc.py");
   const bool pytorch =
-      FLAGS_pytorch && !FLAGS_check_convergence && FLAGS_kill.empty() && !script.empty();
+      FLAGS_pytorch && !FLAGS_check_convergence && FLAGS_kill.empty() && FLAGS_add.empty() &&
+      !script.empty();
   bench::RoundsPlan plan;
   plan.name = "ddp_rpc";
   plan.rounds = FLAGS_pairs;
@@ -1103,8 +1152,8 @@ int coordinator(int argc, char** argv) {
   if (rc != 0) return rc;
   if (FLAGS_check_convergence) {
     std::printf("PyTorch reference not run (--check_convergence)\n");
-  } else if (!FLAGS_kill.empty()) {
-    std::printf("PyTorch reference not run (--kill: PyTorch's RPC has no elastic training)\n");
+  } else if (!FLAGS_kill.empty() || !FLAGS_add.empty()) {
+    std::printf("PyTorch reference not run (--kill, --add: PyTorch's RPC has no elastic training)\n");
   } else if (!pytorch) {
     std::printf("PyTorch reference not run (--pytorch=false or no reference script found)\n");
   }
@@ -1134,7 +1183,8 @@ void check_flags() {
   if (FLAGS_dense_kernel.empty()) FLAGS_dense_kernel = models::default_dense_kernels();
   dense_kernels();  // exits on a name it does not know
   if (FLAGS_pairs < 1) usage_error("--pairs must be at least 1");
-  kills();  // exits on what it cannot parse
+  kills();  // exit on what they cannot parse
+  adds();
   if (FLAGS_elastic && FLAGS_backend != "gloo") usage_error("--elastic needs --backend=gloo");
   if (FLAGS_checkpoint_every < 0) usage_error("--checkpoint_every must be at least 0");
   if (struct stat st; !FLAGS_checkpoint_dir.empty() &&

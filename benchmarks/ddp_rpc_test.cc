@@ -309,7 +309,8 @@ TEST(DdpRpcBenchmarkTest, ElasticRunTrainsOnWithoutAKilledTrainer) {
   EXPECT_TRUE(std::regex_search(out, std::regex(R"(All \(2 of 3\):  p50:)"))) << out;
   EXPECT_TRUE(std::regex_search(
       out, std::regex(R"(Elastic: membership epoch 2 at the end; trainers lost: trainer1; )"
-                      R"(parameter servers lost: none; batches dropped on each survivor: 1 at most)")))
+                      R"(trainers joined: none; parameter servers lost: none; )"
+                      R"(batches dropped on each survivor: 1 at most)")))
       << out;
   EXPECT_NE(out.find("Convergence check: passed"), std::string::npos) << out;
   JsonValue report;
@@ -320,26 +321,31 @@ TEST(DdpRpcBenchmarkTest, ElasticRunTrainsOnWithoutAKilledTrainer) {
   EXPECT_TRUE(run_processes("elastic").empty()) << "orphaned benchmark processes";
 }
 
-// --elastic --kill: trainer1 of three ends itself at iteration 3, ps2 of
-// three as iteration 6 starts. The run completes: shard 2 is restored on
-// ps0 from the checkpoint of iteration 4 (ps2's of iteration 6 was not
-// taken), the trainers re-bind to it, the updates since that checkpoint
-// are counted as lost, and the run still converges.
+// --elastic --kill --add: trainer1 of three ends itself at iteration 3,
+// ps2 of three as iteration 6 starts, and trainer3, a standby, is called
+// to join at iteration 7. The run completes: shard 2 is restored on ps0
+// from the checkpoint of iteration 4 (ps2's of iteration 6 was not taken),
+// the trainers re-bind to it, the updates since that checkpoint are
+// counted as lost, trainer3 joins at a later iteration's start, and the
+// run still converges.
 TEST(DdpRpcBenchmarkTest, ElasticRunReplacesAKilledParameterServer) {
   const std::string json = test_tmp("elastic_ps.json");
   const std::string dir = test_tmp("checkpoints");
   ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
   Child c(binary(kBinary),
           {"--trainers=3", "--ps=3", "--pytorch=false", "--dense_kernel=xnnpack", "--iters=12",
-           "--warmup=0", "--elastic", "--kill=trainer1@iter3,ps2@iter6", "--checkpoint_every=4",
+           "--warmup=0", "--elastic", "--kill=trainer1@iter3,ps2@iter6", "--add=trainer@iter7",
+           "--checkpoint_every=4",
            "--checkpoint_dir=" + dir, "--check_convergence", "--rpc_timeout_s=20",
            "--json=" + json},
           "elastic_ps");
   ASSERT_EQ(c.wait_for(absl::Minutes(3)), 0) << tail(c.out()) << tail(c.err());
   const std::string out = c.out();
-  EXPECT_TRUE(std::regex_search(out, std::regex(R"(All \(2 of 3\):  p50:)"))) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex(R"(All \(3 of 4\):  p50:)"))) << out;
+  // Epochs: trainer1 out, ps2 out, trainer3 joining, trainer3 admitted.
   EXPECT_TRUE(std::regex_search(
-      out, std::regex(R"(Elastic: membership epoch 3 at the end; trainers lost: trainer1; )"
+      out, std::regex(R"(Elastic: membership epoch 5 at the end; trainers lost: trainer1; )"
+                      R"(trainers joined: trainer3 at iteration (8|9|1[01]); )"
                       R"(parameter servers lost: ps2; .*updates lost: [1-9][0-9]*)")))
       << out;
   EXPECT_TRUE(std::regex_search(
@@ -353,7 +359,7 @@ TEST(DdpRpcBenchmarkTest, ElasticRunReplacesAKilledParameterServer) {
   JsonValue report;
   std::string error;
   ASSERT_TRUE(parse_json(read_file(json), &report, &error)) << error;
-  EXPECT_EQ(json_number(report, {"ddprpc", "elastic", "epoch"}), 3);
+  EXPECT_EQ(json_number(report, {"ddprpc", "elastic", "epoch"}), 5);
   // Iterations 4 and 5 of two trainers (10 batches each), less what
   // reached neither: at least one iteration's worth.
   EXPECT_GE(json_number(report, {"ddprpc", "elastic", "updates_lost"}), 10);
@@ -364,10 +370,13 @@ TEST(DdpRpcBenchmarkTest, ElasticRunReplacesAKilledParameterServer) {
 // Faults it cannot inject are refused before anything starts.
 TEST(DdpRpcBenchmarkTest, KillsItCannotInjectAreRefused) {
   for (const char* kill : {"--kill=ps5@iter3", "--kill=trainer9@iter3", "--kill=trainer1@3",
-                           "--kill=master@iter3", "--kill=trainer1@iter1000"}) {
+                           "--kill=master@iter3", "--kill=trainer1@iter1000", "--add=ps@iter3",
+                           "--add=trainer@iter1000"}) {
     Child c(binary(kBinary), with(kSmall, {"--elastic", kill}), "badkill");
     EXPECT_EQ(c.wait_for(absl::Minutes(1)), 2) << kill << "\n" << tail(c.err());
-    EXPECT_NE(c.err().find("--kill"), std::string::npos) << kill << "\n" << tail(c.err());
+    EXPECT_TRUE(c.err().find("--kill") != std::string::npos ||
+                c.err().find("--add") != std::string::npos)
+        << kill << "\n" << tail(c.err());
   }
   // A server's loss is survived only with --elastic.
   Child c(binary(kBinary), with(kSmall, {"--kill=ps0@iter3"}), "badkill");

@@ -65,6 +65,17 @@ std::shared_ptr<ddp::ProcessGroup> ElasticGroup::group() {
   return group_;
 }
 
+absl::StatusOr<int64_t> ElasticGroup::advance() {
+  group_.reset();
+  absl::StatusOr<rpc::Membership> m = watch_->current();
+  if (!m.ok()) return m.status();
+  const int64_t from = epoch_;
+  if (absl::Status ok = form(*m); !ok.ok()) return ok;
+  LOG(WARNING) << "elastic group of '" << self_ << "': epoch " << from << " -> " << epoch_ << ", "
+               << members_.size() << " members (" << absl::StrJoin(members_, ",") << ")";
+  return epoch_;
+}
+
 absl::StatusOr<int64_t> ElasticGroup::recover(std::vector<at::Tensor> state) {
   const int64_t from = epoch_;
   // The old group goes first (the caller's holds on it too): a survivor

@@ -77,6 +77,12 @@ class ElasticGroup {
   // overwritten by rank 0's of the new group.
   absl::StatusOr<int64_t> recover(std::vector<at::Tensor> state);
 
+  // When the membership has grown (joiners admitted): every member of the
+  // current epoch, joiners included, calls it at the same point (a
+  // collective); the group of that epoch is formed, the old one dropped
+  // first. Returns the new epoch.
+  absl::StatusOr<int64_t> advance();
+
  private:
   // Forms the group of membership `m`.
   absl::Status form(const rpc::Membership& m);

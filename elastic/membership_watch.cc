@@ -140,6 +140,14 @@ absl::StatusOr<rpc::Membership> MembershipWatch::await_change(int64_t epoch,
 
 void MembershipWatch::report_lost(const std::string& worker) { state_->lost(worker); }
 
+absl::StatusOr<rpc::Membership> MembershipWatch::request_join(const std::string& worker) {
+  return state_->client().request_join(worker);
+}
+
+absl::StatusOr<rpc::Membership> MembershipWatch::admit_joining() {
+  return state_->client().admit_joining();
+}
+
 std::vector<std::string> MembershipWatch::removals() { return state_->removals(); }
 
 }  // namespace ddprpc::elastic

@@ -52,6 +52,12 @@ class MembershipWatch {
   // (for a worker found gone some other way: a collective that failed on
   // it, calls that time out).
   void report_lost(const std::string& worker);
+  // `worker` (a replacement: in the RPC world, not yet a member) asks to
+  // join; see rpc::MembershipClient::request_join.
+  absl::StatusOr<rpc::Membership> request_join(const std::string& worker);
+  // The joiners become members (at an iteration boundary); see
+  // rpc::MembershipClient::admit_joining.
+  absl::StatusOr<rpc::Membership> admit_joining();
   // Workers this watch removed or failed to remove (the error), in order.
   std::vector<std::string> removals();
 

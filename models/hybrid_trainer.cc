@@ -55,10 +55,12 @@ constexpr char kTablesFunction[] = "ddprpc.models.hybrid_trainer.tables";
 // What a trainer sends back: seconds, examples, mean ms per phase (forward,
 // backward, step, release), losses, flattened dense parameters (empty when
 // not asked for), batches dropped, the membership epoch it ended in,
-// seconds to recover from each loss, shard checkpoints it took.
+// seconds to recover from each loss, shard checkpoints it took, the
+// iteration it started at (a standby: where it joined; the epoch is -1 for
+// a standby the run ended without).
 using TrainerReply = std::tuple<std::vector<double>, std::vector<int64_t>, std::vector<double>,
                                 std::vector<double>, at::Tensor, int64_t, int64_t,
-                                std::vector<double>, int64_t>;
+                                std::vector<double>, int64_t, int64_t>;
 
 // What the master answers a trainer asking for the tables: how many shards
 // it has restored in the run so far, and the tables.
@@ -67,11 +69,21 @@ using TablesReply = std::tuple<int64_t, std::vector<rpc::RRef<EmbeddingTable>>>;
 // The store key of run `run`'s membership (elastic runs).
 std::string membership_key(int64_t run) { return absl::StrCat("hybrid/", run, "/membership"); }
 
-std::vector<std::string> world_names(const HybridWorld& world) {
+// The membership a run starts with: every worker but the standby trainers.
+std::vector<std::string> initial_members(const HybridTrainerOptions& o) {
+  const HybridWorld world(o);
   std::vector<std::string> names;
-  for (int r = 0; r < world.size(); ++r) names.push_back(world.name(r));
+  for (int r = 0; r < world.size(); ++r) {
+    if (r >= o.trainers && world.is_trainer(r)) continue;
+    names.push_back(world.name(r));
+  }
   return names;
 }
+
+// Store keys of run `run`: set when standby `j` may ask to join, and when
+// a trainer has finished (a standby not admitted by then never joins).
+std::string add_key(int64_t run, int j) { return absl::StrCat("hybrid/", run, "/add/", j); }
+std::string done_key(int64_t run) { return absl::StrCat("hybrid/", run, "/done"); }
 
 // The options and callback of this process's HybridTrainerService.
 struct Served {
@@ -106,7 +118,7 @@ std::shared_ptr<elastic::MembershipWatch> watch_membership(const HybridTrainerOp
   options.key = membership_key(run);
   options.max_attempts = 16;
   absl::StatusOr<std::shared_ptr<elastic::MembershipWatch>> watch =
-      elastic::MembershipWatch::start(std::move(store), world_names(HybridWorld(o)), options);
+      elastic::MembershipWatch::start(std::move(store), initial_members(o), options);
   if (!watch.ok()) throw std::runtime_error(std::string(watch.status().message()));
   return *watch;
 }
@@ -348,6 +360,37 @@ TablesReply tables_of(std::string job, int64_t epoch) {
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_tables, kTablesFunction, &tables_of);
 
+// A standby trainer (`self`, adds[j]) of run `run`: waits for the
+// trainers' rank 0 to reach the iteration it joins at, asks to join and
+// waits to be admitted. False when the run's trainers finished first.
+absl::StatusOr<bool> join_as_standby(const HybridTrainerOptions& o, int64_t run, rpc::Store& store,
+                                     elastic::MembershipWatch& watch, const std::string& self,
+                                     int j) {
+  const absl::Time deadline = absl::Now() + o.run_timeout;
+  auto timed_out = [&](const char* what) {
+    return absl::DeadlineExceededError(absl::StrCat(self, " (standby) ", what, " within ",
+                                                    absl::FormatDuration(o.run_timeout)));
+  };
+  while (!store.check({add_key(run, j)})) {
+    if (store.check({done_key(run)})) return false;
+    if (absl::Now() > deadline) return timed_out("was never called to join");
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  absl::StatusOr<rpc::Membership> m = watch.request_join(self);
+  if (!m.ok()) return m.status();
+  for (;;) {
+    if (m->is_member(self)) return true;
+    if (!m->is_joining(self)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(self, " (standby) was taken out of the membership while it waited"));
+    }
+    if (store.check({done_key(run)})) return false;
+    if (absl::Now() > deadline) return timed_out("was not admitted");
+    absl::StatusOr<rpc::Membership> next = watch.await_change(m->epoch, absl::Milliseconds(200));
+    if (next.ok()) m = next;
+  }
+}
+
 // Runs on trainer `rank`, called by the master: run `run` of the world
 // (job `job`), over `tables`.
 TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, int64_t run,
@@ -387,15 +430,28 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   std::shared_ptr<elastic::MembershipWatch> watch;
   std::unique_ptr<elastic::ElasticGroup> elastic_group;
   std::shared_ptr<ddp::ProcessGroup> group;
+  const std::string self = HybridWorld(o).name(static_cast<int>(rank));
+  // A standby (adds): joins when the trainers' rank 0 starts its iteration.
+  const int standby = static_cast<int>(rank) - o.trainers;  // >= 0: adds[standby]
+  int first_iteration = 0;
   if (o.elastic) {
     watch = watch_membership(o, run);
+    if (standby >= 0) {
+      absl::StatusOr<bool> admitted = join_as_standby(o, run, *store, *watch, self, standby);
+      if (!admitted.ok()) throw std::runtime_error(std::string(admitted.status().message()));
+      if (!*admitted) {
+        TrainerReply never;
+        std::get<4>(never) = at::empty({0});
+        std::get<6>(never) = -1;  // never joined
+        return never;
+      }
+    }
     elastic::ElasticGroup::Options eo;
     eo.role = "trainer";
     eo.prefix = absl::StrCat("ddp/trainers/", run, "/elastic/");
     eo.group = group_options;
     eo.change_timeout = o.collective_timeout;
-    elastic_group = std::make_unique<elastic::ElasticGroup>(
-        store, watch, HybridWorld(o).name(static_cast<int>(rank)), eo);
+    elastic_group = std::make_unique<elastic::ElasticGroup>(store, watch, self, eo);
     group = elastic_group->group();
   } else {
     group = make_group(store, absl::StrCat("ddp/trainers/", run, "/"), static_cast<int>(rank),
@@ -403,8 +459,12 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   }
   ddp::DdpOptions ddp_options;
   ddp_options.timeout = o.collective_timeout;
-  auto ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), std::move(group),
-                                                           ddp_options);
+  // A standby builds its DDP when it meets the others (below).
+  std::unique_ptr<ddp::DistributedDataParallel> ddp;
+  if (standby < 0) {
+    ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), std::move(group),
+                                                         ddp_options);
+  }
   int64_t dropped = 0, checkpoints = 0;
   std::vector<double> recovery_s;
   std::optional<absl::Time> failed_at;  // start of the batch dropped last
@@ -412,10 +472,60 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
     return std::make_unique<optim::DistributedOptimizer>(
         "sgd", std::map<std::string, double>{{"lr", o.lr}}, model.parameter_rrefs());
   };
-  std::unique_ptr<optim::DistributedOptimizer> optimizer = make_optimizer();
+  std::unique_ptr<optim::DistributedOptimizer> optimizer;
   int64_t restores_seen = 0;  // the master's count of restored shards
   int64_t batch_index = 0;    // of the run: the same batch on every trainer
   int64_t resume_at = 0;      // elastic runs: the batches before it are dropped
+
+  // Elastic runs, after the group changed (ddp dropped): DDP over the new
+  // group (rank 0's dense stack broadcast to every member), the tables of
+  // that epoch (a lost server's shards restored elsewhere: the tables and
+  // the optimizer follow them), and the batch every member goes on from:
+  // the one after the furthest batch any member reached (a trainer whose
+  // call to a lost server failed a batch earlier than another's drops one
+  // more; a standby joining takes the others').
+  auto regrouped = [&](int64_t epoch) {
+    ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(),
+                                                         elastic_group->group(), ddp_options);
+    auto [restores, current] = rpc::rpc_sync<TablesReply>(
+        rpc::CallOptions{o.collective_timeout + absl::Seconds(5)}, "master", kTablesFunction, job,
+        epoch);
+    if (restores != restores_seen || optimizer == nullptr) {
+      if (restores != restores_seen) model.set_tables(std::move(current));
+      optimizer.reset();
+      optimizer = make_optimizer();
+      restores_seen = restores;
+    }
+    at::Tensor next = at::tensor(std::vector<int64_t>{batch_index}, at::kLong);
+    elastic_group->group()->allreduce_and_wait({next}, ddp::ReduceOp::kMax, o.collective_timeout);
+    resume_at = next.item<int64_t>();
+  };
+  // Elastic runs, after a batch or a collective failed: a trainer lost (or
+  // another failure: then recover() says so); every survivor goes on in
+  // the next epoch's group. This one's hold on the old group goes first: a
+  // survivor still waiting in one of its collectives fails at once instead
+  // of at its timeout.
+  auto recover = [&](const std::exception& e, int it) {
+    LOG(WARNING) << "trainer" << rank << ": iteration " << it << " drops a batch: " << e.what();
+    ddp.reset();
+    absl::StatusOr<int64_t> epoch = elastic_group->recover({});
+    if (!epoch.ok()) {
+      throw std::runtime_error(absl::StrCat(e.what(), "; the trainers could not go on without ",
+                                            "the lost one: ", epoch.status().message()));
+    }
+    regrouped(*epoch);
+  };
+  if (standby >= 0) {
+    // The others admitted this one at the start of an iteration, where it
+    // meets them: their dense stack, their tables, their next batch.
+    regrouped(elastic_group->epoch());
+    first_iteration = static_cast<int>(resume_at / o.batches_per_iter);
+    batch_index = int64_t{first_iteration} * o.batches_per_iter;
+    LOG(WARNING) << self << ": joined the trainers at iteration " << first_iteration << " (epoch "
+                 << elastic_group->epoch() << ")";
+  } else {
+    optimizer = make_optimizer();
+  }
 
   std::vector<double> seconds, losses;
   std::vector<int64_t> examples;
@@ -426,7 +536,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   progress.rank = static_cast<int>(rank);
   progress.total = total;
   if (service->on_progress) service->on_progress(progress);
-  for (int it = 0; it < total; ++it) {
+  for (int it = first_iteration; it < total; ++it) {
     for (const HybridTrainerOptions::Kill& kill : o.kills) {
       if (kill.role == HybridTrainerOptions::Role::kTrainer && kill.index == rank &&
           kill.iteration == it) {
@@ -434,8 +544,9 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
       }
     }
     // Elastic runs: the trainers' rank 0 injects the servers' faults of
-    // this iteration, then checkpoints the other shards.
-    if (o.elastic && elastic_group->rank() == 0) {
+    // this iteration, then checkpoints the other shards, then lets this
+    // iteration's standbys ask to join.
+    if (o.elastic && elastic_group->rank() == 0 && !(standby >= 0 && it == first_iteration)) {
       std::vector<std::string> killed;
       for (const HybridTrainerOptions::Kill& kill : o.kills) {
         if (kill.role != HybridTrainerOptions::Role::kPs || kill.iteration != it) continue;
@@ -450,6 +561,40 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
           checkpoints += checkpoint_tables(model.tables(), job, it, *m, o.replicate_checkpoints,
                                            killed, o.collective_timeout);
         }
+      }
+      for (size_t j = 0; j < o.adds.size(); ++j) {
+        if (o.adds[j].iteration == it) store->set(add_key(run, static_cast<int>(j)), "go");
+      }
+    }
+    // Elastic runs with standbys: at each iteration's start rank 0 admits
+    // those waiting, and every member learns of it (the largest epoch any
+    // member sees) and moves to the grown group at this same boundary.
+    if (o.elastic && !o.adds.empty() && !(standby >= 0 && it == first_iteration)) {
+      const absl::Time check_start = absl::Now();
+      try {
+        int64_t seen = elastic_group->epoch();
+        if (elastic_group->rank() == 0) {
+          absl::StatusOr<rpc::Membership> m = watch->current();
+          if (m.ok() && !m->joining.empty()) {
+            absl::StatusOr<rpc::Membership> admitted = watch->admit_joining();
+            if (admitted.ok()) seen = admitted->epoch;
+          }
+        }
+        at::Tensor epoch = at::tensor(std::vector<int64_t>{seen}, at::kLong);
+        elastic_group->group()->allreduce_and_wait({epoch}, ddp::ReduceOp::kMax,
+                                                   o.collective_timeout);
+        if (epoch.item<int64_t>() > elastic_group->epoch()) {
+          ddp.reset();
+          absl::StatusOr<int64_t> grown = elastic_group->advance();
+          if (!grown.ok()) {
+            throw std::runtime_error(absl::StrCat("admitting the standby trainers: ",
+                                                  grown.status().message()));
+          }
+          regrouped(*grown);
+        }
+      } catch (const std::exception& e) {
+        recover(e, it);  // no batch dropped; the recovery is timed from here
+        if (!failed_at) failed_at = check_start;
       }
     }
     const bool measured = it >= o.warmup;
@@ -475,38 +620,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
         t[3] = absl::Now();
       } catch (const std::exception& e) {
         if (!o.elastic) throw;
-        // A trainer lost in this batch (or another failure: then recover()
-        // says so): the batch is dropped here as on every survivor, which
-        // go on in the next epoch's group from rank 0's dense stack. This
-        // one's hold on the old group goes first: a survivor still waiting
-        // in one of its collectives fails at once instead of at its timeout.
-        LOG(WARNING) << "trainer" << rank << ": iteration " << it << " drops a batch: " << e.what();
-        ddp.reset();
-        absl::StatusOr<int64_t> epoch = elastic_group->recover({});
-        if (!epoch.ok()) {
-          throw std::runtime_error(absl::StrCat(e.what(), "; the trainers could not go on without ",
-                                                "the lost one: ", epoch.status().message()));
-        }
-        ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(),
-                                                             elastic_group->group(), ddp_options);
-        // A server lost: its shards are restored elsewhere by the master;
-        // the tables and the optimizer follow them.
-        auto [restores, current] = rpc::rpc_sync<TablesReply>(
-            rpc::CallOptions{o.collective_timeout + absl::Seconds(5)}, "master", kTablesFunction,
-            job, *epoch);
-        if (restores != restores_seen) {
-          model.set_tables(std::move(current));
-          optimizer.reset();
-          optimizer = make_optimizer();
-          restores_seen = restores;
-        }
-        // Every survivor goes on from the same batch, the one after the
-        // furthest batch dropped: a trainer whose call to a lost server
-        // failed a batch earlier than another's drops one more.
-        at::Tensor next = at::tensor(std::vector<int64_t>{batch_index}, at::kLong);
-        elastic_group->group()->allreduce_and_wait({next}, ddp::ReduceOp::kMax,
-                                                   o.collective_timeout);
-        resume_at = next.item<int64_t>();
+        recover(e, it);
         ++dropped;
         if (!failed_at) failed_at = t[0];
         continue;
@@ -539,6 +653,8 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
       service->on_progress(progress);
     }
   }
+  // A standby waiting to join does not wait past the run.
+  if (o.elastic && !o.adds.empty()) store->set(done_key(run), "1");
   for (double& ms : phase_ms) ms /= std::max<int64_t>(1, measured_batches);
   at::Tensor dense = at::empty({0});
   if (return_dense) {
@@ -554,7 +670,8 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
           dropped,
           elastic_group ? elastic_group->epoch() : int64_t{1},
           recovery_s,
-          checkpoints};
+          checkpoints,
+          first_iteration};
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_train, kTrainFunction, &train);
 
@@ -585,6 +702,7 @@ std::string HybridTrainerOptions::workload() const {
     absl::StrAppend(&faults, " kill=", k.role == Role::kPs ? "ps" : "trainer", k.index, "@",
                     k.iteration);
   }
+  for (const Add& a : adds) absl::StrAppend(&faults, " add=trainer@", a.iteration);
   return absl::StrFormat(
       "trainers=%d ps=%d num_embeddings=%d embedding_dim=%d iters=%d warmup=%d "
       "batches_per_iter=%d lr=%g seed=%d learnable_target=%d backend=%s lookups=%s "
@@ -616,6 +734,12 @@ std::string HybridTrainerOptions::invalid() const {
     if (ps_kill && !elastic) return "killing a parameter server needs an elastic run";
   }
   if (checkpoint_every < 0) return "checkpoint_every must be at least 0";
+  for (const Add& a : adds) {
+    if (!elastic) return "standby trainers (adds) need an elastic run";
+    if (a.iteration < 0 || a.iteration >= warmup + iters) {
+      return absl::StrFormat("a trainer added at iteration %d: no such iteration", a.iteration);
+    }
+  }
   if (elastic && backend == CollectiveBackend::kNccl) {
     return "elastic runs need the gloo backend";
   }
@@ -848,6 +972,9 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   // membership while its call is still running (stopped, cut off: its call
   // would only end at its deadline) is not waited for.
   std::vector<bool> abandoned(world.trainers(), false);
+  // Trainers that are or were members (a standby becomes one when admitted).
+  std::vector<bool> member(world.trainers(), false);
+  for (int r = 0; r < options.trainers; ++r) member[r] = true;
   std::string restore_error;
   if (watch == nullptr) {
     rpc::collect_all(runs_on).wait();
@@ -861,7 +988,10 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
       absl::StatusOr<rpc::Membership> m = watch->await_change(handled_epoch, absl::Milliseconds(100));
       if (!m.ok() || m->epoch <= handled_epoch) continue;
       for (int r = 0; r < world.trainers(); ++r) {
-        if (!runs_on[r].completed() && !m->is_member(world.name(r))) abandoned[r] = true;
+        if (m->is_member(world.name(r))) member[r] = true;
+        if (member[r] && !runs_on[r].completed() && !m->is_member(world.name(r))) {
+          abandoned[r] = true;
+        }
       }
       if (restore_error.empty()) {
         try {
@@ -916,10 +1046,16 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
       failures.push_back({r, runs_on[r].error_message()});
       continue;
     }
-    auto [seconds, examples, phase_ms, losses, dense, dropped, epoch, recovery, checkpoints] =
-        runs_on[r].value();
+    auto [seconds, examples, phase_ms, losses, dense, dropped, epoch, recovery, checkpoints,
+          first_iteration] = runs_on[r].value();
     result.checkpoints += checkpoints;
     TrainerResult t;
+    if (epoch < 0) {  // a standby the run ended without
+      t.joined = false;
+      result.trainers.push_back(std::move(t));
+      continue;
+    }
+    t.first_iteration = static_cast<int>(first_iteration);
     t.seconds = std::move(seconds);
     t.examples = std::move(examples);
     t.losses = std::move(losses);
@@ -933,9 +1069,9 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
     t.recovery_s = std::move(recovery);
     result.trainers.push_back(std::move(t));
   }
-  if (failures.empty() && result.lost_trainers.size() == static_cast<size_t>(world.trainers())) {
-    failures.push_back({0, "every trainer was lost"});
-  }
+  const bool trained = std::any_of(result.trainers.begin(), result.trainers.end(),
+                                   [](const TrainerResult& t) { return !t.lost && t.joined; });
+  if (failures.empty() && !trained) failures.push_back({0, "every trainer was lost"});
   if (!failures.empty()) throw HybridTrainingError(std::move(failures));
   result.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
   if (watch != nullptr) {

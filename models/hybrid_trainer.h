@@ -104,6 +104,17 @@ struct HybridTrainerOptions {
     Role role = Role::kTrainer;
   };
   std::vector<Kill> kills;
+  // Elastic runs: standby trainers, one per entry. trainer<trainers + j>
+  // is in the RPC world from the start (a process of the job, holding its
+  // secret) but not in the membership; when the trainers' rank 0 starts
+  // iteration adds[j].iteration it asks to join, is admitted at the next
+  // iteration boundary, gets the dense stack from the trainers' rank 0 and
+  // trains from that boundary on. A standby the run ends without is
+  // reported as never joined.
+  struct Add {
+    int iteration = 0;
+  };
+  std::vector<Add> adds;
   // Master only: fetch every table's weight before and after training.
   bool fetch_tables = false;
   // Master only: have each trainer return its dense parameters.
@@ -121,7 +132,9 @@ struct HybridTrainerOptions {
 class HybridWorld {
  public:
   HybridWorld(int trainers, int ps) : trainers_(trainers), ps_(ps) {}
-  explicit HybridWorld(const HybridTrainerOptions& o) : HybridWorld(o.trainers, o.ps) {}
+  // Standby trainers (adds) are trainers of the world.
+  explicit HybridWorld(const HybridTrainerOptions& o)
+      : HybridWorld(o.trainers + static_cast<int>(o.adds.size()), o.ps) {}
   int trainers() const { return trainers_; }
   int ps() const { return ps_; }
   int size() const { return trainers_ + ps_ + 1; }
@@ -211,9 +224,15 @@ struct TrainerResult {
   // the membership epoch the trainer ended in.
   int dropped_batches = 0;
   int64_t epoch = 1;
-  // Elastic runs: seconds from the start of each dropped batch (about when
-  // the trainer was lost) to the end of the next batch completed.
+  // Elastic runs: seconds from the start of each dropped batch, or of the
+  // failed collective at an iteration's start (about when a worker was
+  // lost), to the end of the next batch completed.
   std::vector<double> recovery_s;
+  // Elastic runs: the iteration a standby trainer joined at (its seconds
+  // and examples are of the measured iterations from there on), 0 for the
+  // others; a standby the run ended without has `joined` false.
+  int first_iteration = 0;
+  bool joined = true;
 };
 
 // Elastic runs: a shard restored after its server was lost.

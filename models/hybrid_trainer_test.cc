@@ -339,6 +339,70 @@ void lose_a_server(bool replicate, const std::string& dir, const std::string& so
       models::HybridServerOptions{dir});
 }
 
+// Elastic: trainer1 of two dies as it starts its third iteration; trainer2,
+// a standby in the world from the start, is called to join at the fourth,
+// admitted at the start of a later one, takes trainer0's dense stack and
+// trains with it to the end.
+MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticStandbyJoinsAndTrains, 5,
+                               absl::Seconds(300)) {
+  HybridTrainerOptions options = small(2, 1);
+  options.learnable_target = true;
+  options.iters = 16;
+  options.warmup = 0;
+  options.lr = 0.1;
+  options.elastic = true;
+  options.kills = {{1, 2}};
+  options.adds = {{3}};
+  options.collective_timeout = absl::Seconds(20);
+  play(options, [&options] {
+    HybridTrainerOptions o = options;
+    o.return_dense_parameters = true;
+    const absl::Time start = absl::Now();
+    const models::HybridRunResult r = models::run_hybrid_training(o);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(60));
+    ASSERT_EQ(r.trainers.size(), 3u);
+    EXPECT_EQ(r.lost_trainers, std::vector<int>{1});
+    // 1 start, 2 without trainer1, 3 trainer2 joining, 4 admitted.
+    EXPECT_EQ(r.epoch, 4);
+    const auto& joined = r.trainers[2];
+    EXPECT_TRUE(joined.joined);
+    EXPECT_FALSE(joined.lost);
+    // Admitted at a boundary after it asked: how many iterations pass
+    // meanwhile depends on the machine (these take milliseconds).
+    EXPECT_GE(joined.first_iteration, 4);
+    EXPECT_LE(joined.first_iteration, 15);
+    EXPECT_EQ(joined.losses.size(), static_cast<size_t>(16 - joined.first_iteration));
+    EXPECT_EQ(joined.seconds.size(), joined.losses.size());
+    EXPECT_EQ(joined.epoch, 4);
+    EXPECT_EQ(r.trainers[0].losses.size(), 16u);
+    EXPECT_TRUE(at::equal(r.trainers[0].dense_parameters, joined.dense_parameters))
+        << "the joined trainer's dense stack differs from trainer0's";
+    EXPECT_LT(r.trainers[0].losses.back(), r.trainers[0].losses.front());
+  });
+}
+
+// A standby called to join at the last iteration is never admitted (no
+// boundary follows): the run ends normally and reports it never joined.
+MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticStandbyTheRunEndsWithout, 4,
+                               absl::Seconds(300)) {
+  HybridTrainerOptions options = small(1, 1);
+  options.iters = 3;
+  options.warmup = 0;
+  options.elastic = true;
+  options.adds = {{2}};
+  play(options, [&options] {
+    const absl::Time start = absl::Now();
+    const models::HybridRunResult r = models::run_hybrid_training(options);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+    ASSERT_EQ(r.trainers.size(), 2u);
+    EXPECT_TRUE(r.trainers[0].joined);
+    EXPECT_EQ(r.trainers[0].seconds.size(), 3u);
+    EXPECT_FALSE(r.trainers[1].joined);
+    EXPECT_FALSE(r.trainers[1].lost);
+    EXPECT_TRUE(r.trainers[1].seconds.empty());
+  });
+}
+
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticServerLostIsRestoredFromAReplica, 5,
                                absl::Seconds(300)) {
   lose_a_server(/*replicate=*/true, "", "replica");
