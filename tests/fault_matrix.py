@@ -10,8 +10,9 @@ host's link down for good; and, with --elastic, kill -9 and kill -STOP of a
 trainer and of a parameter server, and host 2's link (a trainer and a
 server) down for good, which must complete with the other trainer and the
 lost server's shard restored on the other server, and report what was
-lost, and kill -9 of rank 0, the store's host, which must end as without
---elastic. Each case must either complete (the master
+lost; a standby trainer (on host 2) called to join, which must join and
+train to the end; and kill -9 of rank 0, the store's host, which must end
+as without --elastic. Each case must either complete (the master
 prints the table) or end with an error naming a worker and a call, within
 the RPC timeout + 10 s of the fault, and every process that can end must
 have ended 20 s after that. A job that recovers trains on: as long as no
@@ -74,6 +75,10 @@ CASES = [
     ("elastic: kill -9 ps1", "KILL", 3, "elastic"),
     ("elastic: kill -STOP ps1", "STOP", 3, "elastic"),
     ("elastic: link of host 2 down for good", "CUT", 2, "elastic"),
+    # One trainer and a standby (rank 1, on host 2, outside the membership)
+    # called to join at iteration 30: it must join over the network and
+    # train to the end.
+    ("elastic: standby trainer1 joins", None, 1, "elastic", ["--trainers=1", "--add=trainer@iter30"]),
     # The store's host is not elastic: the job ends with an error naming a
     # worker, as without --elastic.
     ("elastic: kill -9 rank 0 (store)", "KILL", 0, "elastic, store lost"),
@@ -139,6 +144,7 @@ class Hosts:
 
 def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
     name, fault, target = case[:3]
+    extra = case[4] if len(case) > 4 else []  # after the usual flags: these win
     elastic = len(case) > 3 and case[3].startswith("elastic")
     must_complete = elastic and case[3] == "elastic"
     bound = rpc_timeout_s + 10
@@ -155,7 +161,8 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
             ["ip", "netns", "exec", hosts.ns[host], binary, f"--trainers={TRAINERS}", f"--ps={PS}",
              f"--iters={ITERS}", "--warmup=2", "--pytorch=false", f"--listen_address={hosts.addr(host)}",
              f"--rpc_timeout_s={rpc_timeout_s}", "--timeout_s=120", f"--bulk_min_bytes={BULK_MIN_BYTES}",
-             f"--json={os.path.join(logdir, f'{port}.json')}"] + (["--elastic"] if elastic else []),
+             f"--json={os.path.join(logdir, f'{port}.json')}"] + (["--elastic"] if elastic else [])
+            + extra,
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def text(rank):
@@ -241,14 +248,17 @@ def run_case(hosts, binary, case, port, rpc_timeout_s, logdir):
         "message": message[:300],
         "bound": bound,
         "elastic": must_complete,
-        "lost_reported": all(lost in master for lost in expected_losses(fault, target))
+        "lost_reported": all(lost in master for lost in expected_losses(fault, target, extra))
                          if elastic else False,
     }
 
 
-def expected_losses(fault, target):
-    """What the master of an elastic run must report lost: the workers of
-    the host cut off, or the one killed or stopped."""
+def expected_losses(fault, target, extra):
+    """What the master of an elastic run must report lost (or joined): the
+    workers of the host cut off, or the one killed or stopped (or the
+    standby)."""
+    if any(a.startswith("--add") for a in extra):
+        return [f"trainers joined: {ROLE[target]} at iteration"]
     ranks = [r for r, h in HOST_OF.items() if h == target] if fault == "CUT" else [target]
     out = []
     for r in ranks:
