@@ -290,26 +290,36 @@ void die(std::string why) {
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_die, kDieFunction, &die);
 
-// Checkpoints shard i of `tables` (but those on `skip`'s servers) at
-// `iteration`, each replicated to the next server of `m` when `replicate`.
-// Returns the checkpoints taken; logs those that failed (a server lost
-// shows up in the next batch).
-int64_t checkpoint_tables(const std::vector<rpc::RRef<EmbeddingTable>>& tables,
-                          const std::string& job, int64_t iteration, const rpc::Membership& m,
-                          bool replicate, const std::vector<std::string>& skip,
-                          absl::Duration timeout, std::string* error = nullptr) {
+// Checkpoints in flight: each call's shard and iteration.
+struct PendingCheckpoints {
+  std::vector<std::tuple<int64_t, int64_t, rpc::Future<int64_t>>> calls;
+};
+
+// Starts checkpointing shard i of `tables` (but those on `skip`'s servers)
+// at `iteration`, each replicated to the next server of `m` when
+// `replicate`, without waiting: the calls join `pending`.
+void start_checkpoints(const std::vector<rpc::RRef<EmbeddingTable>>& tables,
+                       const std::string& job, int64_t iteration, const rpc::Membership& m,
+                       bool replicate, const std::vector<std::string>& skip,
+                       absl::Duration timeout, PendingCheckpoints& pending) {
   const std::vector<std::string> servers = servers_of(m);
-  std::vector<std::pair<int64_t, rpc::Future<int64_t>>> calls;
   for (size_t i = 0; i < tables.size(); ++i) {
     const std::string host = tables[i].owner_name();
     if (std::find(skip.begin(), skip.end(), host) != skip.end()) continue;
     const std::string replica = replicate ? next_server(servers, host) : std::string();
-    calls.emplace_back(i, rpc::rpc_async<int64_t>(rpc::CallOptions{timeout}, host,
-                                                  kCheckpointFunction, tables[i], job,
-                                                  static_cast<int64_t>(i), iteration, replica));
+    pending.calls.emplace_back(
+        i, iteration,
+        rpc::rpc_async<int64_t>(rpc::CallOptions{timeout}, host, kCheckpointFunction, tables[i],
+                                job, static_cast<int64_t>(i), iteration, replica));
   }
+}
+
+// Waits for the checkpoints of `pending` (each bounded by its call's
+// timeout). Returns how many were taken; logs those that failed (a server
+// lost shows up in the next batch) and keeps the first error in `error`.
+int64_t finish_checkpoints(PendingCheckpoints& pending, std::string* error = nullptr) {
   int64_t taken = 0;
-  for (auto& [shard, call] : calls) {
+  for (auto& [shard, iteration, call] : pending.calls) {
     call.wait_for(absl::InfiniteDuration());
     if (!call.has_error()) {
       ++taken;
@@ -319,6 +329,7 @@ int64_t checkpoint_tables(const std::vector<rpc::RRef<EmbeddingTable>>& tables,
                             << " failed: " << call.error_message();
     if (error != nullptr && error->empty()) *error = call.error_message();
   }
+  pending.calls.clear();
   return taken;
 }
 
@@ -466,6 +477,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
                                                          ddp_options);
   }
   int64_t dropped = 0, checkpoints = 0;
+  PendingCheckpoints pending_checkpoints;  // taken by this trainer as rank 0
   std::vector<double> recovery_s;
   std::optional<absl::Time> failed_at;  // start of the batch dropped last
   auto make_optimizer = [&model, &o] {
@@ -555,11 +567,14 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
         rpc::rpc_async<void>(killed.back(), kDieFunction,
                              absl::StrCat("when trainer", rank, " started iteration ", it));
       }
+      // Checkpoints run beside training: the servers copy their shards
+      // between optimizer steps; the last ones are waited for here.
       if (o.checkpoint_every > 0 && it > 0 && it % o.checkpoint_every == 0) {
+        checkpoints += finish_checkpoints(pending_checkpoints);
         absl::StatusOr<rpc::Membership> m = watch->current();
         if (m.ok()) {
-          checkpoints += checkpoint_tables(model.tables(), job, it, *m, o.replicate_checkpoints,
-                                           killed, o.collective_timeout);
+          start_checkpoints(model.tables(), job, it, *m, o.replicate_checkpoints, killed,
+                            o.collective_timeout, pending_checkpoints);
         }
       }
       for (size_t j = 0; j < o.adds.size(); ++j) {
@@ -653,6 +668,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
       service->on_progress(progress);
     }
   }
+  checkpoints += finish_checkpoints(pending_checkpoints);
   // A standby waiting to join does not wait past the run.
   if (o.elastic && !o.adds.empty()) store->set(done_key(run), "1");
   for (double& ms : phase_ms) ms /= std::max<int64_t>(1, measured_batches);
@@ -940,8 +956,10 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
     absl::StatusOr<rpc::Membership> m = watch->current();
     if (!m.ok()) throw std::runtime_error(std::string(m.status().message()));
     std::string error;
-    result.checkpoints = checkpoint_tables(tables, job, 0, *m, options.replicate_checkpoints, {},
-                                           options.collective_timeout, &error);
+    PendingCheckpoints first;
+    start_checkpoints(tables, job, 0, *m, options.replicate_checkpoints, {},
+                      options.collective_timeout, first);
+    result.checkpoints = finish_checkpoints(first, &error);
     if (result.checkpoints < static_cast<int64_t>(tables.size())) {
       // Training goes on; a server lost before a later checkpoint of its
       // shards ends the run with the restore's error.
