@@ -175,6 +175,18 @@ HybridTrainerOptions small(int trainers, int ps) {
   return o;
 }
 
+// An elastic run of `iters` iterations (no warm-up) on a learnable target.
+HybridTrainerOptions elastic_run(int trainers, int ps, int iters) {
+  HybridTrainerOptions o = small(trainers, ps);
+  o.learnable_target = true;
+  o.iters = iters;
+  o.warmup = 0;
+  o.lr = 0.1;
+  o.elastic = true;
+  o.collective_timeout = absl::Seconds(20);
+  return o;
+}
+
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, TwoTrainersUnderDdp, 4, absl::Seconds(300)) {
   const HybridTrainerOptions options = small(2, 1);
   play(options, [&options] {
@@ -234,14 +246,8 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, TwoTrainersUnderDdp, 4, absl::
 // lost instead of failing.
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticTrainersGoOnWithoutALostOne, 5,
                                absl::Seconds(300)) {
-  HybridTrainerOptions options = small(3, 1);
-  options.learnable_target = true;
-  options.iters = 6;
-  options.warmup = 0;
-  options.lr = 0.1;
-  options.elastic = true;
+  HybridTrainerOptions options = elastic_run(3, 1, 6);
   options.kills = {{1, 2}};
-  options.collective_timeout = absl::Seconds(20);
   play(options, [&options] {
     HybridTrainerOptions o = options;
     o.return_dense_parameters = true;
@@ -275,16 +281,10 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticTrainersGoOnWithoutALos
 // re-bind to it, drop the batch they were in and still learn, and the
 // updates lost are counted: about one iteration of both trainers' steps.
 void lose_a_server(bool replicate, const std::string& dir, const std::string& source) {
-  HybridTrainerOptions options = small(2, 2);
-  options.learnable_target = true;
-  options.iters = 6;
-  options.warmup = 0;
-  options.lr = 0.1;
-  options.elastic = true;
+  HybridTrainerOptions options = elastic_run(2, 2, 6);
   options.checkpoint_every = 2;
   options.replicate_checkpoints = replicate;
   options.kills = {{1, 3, HybridTrainerOptions::Role::kPs}};
-  options.collective_timeout = absl::Seconds(20);
   play(
       options,
       [&options, &source, &dir] {
@@ -345,15 +345,9 @@ void lose_a_server(bool replicate, const std::string& dir, const std::string& so
 // trains with it to the end.
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticStandbyJoinsAndTrains, 5,
                                absl::Seconds(300)) {
-  HybridTrainerOptions options = small(2, 1);
-  options.learnable_target = true;
-  options.iters = 16;
-  options.warmup = 0;
-  options.lr = 0.1;
-  options.elastic = true;
+  HybridTrainerOptions options = elastic_run(2, 1, 16);
   options.kills = {{1, 2}};
   options.adds = {{3}};
-  options.collective_timeout = absl::Seconds(20);
   play(options, [&options] {
     HybridTrainerOptions o = options;
     o.return_dense_parameters = true;
