@@ -85,7 +85,7 @@ DEFINE_bool(elastic, false,
             "from their last checkpoint, and the trainers re-bind to them; the table marks "
             "what was lost (and the updates lost) and the run still ends normally");
 DEFINE_string(kill, "",
-              "faults to inject, comma-separated trainerN@iterK or psN@iterK: trainer N ends "
+              "faults to inject, comma-separated or one --kill each, trainerN@iterK or psN@iterK: trainer N ends "
               "its process at once (as a crash) when it starts iteration K (0-based, warm-up "
               "included); parameter server N ends its own when the trainers' rank 0 starts "
               "iteration K (before that iteration's checkpoint); trainers need --elastic to "
@@ -1197,10 +1197,31 @@ void check_flags() {
   }
 }
 
+// Every value of flag `name` on the command line, comma-joined (gflags
+// keeps only the last of a repeated flag): --kill and --add may be given
+// once per fault.
+std::string every_value(int argc, char** argv, const std::string& name) {
+  std::vector<std::string> values;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) continue;
+    if (!absl::ConsumePrefix(&arg, name)) continue;
+    if (absl::ConsumePrefix(&arg, "=")) {
+      values.emplace_back(arg);
+    } else if (arg.empty() && i + 1 < argc) {
+      values.emplace_back(argv[++i]);
+    }
+  }
+  return absl::StrJoin(values, ",");
+}
+
 // After main's one-time set-up; also where ranks forked by run_roles start.
 int rank_main(int argc, char** argv) {
   bench::keep_freed_memory();
   bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
+  FLAGS_kill = every_value(argc, argv, "kill");
+  FLAGS_add = every_value(argc, argv, "add");
   if (network_path()) {
     FLAGS_same_host_transport = false;
     FLAGS_same_host_allreduce = false;

@@ -334,7 +334,7 @@ TEST(DdpRpcBenchmarkTest, ElasticRunReplacesAKilledParameterServer) {
   ASSERT_EQ(::mkdir(dir.c_str(), 0700), 0);
   Child c(binary(kBinary),
           {"--trainers=3", "--ps=3", "--pytorch=false", "--dense_kernel=xnnpack", "--iters=12",
-           "--warmup=0", "--elastic", "--kill=trainer1@iter3,ps2@iter6", "--add=trainer@iter7",
+           "--warmup=0", "--elastic", "--kill=trainer1@iter3", "--kill=ps2@iter6", "--add=trainer@iter7",
            "--checkpoint_every=4",
            "--checkpoint_dir=" + dir, "--check_convergence", "--rpc_timeout_s=20",
            "--json=" + json},

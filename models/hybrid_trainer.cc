@@ -518,7 +518,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   // survivor still waiting in one of its collectives fails at once instead
   // of at its timeout.
   auto recover = [&](const std::exception& e, int it) {
-    LOG(WARNING) << "trainer" << rank << ": iteration " << it << " drops a batch: " << e.what();
+    LOG(WARNING) << "trainer" << rank << ": iteration " << it << ": " << e.what();
     ddp.reset();
     absl::StatusOr<int64_t> epoch = elastic_group->recover({});
     if (!epoch.ok()) {
@@ -586,30 +586,36 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
     // member sees) and moves to the grown group at this same boundary.
     if (o.elastic && !o.adds.empty() && !(standby >= 0 && it == first_iteration)) {
       const absl::Time check_start = absl::Now();
-      try {
-        int64_t seen = elastic_group->epoch();
-        if (elastic_group->rank() == 0) {
-          absl::StatusOr<rpc::Membership> m = watch->current();
-          if (m.ok() && !m->joining.empty()) {
-            absl::StatusOr<rpc::Membership> admitted = watch->admit_joining();
-            if (admitted.ok()) seen = admitted->epoch;
+      // After a recovery the check runs again: a survivor that recovered
+      // from a batch of the last iteration comes to this check only now.
+      for (int attempt = 0;; ++attempt) {
+        try {
+          int64_t seen = elastic_group->epoch();
+          if (elastic_group->rank() == 0) {
+            absl::StatusOr<rpc::Membership> m = watch->current();
+            if (m.ok() && !m->joining.empty()) {
+              absl::StatusOr<rpc::Membership> admitted = watch->admit_joining();
+              if (admitted.ok()) seen = admitted->epoch;
+            }
           }
-        }
-        at::Tensor epoch = at::tensor(std::vector<int64_t>{seen}, at::kLong);
-        elastic_group->group()->allreduce_and_wait({epoch}, ddp::ReduceOp::kMax,
-                                                   o.collective_timeout);
-        if (epoch.item<int64_t>() > elastic_group->epoch()) {
-          ddp.reset();
-          absl::StatusOr<int64_t> grown = elastic_group->advance();
-          if (!grown.ok()) {
-            throw std::runtime_error(absl::StrCat("admitting the standby trainers: ",
-                                                  grown.status().message()));
+          at::Tensor epoch = at::tensor(std::vector<int64_t>{seen}, at::kLong);
+          elastic_group->group()->allreduce_and_wait({epoch}, ddp::ReduceOp::kMax,
+                                                     o.collective_timeout);
+          if (epoch.item<int64_t>() > elastic_group->epoch()) {
+            ddp.reset();
+            absl::StatusOr<int64_t> grown = elastic_group->advance();
+            if (!grown.ok()) {
+              throw std::runtime_error(absl::StrCat("admitting the standby trainers: ",
+                                                    grown.status().message()));
+            }
+            regrouped(*grown);
           }
-          regrouped(*grown);
+          break;
+        } catch (const std::exception& e) {
+          if (attempt > HybridWorld(o).trainers()) throw;
+          recover(e, it);  // no batch dropped; the recovery is timed from here
+          if (!failed_at) failed_at = check_start;
         }
-      } catch (const std::exception& e) {
-        recover(e, it);  // no batch dropped; the recovery is timed from here
-        if (!failed_at) failed_at = check_start;
       }
     }
     const bool measured = it >= o.warmup;
