@@ -85,7 +85,8 @@ DEFINE_bool(elastic, false,
             "from their last checkpoint, and the trainers re-bind to them; the table marks "
             "what was lost (and the updates lost) and the run still ends normally");
 DEFINE_string(kill, "",
-              "faults to inject, comma-separated or one --kill each, trainerN@iterK or psN@iterK: trainer N ends "
+              "faults to inject, comma-separated or one --kill each, trainerN@iterK or "
+              "psN@iterK: trainer N ends "
               "its process at once (as a crash) when it starts iteration K (0-based, warm-up "
               "included); parameter server N ends its own when the trainers' rank 0 starts "
               "iteration K (before that iteration's checkpoint); trainers need --elastic to "
@@ -94,8 +95,8 @@ DEFINE_string(add, "",
               "--elastic: standby trainers, comma-separated trainer@iterK: one more trainer "
               "process per entry (trainer<trainers + j>, started with the job, outside the "
               "membership) asks to join when the trainers' rank 0 starts iteration K, is "
-              "admitted at the next iteration boundary, takes the dense stack from the "
-              "trainers' rank 0 and trains on; the world size counts them");
+              "admitted at the first iteration start after it asked, takes the dense stack "
+              "from the trainers' rank 0 and trains on; the world size counts them");
 DEFINE_int32(checkpoint_every, 10,
              "--elastic: checkpoint every embedding shard every N iterations (and once before "
              "the first); 0: only before the first");
@@ -275,7 +276,8 @@ std::vector<models::HybridTrainerOptions::Kill> kills() {
     } else {
       named = false;
     }
-    if (!named || !absl::ConsumePrefix(&parts[1], "iter") || !absl::SimpleAtoi(parts[0], &k.index) ||
+    if (!named || !absl::ConsumePrefix(&parts[1], "iter") ||
+        !absl::SimpleAtoi(parts[0], &k.index) ||
         !absl::SimpleAtoi(parts[1], &k.iteration)) {
       usage_error(absl::StrCat("--kill: '", item, "' is not trainerN@iterK or psN@iterK"));
     }
@@ -611,7 +613,9 @@ bool report_convergence(const RunFigures& f, std::ostream& out, bench::Json& jso
     all_changed = all_changed && t.rows_changed > 0;
     std::string moved;  // --elastic: the server it was restored on
     for (const models::ShardRestore& r : f.restores) {
-      if (r.shard == static_cast<int>(i)) moved = absl::StrCat(" (its shard now on ", r.restored_on, ")");
+      if (r.shard == static_cast<int>(i)) {
+        moved = absl::StrCat(" (its shard now on ", r.restored_on, ")");
+      }
     }
     out << absl::StrFormat("  ps%d%s: %d of %d embedding rows changed, weight norm %.4f -> %.4f\n",
                            i, moved, t.rows_changed, t.rows, t.norm_before, t.norm_after);
@@ -651,7 +655,9 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
       json.key(absl::StrCat("trainer", r)).begin_object().key("joined").value(false).end_object();
       continue;
     }
-    if (r >= FLAGS_trainers) joined.push_back(absl::StrCat("trainer", r, " at iteration ", t.first_iteration));
+    if (r >= FLAGS_trainers) {
+      joined.push_back(absl::StrCat("trainer", r, " at iteration ", t.first_iteration));
+    }
     if (t.lost) {
       out << absl::StrFormat(" Trainer%d:  lost: %s\n", r, t.lost_reason.substr(0, 160));
       json.key(absl::StrCat("trainer", r)).begin_object().key("lost").value(t.lost_reason).end_object();
@@ -688,7 +694,8 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
     std::vector<std::string> servers_lost;
     for (const models::ShardRestore& r : f.restores) {
       updates_lost += r.updates_lost;
-      if (std::find(servers_lost.begin(), servers_lost.end(), r.lost_server) == servers_lost.end()) {
+      if (std::find(servers_lost.begin(), servers_lost.end(), r.lost_server) ==
+          servers_lost.end()) {
         servers_lost.push_back(r.lost_server);
       }
     }
@@ -700,7 +707,8 @@ bool report(const RunFigures& f, const std::string& kernel, std::string* text,
         "checkpoints taken: %d; "
         "parameter-server updates lost: %d\n",
         f.epoch, lost.empty() ? "none" : absl::StrJoin(lost, ", "),
-        joined.empty() ? "none" : absl::StrJoin(joined, ", "), servers_lost.empty() ? "none" : absl::StrJoin(servers_lost, ", "), dropped,
+        joined.empty() ? "none" : absl::StrJoin(joined, ", "),
+        servers_lost.empty() ? "none" : absl::StrJoin(servers_lost, ", "), dropped,
         (FLAGS_warmup + FLAGS_iters) * FLAGS_batches_per_iter,
         recovery.empty() ? std::string("-")
                          : absl::StrJoin(recovery, ", ", [](std::string* o, double s) {

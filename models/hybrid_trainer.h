@@ -107,8 +107,8 @@ struct HybridTrainerOptions {
   // Elastic runs: standby trainers, one per entry. trainer<trainers + j>
   // is in the RPC world from the start (a process of the job, holding its
   // secret) but not in the membership; when the trainers' rank 0 starts
-  // iteration adds[j].iteration it asks to join, is admitted at the next
-  // iteration boundary, gets the dense stack from the trainers' rank 0 and
+  // iteration adds[j].iteration it asks to join, is admitted at the first
+  // iteration start after it asked, gets the dense stack from the trainers' rank 0 and
   // trains from that boundary on. A standby the run ends without is
   // reported as never joined.
   struct Add {

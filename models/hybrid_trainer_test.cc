@@ -341,8 +341,8 @@ void lose_a_server(bool replicate, const std::string& dir, const std::string& so
 
 // Elastic: trainer1 of two dies as it starts its third iteration; trainer2,
 // a standby in the world from the start, is called to join at the fourth,
-// admitted at the start of a later one, takes trainer0's dense stack and
-// trains with it to the end.
+// admitted at the start of that one or a later one, takes trainer0's dense
+// stack and trains with it to the end.
 MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticStandbyJoinsAndTrains, 5,
                                absl::Seconds(300)) {
   HybridTrainerOptions options = elastic_run(2, 1, 16);
@@ -361,9 +361,11 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticStandbyJoinsAndTrains, 
     const auto& joined = r.trainers[2];
     EXPECT_TRUE(joined.joined);
     EXPECT_FALSE(joined.lost);
-    // Admitted at a boundary after it asked: how many iterations pass
-    // meanwhile depends on the machine (these take milliseconds).
-    EXPECT_GE(joined.first_iteration, 4);
+    // Admitted at the first boundary after it asked (the start of its
+    // iteration itself, when it asked before trainer0 looked): how many
+    // iterations pass meanwhile depends on the machine (these take
+    // milliseconds).
+    EXPECT_GE(joined.first_iteration, 3);
     EXPECT_LE(joined.first_iteration, 15);
     EXPECT_EQ(joined.losses.size(), static_cast<size_t>(16 - joined.first_iteration));
     EXPECT_EQ(joined.seconds.size(), joined.losses.size());
