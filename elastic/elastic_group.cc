@@ -82,42 +82,64 @@ absl::StatusOr<int64_t> ElasticGroup::recover(std::vector<at::Tensor> state) {
   // still waiting in one of its collectives fails at once, not at its
   // timeout, and comes to recover as well.
   group_.reset();
-  // Which members are gone: a dead one fails its ping at once (the agent's
-  // hook then reports it), a stopped or cut-off one by the ping's timeout.
   std::shared_ptr<rpc::RpcAgent> agent = rpc::current_agent();
   if (agent == nullptr) return absl::FailedPreconditionError("recover() needs RPC (init_rpc)");
-  std::vector<std::pair<std::string, rpc::Future<c10::IValue>>> pings;
-  // No pings when the membership moved on already (another worker found
-  // the lost one while this one waited on its collective).
-  absl::StatusOr<rpc::Membership> now = watch_->current();
-  const bool moved_on = now.ok() && now->epoch > from;
-  for (const std::string& w : members_) {
-    if (w == self_ || moved_on) continue;
-    for (const rpc::WorkerInfo& info : agent->workers()) {
-      if (info.name == w) {
-        pings.emplace_back(w, agent->call(info.id, kPing, {}, options_.ping_timeout, "ping"));
+  const absl::Time deadline = absl::Now() + options_.change_timeout;
+  std::vector<std::string> lost;
+  for (;;) {
+    // The group to be: the role's members of the newest epoch, or the old
+    // group's while the membership has not moved on. Each is pinged first:
+    // a dead one fails at once (the agent's hook then reports it), a
+    // stopped or cut-off one by the ping's timeout; a member lost with
+    // another but not yet found (a host cut off) is found here, before a
+    // group is formed with it.
+    absl::StatusOr<rpc::Membership> now = watch_->current();
+    const bool moved_on = now.ok() && now->epoch > from;
+    std::vector<std::string> candidates = members_;
+    if (moved_on) {
+      candidates.clear();
+      for (const std::string& w : now->members) {
+        if (absl::StartsWith(w, options_.role)) candidates.push_back(w);
       }
     }
-  }
-  std::vector<std::string> lost;
-  for (auto& [name, ping] : pings) {
-    ping.wait_for(options_.ping_timeout + absl::Seconds(1));
-    if (!ping.completed() || ping.has_error()) {
-      lost.push_back(name);
-      watch_->report_lost(name);
+    std::vector<std::pair<std::string, rpc::Future<c10::IValue>>> pings;
+    for (const std::string& w : candidates) {
+      if (w == self_) continue;
+      for (const rpc::WorkerInfo& info : agent->workers()) {
+        if (info.name == w) {
+          pings.emplace_back(w, agent->call(info.id, kPing, {}, options_.ping_timeout, "ping"));
+        }
+      }
+    }
+    bool silent = false;
+    for (auto& [name, ping] : pings) {
+      ping.wait_for(options_.ping_timeout + absl::Seconds(1));
+      if (!ping.completed() || ping.has_error()) {
+        silent = true;
+        if (std::find(lost.begin(), lost.end(), name) == lost.end()) lost.push_back(name);
+        watch_->report_lost(name);
+      }
+    }
+    if (moved_on && !silent) {
+      absl::Status ok = form(*now);
+      if (ok.ok()) break;
+      if (ok.code() == absl::StatusCode::kFailedPrecondition) return ok;  // not a member
+      // A member that answered could not be met (it failed since, or
+      // another survivor forms a later epoch): wait for the next change.
+      if (absl::Now() >= deadline) return ok;
+    }
+    // Some survivor removes each lost member; the next epoch says which.
+    const int64_t seen = now.ok() ? std::max(now->epoch, from) : from;
+    absl::StatusOr<rpc::Membership> next =
+        watch_->await_change(seen, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+    if (!next.ok()) {
+      return absl::Status(next.status().code(),
+                          absl::StrCat("elastic group of '", self_, "' at epoch ", from, " (",
+                                       lost.empty() ? std::string("every member answered")
+                                                    : absl::StrCat("lost ", absl::StrJoin(lost, ",")),
+                                       "): ", next.status().message()));
     }
   }
-  // Some survivor removes each lost member; the next epoch says which.
-  absl::StatusOr<rpc::Membership> next = watch_->await_change(from, options_.change_timeout);
-  if (!next.ok()) {
-    return absl::Status(next.status().code(),
-                        absl::StrCat("elastic group of '", self_, "' at epoch ", from, " (",
-                                     lost.empty() ? std::string("every member answered")
-                                                  : absl::StrCat("lost ", absl::StrJoin(lost, ",")),
-                                     "): ", next.status().message()));
-  }
-  absl::Status ok = form(*next);
-  if (!ok.ok()) return ok;
   LOG(WARNING) << "elastic group of '" << self_ << "': epoch " << from << " -> " << epoch_ << ", "
                << members_.size() << " members (" << absl::StrJoin(members_, ",") << ")";
   if (!state.empty()) {

@@ -6,8 +6,9 @@
 // "<prefix>epoch<e>/". When one of its collectives fails (a member died,
 // stopped or was cut off), every survivor calls recover(): it pings the
 // group's members over RPC and reports those that do not answer to the
-// membership watch (unless the membership has moved on already), waits for
-// the next epoch, forms that epoch's group and
+// membership watch, waits for the next epoch, pings that epoch's members
+// the same way (a member lost with another, not yet found, is found before
+// a group is formed with it), forms that epoch's group and
 // broadcasts `state` (the replica's dense parameters, say) from its rank 0,
 // so that every survivor goes on from the same values whether or not its
 // own step completed. The step in flight is then dropped everywhere: run

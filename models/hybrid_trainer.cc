@@ -470,12 +470,14 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   }
   ddp::DdpOptions ddp_options;
   ddp_options.timeout = o.collective_timeout;
-  // A standby builds its DDP when it meets the others (below).
+  // A standby builds its DDP when it meets the others (below). Nothing
+  // else holds the group: when it is given up, its members must see it go.
   std::unique_ptr<ddp::DistributedDataParallel> ddp;
   if (standby < 0) {
     ddp = std::make_unique<ddp::DistributedDataParallel>(model.dense().ptr(), std::move(group),
                                                          ddp_options);
   }
+  group.reset();
   int64_t dropped = 0, checkpoints = 0;
   PendingCheckpoints pending_checkpoints;  // taken by this trainer as rank 0
   std::vector<double> recovery_s;
