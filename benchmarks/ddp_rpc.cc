@@ -586,15 +586,20 @@ bool from_result(const bench::JsonValue& v, RunFigures* f) {
 // batches) of the last iteration must be kMinLossFall below the first one's,
 // and every parameter server's table must have changed.
 bool report_convergence(const RunFigures& f, std::ostream& out, bench::Json& json) {
+  // Each iteration's mean over the trainers that ran it (a standby's losses
+  // start where it joined).
   std::vector<double> loss(FLAGS_iters + FLAGS_warmup, 0.0);
-  size_t survivors = 0;
-  for (const auto& trainer : f.trainers) survivors += trainer.lost ? 0 : 1;
+  std::vector<int> ran(loss.size(), 0);
   for (const auto& trainer : f.trainers) {
-    if (trainer.lost) continue;
-    for (size_t i = 0; i < loss.size() && i < trainer.losses.size(); ++i) {
-      loss[i] += trainer.losses[i] / static_cast<double>(survivors);
+    if (trainer.lost || !trainer.joined) continue;
+    for (size_t i = 0; i < trainer.losses.size(); ++i) {
+      const size_t at = static_cast<size_t>(trainer.first_iteration) + i;
+      if (at >= loss.size()) break;
+      loss[at] += trainer.losses[i];
+      ++ran[at];
     }
   }
+  for (size_t i = 0; i < loss.size(); ++i) loss[i] /= std::max(1, ran[i]);
   const double first = loss.front(), last = loss.back();
   const bool fell = last <= (1 - kMinLossFall) * first;
   out << absl::StrFormat(
@@ -960,7 +965,8 @@ int worker(const Placement& where) {
   }
   if (roles.is_ps(rank)) {
     server = std::make_unique<models::HybridServerService>(
-        models::HybridServerOptions{FLAGS_checkpoint_dir});
+        models::HybridServerOptions{FLAGS_checkpoint_dir,
+                                    /*accept_injected_faults=*/!FLAGS_kill.empty()});
   }
   rpc::init_rpc(roles.name(rank), rank, roles.size(), options);
   int rc = 0;
@@ -1228,8 +1234,9 @@ std::string every_value(int argc, char** argv, const std::string& name) {
 int rank_main(int argc, char** argv) {
   bench::keep_freed_memory();
   bench::parse_flags(&argc, &argv, "benchmarks/ddp_rpc");
-  FLAGS_kill = every_value(argc, argv, "kill");
-  FLAGS_add = every_value(argc, argv, "add");
+  // (Values from elsewhere, a --flagfile, stay when the command line has none.)
+  if (std::string kill = every_value(argc, argv, "kill"); !kill.empty()) FLAGS_kill = kill;
+  if (std::string add = every_value(argc, argv, "add"); !add.empty()) FLAGS_add = add;
   if (network_path()) {
     FLAGS_same_host_transport = false;
     FLAGS_same_host_allreduce = false;

@@ -52,6 +52,11 @@ absl::Status ElasticGroup::form(const rpc::Membership& m) {
   return absl::OkStatus();
 }
 
+void ElasticGroup::log_change(int64_t from) const {
+  LOG(WARNING) << "elastic group of '" << self_ << "': epoch " << from << " -> " << epoch_ << ", "
+               << members_.size() << " members (" << absl::StrJoin(members_, ",") << ")";
+}
+
 int ElasticGroup::rank() const {
   return static_cast<int>(std::find(members_.begin(), members_.end(), self_) - members_.begin());
 }
@@ -71,8 +76,7 @@ absl::StatusOr<int64_t> ElasticGroup::advance() {
   if (!m.ok()) return m.status();
   const int64_t from = epoch_;
   if (absl::Status ok = form(*m); !ok.ok()) return ok;
-  LOG(WARNING) << "elastic group of '" << self_ << "': epoch " << from << " -> " << epoch_ << ", "
-               << members_.size() << " members (" << absl::StrJoin(members_, ",") << ")";
+  log_change(from);
   return epoch_;
 }
 
@@ -140,8 +144,7 @@ absl::StatusOr<int64_t> ElasticGroup::recover(std::vector<at::Tensor> state) {
                                        "): ", next.status().message()));
     }
   }
-  LOG(WARNING) << "elastic group of '" << self_ << "': epoch " << from << " -> " << epoch_ << ", "
-               << members_.size() << " members (" << absl::StrJoin(members_, ",") << ")";
+  log_change(from);
   if (!state.empty()) {
     try {
       group_->broadcast(std::move(state), 0)->wait(options_.group.timeout);

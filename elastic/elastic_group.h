@@ -87,6 +87,8 @@ class ElasticGroup {
  private:
   // Forms the group of membership `m`.
   absl::Status form(const rpc::Membership& m);
+  // Logs the move from epoch `from` to the group formed now.
+  void log_change(int64_t from) const;
 
   const std::shared_ptr<rpc::Store> store_;
   const std::shared_ptr<MembershipWatch> watch_;

@@ -87,22 +87,21 @@ HybridModel::HybridModel(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t 
       tables_(std::move(tables)),
       dense_(make_dense(static_cast<int64_t>(tables_.size()) * embedding_dim,
                         options.dense_kernel)) {
-  if (options_.sparse) {
-    std::vector<rpc::Future<void>> set;
-    for (const auto& table : tables_) set.push_back(table.rpc_async(&EmbeddingTable::set_sparse, true));
-    rpc::wait_all(set);
-  }
+  apply_options(tables_);
+}
+
+void HybridModel::apply_options(const std::vector<rpc::RRef<EmbeddingTable>>& tables) {
+  if (!options_.sparse) return;
+  std::vector<rpc::Future<void>> set;
+  for (const auto& table : tables) set.push_back(table.rpc_async(&EmbeddingTable::set_sparse, true));
+  rpc::wait_all(set);
 }
 
 void HybridModel::set_tables(std::vector<rpc::RRef<EmbeddingTable>> tables) {
   if (tables.size() != tables_.size()) {
     throw std::invalid_argument("HybridModel::set_tables: another number of tables");
   }
-  if (options_.sparse) {
-    std::vector<rpc::Future<void>> set;
-    for (const auto& table : tables) set.push_back(table.rpc_async(&EmbeddingTable::set_sparse, true));
-    rpc::wait_all(set);
-  }
+  apply_options(tables);
   tables_ = std::move(tables);
 }
 

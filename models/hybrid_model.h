@@ -90,6 +90,9 @@ class HybridModel {
   std::vector<rpc::RRef<at::Tensor>> parameter_rrefs();
 
  private:
+  // The tables' gradients as options_ say (sparse).
+  void apply_options(const std::vector<rpc::RRef<EmbeddingTable>>& tables);
+
   const HybridModelOptions options_;
   std::vector<rpc::RRef<EmbeddingTable>> tables_;
   torch::nn::Sequential dense_;

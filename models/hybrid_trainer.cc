@@ -280,7 +280,7 @@ RestoreReply restore_shard(std::string job, int64_t shard, int64_t rows, int64_t
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_restore_shard, kRestoreFunction, &restore_shard);
 
 // An injected fault: this process ends at once, as a crash would end it.
-void die(std::string why) {
+[[noreturn]] void die(const std::string& why) {
   const std::shared_ptr<rpc::RpcAgent> agent = rpc::current_agent();
   std::fprintf(stderr, "%s: killed %s (injected fault)\n",
                agent ? agent->self().name.c_str() : "?", why.c_str());
@@ -288,7 +288,18 @@ void die(std::string why) {
   std::fflush(stderr);
   ::_exit(0);
 }
-DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_die, kDieFunction, &die);
+
+// The same, asked for by a job member: only on a server that accepts it.
+void die_on_request(std::string why) {
+  bool accepted = false;
+  {
+    absl::MutexLock lock(&server_mu);
+    accepted = server != nullptr && server->accept_injected_faults;
+  }
+  if (!accepted) throw std::runtime_error("this worker accepts no injected faults");
+  die(why);
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_die, kDieFunction, &die_on_request);
 
 // Checkpoints in flight: each call's shard and iteration.
 struct PendingCheckpoints {

@@ -185,6 +185,9 @@ struct HybridServerOptions {
   // A directory shared by every server (the job's files go under
   // "<checkpoint_dir>/<job>/", shard_checkpoint.h), or "".
   std::string checkpoint_dir;
+  // Whether a job member may end this server's process (ddp_rpc
+  // --kill=psN@iterK asks the trainers' rank 0 to); off, such a call fails.
+  bool accept_injected_faults = false;
 };
 
 // While one lives, this process's parameter server keeps `options`. At most
