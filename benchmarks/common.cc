@@ -56,6 +56,10 @@ DEFINE_int64(bulk_receive_cache_mb, 128,
 DEFINE_bool(same_host_allreduce, true,
             "let Gloo groups on one host reduce through shared memory and cross-process reads "
             "(false: Gloo's TCP algorithms)");
+DEFINE_bool(tcp_ring, true,
+            "between hosts, run Gloo groups' allreduces above 1 MiB as a streaming ring over "
+            "TCP connections of the group's own (ProcessGroupOptions::tcp_ring; false: Gloo's "
+            "ring)");
 DEFINE_bool(mutex_deadlock_detection, false,
             "keep abseil's mutex deadlock detection (Debian's abseil has it on; it costs ~5% "
             "of ddp_rpc's CPU)");
@@ -115,6 +119,7 @@ ddp::ProcessGroupOptions group_options() {
   ddp::ProcessGroupOptions options;
   options.same_host_allreduce = FLAGS_same_host_allreduce;
   options.max_spin = absl::Microseconds(FLAGS_spin_us);
+  options.tcp_ring = FLAGS_tcp_ring;
   return options;
 }
 
@@ -135,7 +140,8 @@ std::string runtime_settings() {
           ? absl::StrCat("from ", FLAGS_bulk_min_bytes >> 10, " KiB over ",
                          std::clamp(FLAGS_bulk_streams, 1, 16), " connections")
           : std::string("off"),
-      ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off",
+      ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off", ", TCP ring ",
+      FLAGS_tcp_ring ? "on" : "off",
       ", gRPC poll engine '", poll_engine(), "', abseil deadlock detection ",
       FLAGS_mutex_deadlock_detection ? "on" : "off");
 }

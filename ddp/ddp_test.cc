@@ -191,6 +191,75 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
 }
 
+// Between hosts (the same-host allreduce off), allreduces above 1 MiB run
+// the group's TCP ring; a group one of whose ranks turns it off runs Gloo's
+// ring on every rank. Both give the exact results, for each op and dtype.
+MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesBetweenHostsWithAndWithoutTheTcpRing, 3) {
+  const int r = mp::rank();
+  ddp::ProcessGroupOptions with_ring;
+  with_ring.same_host_allreduce = false;
+  ddp::ProcessGroupOptions mixed = with_ring;
+  mixed.tcp_ring = r != 1;
+  const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
+  for (const auto& [prefix, options] : {std::pair{"ring/", with_ring}, std::pair{"mixed/", mixed}}) {
+    SCOPED_TRACE(prefix);
+    auto pg = ddp::make_gloo_group(rank_store.store, prefix, r, 3, options);
+    constexpr int64_t kNumel = (3 << 20) / 4 + 5;  // 3 MiB of floats, not a multiple of 3
+    at::Tensor index = at::arange(kNumel, at::kFloat);
+    at::Tensor sum = at::remainder(index, 13) + r;
+    pg->allreduce({sum}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    ASSERT_TRUE(at::equal(sum, at::remainder(index, 13) * 3 + 3));
+    at::Tensor avg = at::remainder(index, 13) + r;
+    pg->allreduce({avg}, ddp::ReduceOp::kAvg)->wait(absl::Seconds(60));
+    ASSERT_TRUE(at::equal(avg, at::remainder(index, 13) + 1));
+    at::Tensor max = at::remainder(index + r, 3).to(at::kHalf);
+    pg->allreduce({max}, ddp::ReduceOp::kMax)->wait(absl::Seconds(60));
+    ASSERT_TRUE(at::equal(max, at::full({kNumel}, 2.0, at::kHalf)));
+    at::Tensor any = at::remainder(index + r, 3).eq(0);  // bool: a sum is a logical or
+    pg->allreduce({any}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    ASSERT_TRUE(any.all().item<bool>());
+    // Two tensors of different shapes, packed.
+    at::Tensor a = at::full({700, 1000}, r + 1.0), b = at::full({300001}, 2.0 * r);
+    pg->allreduce({a, b}, ddp::ReduceOp::kSum)->wait(absl::Seconds(60));
+    ASSERT_TRUE(at::equal(a, at::full({700, 1000}, 6.0)));
+    ASSERT_TRUE(at::equal(b, at::full({300001}, 6.0)));
+  }
+}
+
+// A rank that dies in a large allreduce between hosts fails the others at
+// once, not at the group's timeout.
+MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsALargeAllreduceBetweenHosts, 3) {
+  ddp::ProcessGroupOptions options;
+  options.same_host_allreduce = false;
+  options.timeout = absl::Seconds(60);
+  auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
+  at::Tensor t = at::ones({16 << 20});  // 64 MiB
+  pg->allreduce({t})->wait(absl::Seconds(60));
+  pg->barrier()->wait();
+  if (mp::rank() == 2) {
+    std::thread([] {
+      absl::SleepFor(absl::Milliseconds(50));
+      mp::die_abruptly();
+    }).detach();
+  }
+  const absl::Time start = absl::Now();
+  try {
+    for (int i = 0; i < 100; ++i) pg->allreduce({t})->wait(absl::Seconds(60));
+    ADD_FAILURE() << "allreduces with a dead rank succeeded";
+  } catch (const std::exception& e) {
+    // The ring's neighbours of rank 2 name it; rank 1 may fail first on
+    // its write to rank 2 or on rank 0 closing the ring.
+    EXPECT_NE(std::string(e.what()).find("TcpRing (rank " + std::to_string(mp::rank()) + " of 3)"),
+              std::string::npos)
+        << e.what();
+    if (mp::rank() == 0) {
+      EXPECT_NE(std::string(e.what()).find("rank 2 closed its connection"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
 // A group built on an existing store (as when RPC already hosts one): two
 // groups under different prefixes share it without mixing their keys.
 MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {

@@ -29,6 +29,7 @@
 #include "ddp/internal/same_host_allreduce.h"
 #include "ddp/internal/same_host_common.h"
 #include "ddp/internal/shm_allreduce.h"
+#include "ddp/internal/tcp_ring.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/init_method.h"
 #include "rpc/rendezvous/store.h"
@@ -74,6 +75,10 @@ constexpr int64_t kBcubeMaxBytes = 1 << 20;
 // at 64 MiB against 131-132 ms; 256 KiB ones were slower still, and 16 MiB
 // ones no faster than 4 MiB.
 constexpr size_t kRingSegmentBytes = 4 << 20;
+
+// Smallest allreduce (bytes) the group's own TCP ring takes; below, the
+// synchronous halving-doubling or Gloo's algorithms.
+constexpr int64_t kRingMinBytes = 256 << 10;
 
 // bool tensors reduce as bytes of 0 or 1: a sum is their maximum (a
 // logical or, as in PyTorch's Gloo group).
@@ -135,6 +140,7 @@ class ProcessGroupGloo : public ProcessGroup {
                                              options.same_host_allreduce, options.max_spin);
       same_host_ = internal::SameHostAllreduce::connect(context_, options.same_host_allreduce);
     }
+    if (size_ > 1 && !shm_ && !same_host_) connect_ring(store, prefix);
   }
 
   int rank() const override { return rank_; }
@@ -237,7 +243,15 @@ class ProcessGroupGloo : public ProcessGroup {
       sync->algorithm->run();
     } else {
       buffer = flat.size() == 1 && tensors[0].is_contiguous() ? flat[0] : at::cat(flat);
-      async_allreduce(buffer, op);
+      if (ring_ && buffer.numel() * buffer.element_size() >= kRingMinBytes) {
+        const at::ScalarType type = buffer.scalar_type();
+        ring_->allreduce(buffer.data_ptr(), buffer.numel(), buffer.element_size(),
+                         static_cast<int>(type), reduction_of(op, type),
+                         internal::reduce_fn(type, reduction_of(op, type)),
+                         absl::Now() + options_.timeout);
+      } else {
+        async_allreduce(buffer, op);
+      }
     }
     if (op == ReduceOp::kAvg) buffer.div_(size_);
     if (buffer.data_ptr() != tensors[0].data_ptr() || flat.size() > 1) {
@@ -270,6 +284,28 @@ class ProcessGroupGloo : public ProcessGroup {
                                             " could not connect to its peers: ", e.what()));
     }
     return context;
+  }
+
+  // The streaming ring between hosts (internal/tcp_ring.h), built when
+  // every rank takes part.
+  void connect_ring(const std::shared_ptr<rpc::Store>& store, const std::string& prefix) {
+    internal::TcpRing::Options ring;
+    ring.listen_address = options_.listen_address;
+    ring.timeout = options_.timeout;
+    ring.scope = prefix;
+    ring.enabled = options_.tcp_ring;
+    if (store->authenticated()) {
+      ring.sign = [store](absl::string_view m) { return store->sign(m); };
+    }
+    std::string why;
+    try {
+      ring_ = internal::TcpRing::connect(
+          rank_, size_,
+          [this](std::vector<int64_t> mine) { return internal::allgather(context_, std::move(mine)); },
+          ring, &why);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(absl::StrCat("ProcessGroupGloo: ", e.what()));
+    }
   }
 
   // Gloo's collective API (unbound buffers): every message is announced and
@@ -381,6 +417,8 @@ class ProcessGroupGloo : public ProcessGroup {
   // through shared memory, large ones by cross-process reads.
   std::unique_ptr<internal::ShmAllreduce> shm_;
   std::unique_ptr<internal::SameHostAllreduce> same_host_;
+  // Between hosts, when every rank takes part (null otherwise).
+  std::unique_ptr<internal::TcpRing> ring_;
   int64_t sync_max_bytes_ = 0;  // set at construction, the same on every rank
   // Used only by the operation running (on ops_' thread, or in run_now).
   std::map<std::tuple<int, int64_t, int>, SyncAllreduce> sync_allreduces_;

@@ -19,9 +19,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace ddprpc::ddp::internal {
+#include "ddp/internal/reduction.h"
 
-enum class Reduction { kSum, kMin, kMax };
+namespace ddprpc::ddp::internal {
 
 // The element loops run on the calling thread: ATen's kernels would start
 // an intra-op team per piece, and with several ranks on few cores its
@@ -34,9 +34,6 @@ enum class Reduction { kSum, kMin, kMax };
 // c10::BFloat16, reduced in float. bool goes as bytes of 0 or 1 (uint8_t):
 // its min is a logical and, its max a logical or, and the group reduces a
 // bool sum as a max.
-
-// out[i] = op(a[i], b[i]) for n elements; out may be a or b.
-using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
 
 // Sums of float and double in vector steps (Gloo's loops compile to one
 // scalar add per element here); the same results as gloo::sum.
