@@ -151,6 +151,28 @@ std::vector<std::string> sum_floats(Ranks& ranks, int64_t numel,
   return errors;
 }
 
+// Ranks `callers` each sum numel_of(rank) ones; each rank's error ("" on
+// success). The others do not call.
+std::vector<std::string> call_each(Ranks& ranks, const std::vector<int>& callers,
+                                   const std::function<int64_t(int)>& numel_of,
+                                   absl::Duration timeout) {
+  std::vector<std::string> errors(ranks.rings.size());
+  std::vector<std::thread> threads;
+  for (int r : callers) {
+    threads.emplace_back([&, r] {
+      std::vector<float> data(static_cast<size_t>(numel_of(r)), 1.0f);
+      try {
+        ranks.rings[r]->allreduce(data.data(), numel_of(r), 4, 6, Reduction::kSum,
+                                  reduce_fn<float>(Reduction::kSum), absl::Now() + timeout);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
 TEST(TcpRingTest, SumsEveryElementForEachGroupSizeAndLength) {
   for (int size : {2, 3, 4}) {
     Exchange exchange(size);
@@ -204,22 +226,9 @@ TEST(TcpRingTest, CallsThatDisagreeFailOnEveryRankNamingBoth) {
   Exchange exchange(kSize);
   Ranks ranks = build(kSize, exchange);
   for (int r = 0; r < kSize; ++r) ASSERT_NE(ranks.rings[r], nullptr) << ranks.errors[r];
-  std::vector<std::string> errors(kSize);
-  std::vector<std::thread> threads;
   const absl::Time start = absl::Now();
-  for (int r = 0; r < kSize; ++r) {
-    threads.emplace_back([&, r] {
-      const int64_t numel = r == 1 ? 4096 : 8192;
-      std::vector<float> data(numel, 1.0f);
-      try {
-        ranks.rings[r]->allreduce(data.data(), numel, 4, 6, Reduction::kSum,
-                                  reduce_fn<float>(Reduction::kSum), absl::Now() + absl::Seconds(60));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = call_each(
+      ranks, {0, 1, 2}, [](int r) -> int64_t { return r == 1 ? 4096 : 8192; }, absl::Seconds(60));
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not the deadline
   for (int r = 0; r < kSize; ++r) EXPECT_NE(errors[r], "") << r;
   // The first failure is a header that does not match: rank 1 reading
@@ -244,26 +253,17 @@ TEST(TcpRingTest, APeerThatClosesMidTransferFailsTheOthersAtOnce) {
   Exchange exchange(kSize);
   Ranks ranks = build(kSize, exchange);
   for (int r = 0; r < kSize; ++r) ASSERT_NE(ranks.rings[r], nullptr) << ranks.errors[r];
-  std::vector<std::string> errors(kSize);
-  std::vector<std::thread> threads;
   const absl::Time start = absl::Now();
-  constexpr int64_t kNumel = 16 << 20;  // 64 MiB: more than the sockets buffer
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<float> data(kNumel, 1.0f);
-      try {
-        ranks.rings[r]->allreduce(data.data(), kNumel, 4, 6, Reduction::kSum,
-                                  reduce_fn<float>(Reduction::kSum), absl::Now() + absl::Seconds(120));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  // Rank 2 never calls: it goes away while the others are writing to it
-  // and waiting for its bytes.
-  absl::SleepFor(absl::Milliseconds(300));
-  ranks.rings[2].reset();
-  for (auto& t : threads) t.join();
+  // Ranks 0 and 1 sum 64 MiB (more than the sockets buffer); rank 2 never
+  // calls: it goes away while the others are writing to it and waiting for
+  // its bytes.
+  std::thread closer([&ranks] {
+    absl::SleepFor(absl::Milliseconds(300));
+    ranks.rings[2].reset();
+  });
+  const std::vector<std::string> errors =
+      call_each(ranks, {0, 1}, [](int) -> int64_t { return 16 << 20; }, absl::Seconds(120));
+  closer.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
   // Rank 2's neighbours find it gone (rank 0 reads its end, rank 1's
   // writes fail); whichever fails first closes the ring, so the other may
