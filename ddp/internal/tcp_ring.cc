@@ -10,10 +10,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <random>
 #include <stdexcept>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/escaping.h"
@@ -93,6 +95,13 @@ class Fd {
 };
 
 std::string errno_text(int e) { return std::strerror(e); }
+
+// How long a wait that checks its deadline every kSlice may sleep: on the
+// steady clock, so a step of the wall clock cannot stretch it.
+std::chrono::microseconds slice_until(absl::Time deadline) {
+  const absl::Duration left = std::max(absl::ZeroDuration(), std::min(deadline - absl::Now(), kSlice));
+  return std::chrono::microseconds(absl::ToInt64Microseconds(left));
+}
 
 int poll_ms(absl::Time until) {
   const absl::Duration left = until - absl::Now();
@@ -181,7 +190,8 @@ bool equal_in_constant_time(const char* a, const char* b, size_t n) {
   return diff == 0;
 }
 
-Fd connect_ipv4(uint32_t ip, int port, absl::Time deadline, std::string* error) {
+Fd connect_ipv4(uint32_t ip, int port, absl::Time deadline, const std::atomic<bool>* cancel,
+                std::string* error) {
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(ip);
@@ -196,8 +206,9 @@ Fd connect_ipv4(uint32_t ip, int port, absl::Time deadline, std::string* error) 
     int e = rc == 0 ? 0 : errno;
     if (e == EINPROGRESS) {
       pollfd p{fd.get(), POLLOUT, 0};
-      while (((rc = ::poll(&p, 1, poll_ms(deadline))) < 0 && errno == EINTR) ||
-             (rc == 0 && absl::Now() < deadline)) {
+      while (((rc = ::poll(&p, 1, poll_ms(std::min(deadline, absl::Now() + kSlice)))) < 0 &&
+              errno == EINTR) ||
+             (rc == 0 && absl::Now() < deadline && !cancel->load())) {
       }
       if (rc <= 0) {
         *error = "no connection before the deadline";
@@ -210,8 +221,8 @@ Fd connect_ipv4(uint32_t ip, int port, absl::Time deadline, std::string* error) 
       prepare_stream(fd.get());
       return fd;
     }
-    if (absl::Now() >= deadline || (e != ECONNREFUSED && e != EINTR)) {
-      *error = errno_text(e);
+    if (absl::Now() >= deadline || cancel->load() || (e != ECONNREFUSED && e != EINTR)) {
+      *error = cancel->load() ? "cancelled" : errno_text(e);
       return Fd();
     }
     absl::SleepFor(absl::Milliseconds(10));
@@ -221,7 +232,7 @@ Fd connect_ipv4(uint32_t ip, int port, absl::Time deadline, std::string* error) 
 // Accepts connections on `listener` until one proves it comes from rank
 // `from` to rank `to` with `expected` as its proof; strangers are closed.
 Fd accept_proved(int listener, int from, int to, const std::string& expected, absl::Time deadline,
-                 std::string* error) {
+                 const std::atomic<bool>& cancel, std::string* error) {
   struct Pending {
     Fd fd;
     std::string hello;
@@ -235,11 +246,15 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
       *error = absl::StrCat("no connection from rank ", from, " proved itself before the deadline");
       return Fd();
     }
+    if (cancel.load()) {
+      *error = "cancelled";
+      return Fd();
+    }
     // Drop the connections whose handshake ran out.
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [now](const Pending& p) { return p.until <= now; }),
                   pending.end());
-    absl::Time wake = deadline;
+    absl::Time wake = std::min(deadline, now + kSlice);  // checks `cancel` this often
     std::vector<pollfd> fds{{listener, POLLIN, 0}};
     for (const Pending& p : pending) {
       fds.push_back({p.fd.get(), POLLIN, 0});
@@ -256,13 +271,15 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
       const ssize_t k = ::recv(p.fd.get(), buffer, kHelloBytes - p.hello.size(), 0);
       if (k <= 0) return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) ? 0 : -1;
       p.hello.append(buffer, static_cast<size_t>(k));
-      if (p.hello.size() < kHelloBytes) return 0;
       const char* h = p.hello.data();
-      return std::memcmp(h, kHelloMagic, 4) == 0 && get_u32(h + 4) == static_cast<uint32_t>(from) &&
-                     get_u32(h + 8) == static_cast<uint32_t>(to) &&
-                     equal_in_constant_time(h + 12, expected.data(), kProofBytes)
-                 ? 1
-                 : -1;
+      // The fixed part is refused as soon as it is in.
+      if (p.hello.size() >= 12 &&
+          (std::memcmp(h, kHelloMagic, 4) != 0 || get_u32(h + 4) != static_cast<uint32_t>(from) ||
+           get_u32(h + 8) != static_cast<uint32_t>(to))) {
+        return -1;
+      }
+      if (p.hello.size() < kHelloBytes) return 0;
+      return equal_in_constant_time(h + 12, expected.data(), kProofBytes) ? 1 : -1;
     };
     auto proved = [](Pending& p) {
       Fd fd = std::move(p.fd);
@@ -276,7 +293,9 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
       if (state < 0) pending.erase(pending.begin() + static_cast<long>(i));
     }
     if (fds[0].revents != 0) {
-      while (true) {
+      // At most a pending set's worth per round, so that a stream of
+      // connections cannot keep this loop from its deadline and its reads.
+      for (int accepted = 0; accepted < TcpRing::kMaxPendingHellos; ++accepted) {
         Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (fd.get() < 0) break;
         // A hello that came with the connection is read at once, so that a
@@ -341,6 +360,18 @@ std::unique_ptr<TcpRing> TcpRing::connect(int rank, int size, const Allgather& a
       port = ntohs(addr.sin_port);
     }
   }
+  if (mine_why.empty() && options.sign) {
+    std::string tag;
+    try {
+      tag = options.sign("tcp-ring|check");
+    } catch (const std::exception& e) {
+      tag = e.what();
+    }
+    if (tag.size() != kProofBytes) {
+      mine_why = absl::StrCat(me, "'s signer does not give a 64-digit MAC");
+      listener.reset();
+    }
+  }
   std::random_device device;  // the kernel's random bytes
   auto random64 = [&device] {
     return static_cast<int64_t>((static_cast<uint64_t>(device()) << 32) | device());
@@ -369,56 +400,87 @@ std::unique_ptr<TcpRing> TcpRing::connect(int rank, int size, const Allgather& a
   // Take the previous rank's connection on a thread of its own while this
   // one connects to the next rank and proves who this is: strangers that
   // fill the listener's backlog delay a connection only until that thread
-  // accepts them. The door closes once the previous rank is in.
+  // accepts them. The door closes once the previous rank is in. Either side
+  // failing cancels the other.
   const std::string expected = proof(options, previous, rank, my_nonce);
   const std::string mine = proof(options, rank, next, next_nonce);
-  std::string accept_error;
-  Fd from_previous;
-  std::thread acceptor([&] {
-    from_previous = accept_proved(listener.get(), previous, rank, expected, deadline, &accept_error);
-    listener.reset();
-    if (from_previous.get() >= 0) {
-      accept_error = send_all(from_previous.get(), kAck, 4, deadline, nullptr, rank_name(previous));
-      if (!accept_error.empty()) from_previous.reset();
-    }
-  });
   std::string hello(kHelloMagic, 4);
   hello.resize(12);
   put_u32(hello.data() + 4, static_cast<uint32_t>(rank));
   put_u32(hello.data() + 8, static_cast<uint32_t>(next));
   hello += mine;
+  std::atomic<bool> cancel{false};
+  std::string accept_error;
+  Fd from_previous;
+  auto accept = [&] {
+    try {
+      from_previous =
+          accept_proved(listener.get(), previous, rank, expected, deadline, cancel, &accept_error);
+      listener.reset();
+      if (from_previous.get() >= 0) {
+        accept_error = send_all(from_previous.get(), kAck, 4, deadline, &cancel, rank_name(previous));
+        if (!accept_error.empty()) from_previous.reset();
+      }
+    } catch (const std::exception& e) {
+      accept_error = e.what();
+      from_previous.reset();
+    }
+    if (from_previous.get() < 0) cancel.store(true);
+  };
   // A connection the next rank closed unanswered was pushed out by others
   // before its hello was read (or this rank's proof is wrong): try again
   // until the deadline.
   std::string error;
   Fd to_next;
-  while (true) {
-    to_next = connect_ipv4(static_cast<uint32_t>(next_fields[1]),
-                           static_cast<int>(next_fields[2]), deadline, &error);
-    if (to_next.get() < 0) {
-      error = absl::StrCat("cannot connect to rank ", next, ": ", error);
-      break;
+  auto connect_next = [&] {
+    while (true) {
+      to_next = connect_ipv4(static_cast<uint32_t>(next_fields[1]),
+                             static_cast<int>(next_fields[2]), deadline, &cancel, &error);
+      if (to_next.get() < 0) {
+        error = absl::StrCat("cannot connect to rank ", next, ": ", error);
+        return;
+      }
+      char ack[4];
+      error = send_all(to_next.get(), hello.data(), hello.size(), deadline, &cancel, rank_name(next));
+      if (error.empty()) error = recv_all(to_next.get(), ack, 4, deadline, &cancel, rank_name(next));
+      if (error.empty()) {
+        if (std::memcmp(ack, kAck, 4) != 0) error = absl::StrCat("rank ", next, " answered garbage");
+        return;
+      }
+      to_next.reset();
+      if (cancel.load()) return;
+      if (absl::Now() >= deadline) {
+        error = absl::StrCat("rank ", next,
+                             " did not accept this rank's connection before the deadline (do both "
+                             "hold the job's secret?): ",
+                             error);
+        return;
+      }
+      absl::SleepFor(absl::Milliseconds(20));
     }
-    char ack[4];
-    error = send_all(to_next.get(), hello.data(), hello.size(), deadline, nullptr, rank_name(next));
-    if (error.empty()) error = recv_all(to_next.get(), ack, 4, deadline, nullptr, rank_name(next));
-    if (error.empty()) {
-      if (std::memcmp(ack, kAck, 4) != 0) error = absl::StrCat("rank ", next, " answered garbage");
-      break;
+  };
+  try {
+    std::thread acceptor(accept);
+    try {
+      connect_next();
+    } catch (const std::exception& e) {
+      error = e.what();
     }
-    to_next.reset();
-    if (absl::Now() >= deadline) {
-      error = absl::StrCat("rank ", next,
-                           " did not accept this rank's connection before the deadline (do both "
-                           "hold the job's secret?): ",
-                           error);
-      break;
-    }
-    absl::SleepFor(absl::Milliseconds(20));
+    if (!error.empty()) cancel.store(true);
+    acceptor.join();
+  } catch (const std::system_error& e) {  // no thread
+    error = absl::StrCat("cannot start the accepting thread: ", e.what());
   }
-  acceptor.join();
+  if (error.empty() || error == "cancelled") error = accept_error;
+  // Every rank gets a ring or none does: a rank whose neighbours both
+  // connected must not go on with a ring its peers gave up on.
+  const std::vector<int64_t> ok = allgather({error.empty() ? 1 : 0});
+  std::string failed;
+  for (int r = 0; r < size && r < static_cast<int>(ok.size()); ++r) {
+    if (ok[r] == 0) absl::StrAppend(&failed, failed.empty() ? "" : ", ", r);
+  }
   if (!error.empty()) throw failure(error);
-  if (from_previous.get() < 0) throw failure(accept_error);
+  if (!failed.empty()) throw failure(absl::StrCat("rank(s) ", failed, " could not join the ring"));
   return std::unique_ptr<TcpRing>(
       new TcpRing(rank, size, to_next.release(), from_previous.release()));
 }
@@ -459,8 +521,8 @@ void TcpRing::write_items(const char* header, size_t header_bytes,
         if (ready <= sent) {
           std::unique_lock<std::mutex> lock(mu_);
           writer_waiting_.store(true);
-          progress_.wait_until(lock, absl::ToChronoTime(std::min(deadline, absl::Now() + kSlice)),
-                               [&] { return received_.load() - needed[k] > sent || failed_.load(); });
+          progress_.wait_for(lock, slice_until(deadline),
+                             [&] { return received_.load() - needed[k] > sent || failed_.load(); });
           writer_waiting_.store(false);
           lock.unlock();
           if (failed_.load()) error = "cancelled";
@@ -485,7 +547,9 @@ void TcpRing::write_items(const char* header, size_t header_bytes,
   if (!error.empty() && !failed_.exchange(true)) {
     // The first failure of the call: the reader's error is only its echo.
     writer_error_ = std::move(error);
-    ::shutdown(from_previous_, SHUT_RDWR);  // wakes the reader
+    ::shutdown(from_previous_, SHUT_RDWR);  // wakes the reader in a read
+    std::lock_guard<std::mutex> lock(mu_);  // and in a wait
+    progress_.notify_all();
   }
 }
 
@@ -495,7 +559,10 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
     throw std::runtime_error(
         absl::StrCat(who(), ": the ring failed in an earlier allreduce: ", broken_));
   }
-  if (numel <= 0) return;
+  if (numel < 0 || element_size < 1 || element_size > 16) {
+    throw std::invalid_argument(absl::StrCat(who(), ": ", numel, " elements of ", element_size,
+                                             " bytes"));
+  }
   ++sequence_;
   const int n = size_, r = rank_;
   const int previous = (r + n - 1) % n;
@@ -529,9 +596,24 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
   items_sent_ = 0;
   failed_.store(false);
   writer_error_.clear();
-  std::thread writer([&] {
-    write_items(header, kHeaderBytes, send_offsets, send_lengths, needed, base, deadline);
-  });
+  std::thread writer;
+  try {
+    writer = std::thread([&] {
+      try {
+        write_items(header, kHeaderBytes, send_offsets, send_lengths, needed, base, deadline);
+      } catch (const std::exception& e) {
+        if (!failed_.exchange(true)) {
+          writer_error_ = e.what();
+          ::shutdown(from_previous_, SHUT_RDWR);
+          std::lock_guard<std::mutex> lock(mu_);
+          progress_.notify_all();
+        }
+      }
+    });
+  } catch (const std::system_error& e) {
+    fail(absl::StrCat("cannot start the writing thread: ", e.what()));
+    throw std::runtime_error(absl::StrCat(who(), " allreduce ", sequence_, ": ", broken_));
+  }
   const std::string from = rank_name(previous);
   auto done = [this](int64_t n_bytes) {
     received_.fetch_add(n_bytes);
@@ -541,59 +623,67 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
     }
   };
   std::string error;
-  char theirs[kHeaderBytes];
-  error = recv_all(from_previous_, theirs, kHeaderBytes, deadline, &failed_, from);
-  if (error.empty() && std::memcmp(theirs, header, kHeaderBytes) != 0) {
-    error = absl::StrCat(
-        "rank ", previous, " started allreduce ", get_u32(theirs + 4), " of ", get_u64(theirs + 8),
-        " elements of ", get_u32(theirs + 16), " bytes (dtype ", get_u32(theirs + 20),
-        ", reduction ", get_u32(theirs + 24), "); this rank's allreduce ", sequence_, " has ",
-        numel, " elements of ", element_size, " bytes (dtype ", dtype, ", reduction ",
-        static_cast<int>(reduction), ")");
-    if (std::memcmp(theirs, kHeaderMagic, 4) != 0) {
-      error = absl::StrCat("rank ", previous, " sent no allreduce header");
-    }
-  }
-  for (int i = 0; error.empty() && i < items; ++i) {
-    const bool reducing = i < n - 1;
-    if (!reducing) {
-      // Allgather step j overwrites the chunk the writer sent as its item j.
-      // Those bytes went round the ring before these final ones could come
-      // back, so the writer is long done; waiting for it here makes that
-      // order visible to the memory model (and to ThreadSanitizer).
-      const int j = i - (n - 1);
-      std::unique_lock<std::mutex> lock(mu_);
-      if (!progress_.wait_until(lock, absl::ToChronoTime(deadline),
-                                [&] { return items_sent_ > j || failed_.load(); }) ||
-          items_sent_ <= j) {
-        error = failed_.load() ? "cancelled"
-                               : absl::StrCat("this rank's writes to rank ", (r + 1) % n,
-                                              " did not end before the deadline");
-        break;
+  // Nothing may leave this block by an exception while the writer runs.
+  try {
+    char theirs[kHeaderBytes];
+    error = recv_all(from_previous_, theirs, kHeaderBytes, deadline, &failed_, from);
+    if (error.empty() && std::memcmp(theirs, header, kHeaderBytes) != 0) {
+      error = absl::StrCat(
+          "rank ", previous, " started allreduce ", get_u32(theirs + 4), " of ", get_u64(theirs + 8),
+          " elements of ", get_u32(theirs + 16), " bytes (dtype ", get_u32(theirs + 20),
+          ", reduction ", get_u32(theirs + 24), "); this rank's allreduce ", sequence_, " has ",
+          numel, " elements of ", element_size, " bytes (dtype ", dtype, ", reduction ",
+          static_cast<int>(reduction), ")");
+      if (std::memcmp(theirs, kHeaderMagic, 4) != 0) {
+        error = absl::StrCat("rank ", previous, " sent no allreduce header");
       }
     }
-    char* at = base + recv_offsets[i];
-    int64_t left = recv_lengths[i];
-    while (error.empty() && left > 0) {
-      if (reducing) {
-        const auto piece = static_cast<size_t>(std::min<int64_t>(left, kPieceBytes));
-        error = recv_all(from_previous_, staging_.data(), piece, deadline, &failed_, from);
-        if (!error.empty()) break;
-        reduce(at, at, staging_.data(), piece / element_size);
-        at += piece;
-        left -= static_cast<int64_t>(piece);
-        done(static_cast<int64_t>(piece));
-      } else {
-        const ssize_t k = ::recv(from_previous_, at, static_cast<size_t>(std::min<int64_t>(left, kPieceBytes)), 0);
-        if (k > 0) {
-          at += k;
-          left -= k;
-          done(k);
+    for (int i = 0; error.empty() && i < items; ++i) {
+      const bool reducing = i < n - 1;
+      if (!reducing) {
+        // Allgather step j overwrites the chunk the writer sent as its item j.
+        // Those bytes went round the ring before these final ones could come
+        // back, so the writer is long done; waiting for it here makes that
+        // order visible to the memory model (and to ThreadSanitizer).
+        const int j = i - (n - 1);
+        std::unique_lock<std::mutex> lock(mu_);
+        while (items_sent_ <= j && !failed_.load() && absl::Now() < deadline) {
+          progress_.wait_for(lock, slice_until(deadline));
+        }
+        if (items_sent_ <= j) {
+          error = failed_.load() ? "cancelled"
+                                 : absl::StrCat("this rank's writes to rank ", (r + 1) % n,
+                                                " did not end before the deadline");
+          break;
+        }
+      }
+      char* at = base + recv_offsets[i];
+      int64_t left = recv_lengths[i];
+      while (error.empty() && left > 0) {
+        if (reducing) {
+          const auto piece = static_cast<size_t>(
+              std::min<int64_t>(left, kPieceBytes - kPieceBytes % element_size));
+          error = recv_all(from_previous_, staging_.data(), piece, deadline, &failed_, from);
+          if (!error.empty()) break;
+          reduce(at, at, staging_.data(), piece / element_size);
+          at += piece;
+          left -= static_cast<int64_t>(piece);
+          done(static_cast<int64_t>(piece));
         } else {
-          error = stalled(static_cast<int>(k), errno, deadline, &failed_, from);
+          const ssize_t k = ::recv(from_previous_, at,
+                                   static_cast<size_t>(std::min<int64_t>(left, kPieceBytes)), 0);
+          if (k > 0) {
+            at += k;
+            left -= k;
+            done(k);
+          } else {
+            error = stalled(static_cast<int>(k), errno, deadline, &failed_, from);
+          }
         }
       }
     }
+  } catch (const std::exception& e) {
+    error = e.what();
   }
   if (!error.empty() && !failed_.exchange(true)) {
     ::shutdown(to_next_, SHUT_RDWR);  // wakes the writer
