@@ -43,8 +43,9 @@ ReduceFn reduce_fn(Reduction op) {
   return &loop<T, std::plus<T>>;
 }
 
-// One allgather among `size` threads; `hook` sees the result before any
-// rank gets it (where a test plays a stranger at the listeners).
+// Allgathers among `size` threads, round after round; `hook` sees the
+// first round's result before any rank gets it (where a test plays a
+// stranger at the listeners).
 class Exchange {
  public:
   explicit Exchange(int size) : size_(size), parts_(size) {}
@@ -52,14 +53,18 @@ class Exchange {
 
   std::vector<int64_t> run(int rank, std::vector<int64_t> mine) {
     absl::MutexLock lock(&mu_);
+    const size_t round = results_.size();
     parts_[rank] = std::move(mine);
     if (++arrived_ == size_) {
-      for (const auto& p : parts_) all_.insert(all_.end(), p.begin(), p.end());
-      if (hook) hook(all_);
-      ready_ = true;
+      std::vector<int64_t> all;
+      for (const auto& p : parts_) all.insert(all.end(), p.begin(), p.end());
+      if (round == 0 && hook) hook(all);
+      results_.push_back(std::move(all));
+      arrived_ = 0;
     }
-    mu_.Await(absl::Condition(&ready_));
-    return all_;
+    auto done = [this, round] { return results_.size() > round; };
+    mu_.Await(absl::Condition(&done));
+    return results_[round];
   }
 
  private:
@@ -67,8 +72,7 @@ class Exchange {
   absl::Mutex mu_;
   std::vector<std::vector<int64_t>> parts_;
   int arrived_ = 0;
-  bool ready_ = false;
-  std::vector<int64_t> all_;
+  std::vector<std::vector<int64_t>> results_;
 };
 
 // A stand-in for the job's MAC: 64 hex digits that depend on the message
@@ -354,6 +358,23 @@ TEST(TcpRingTest, ARankWithoutTheSecretIsRefusedAndNamed) {
   EXPECT_NE(ranks.errors[2].find("no connection from rank 1 proved itself"), std::string::npos)
       << ranks.errors[2];
   EXPECT_EQ(ranks.rings[1], nullptr);
+}
+
+// Rank 1's own connections (from rank 0, to rank 2) both prove
+// themselves; rank 3 holds another secret, so ranks 0, 2 and 3 fail. Rank 1
+// must not keep a ring the others gave up on.
+TEST(TcpRingTest, EveryRankGetsARingOrNoneDoes) {
+  constexpr int kSize = 4;
+  Exchange exchange(kSize);
+  Ranks ranks = build(kSize, exchange, [](int r, TcpRing::Options& o) {
+    o.sign = signer(r == 3 ? "other" : "job");
+    o.timeout = absl::Seconds(2);
+  });
+  for (int r = 0; r < kSize; ++r) EXPECT_EQ(ranks.rings[r], nullptr) << r;
+  EXPECT_NE(ranks.errors[1].find("rank(s) 0, 2, 3 could not join the ring"), std::string::npos)
+      << ranks.errors[1];
+  EXPECT_NE(ranks.errors[0].find("no connection from rank 3 proved itself"), std::string::npos)
+      << ranks.errors[0];
 }
 
 TEST(TcpRingTest, NoRankBuildsARingWhenOneDoesNotTakePart) {
