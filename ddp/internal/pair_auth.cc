@@ -2,6 +2,7 @@
 
 #include <gloo/common/error.h>
 #include <gloo/transport/unbound_buffer.h>
+#include <openssl/crypto.h>
 
 #include <array>
 #include <memory>
@@ -90,9 +91,7 @@ void authenticate_pairs(gloo::Context& context, const Signer& sign, absl::string
     if (r == rank) continue;
     const std::string expected = sign(tag_message(scope, r, rank, mine[r], theirs[r]));
     // Constant time: the comparison's duration says nothing of the MAC.
-    unsigned char diff = 0;
-    for (size_t i = 0; i < kTagBytes; ++i) diff |= static_cast<unsigned char>(expected[i] ^ answers[r][i]);
-    if (diff != 0) {
+    if (CRYPTO_memcmp(expected.data(), answers[r].data(), kTagBytes) != 0) {
       throw std::runtime_error(absl::StrCat(
           "rank ", rank, " of ", size, ": the Gloo pair with rank ", r,
           " is not connected to the job's worker (its proof of the job's secret is wrong)"));

@@ -102,13 +102,16 @@ void TcpRing::write_items(const char* header, size_t header_bytes,
       progress_.notify_all();
     }
   }
-  if (!error.empty() && !failed_.exchange(true)) {
-    // The first failure of the call: the reader's error is only its echo.
-    writer_error_ = std::move(error);
-    ::shutdown(from_previous_, SHUT_RDWR);  // wakes the reader in a read
-    std::lock_guard<std::mutex> lock(mu_);  // and in a wait
-    progress_.notify_all();
-  }
+  // The first failure of the call: the reader's error is only its echo.
+  if (!error.empty() && first_failure(from_previous_)) writer_error_ = std::move(error);
+}
+
+bool TcpRing::first_failure(int fd) {
+  if (failed_.exchange(true)) return false;
+  ::shutdown(fd, SHUT_RDWR);  // wakes the other side in a socket call
+  std::lock_guard<std::mutex> lock(mu_);  // and in a wait
+  progress_.notify_all();
+  return true;
 }
 
 void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtype,
@@ -126,21 +129,25 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
   const int previous = (r + n - 1) % n;
   auto chunk_begin = [&](int c) { return c * (numel / n) + std::min<int64_t>(c, numel % n); };
   auto chunk = [&](int c) { return ((c % n) + n) % n; };
-  // Item k of the writer is chunk send[k]; item i of the reader is chunk
-  // recv[i]: n - 1 reduce-scatter steps, then n - 1 allgather steps.
+  // Item i of the reader is chunk r - i - 1 (n - 1 reduce-scatter steps),
+  // then chunk r - j (allgather step j = i - (n - 1)). The writer sends
+  // chunk r first, then each item the reader finished: its item k is the
+  // reader's item k - 1, of which it may send the first
+  // received_ - needed[k] bytes.
   const int items = 2 * (n - 1);
-  std::vector<int64_t> send_offsets(items), send_lengths(items), needed(items, 0);
   std::vector<int64_t> recv_offsets(items), recv_lengths(items);
   const auto bytes = static_cast<int64_t>(element_size);
-  for (int k = 0; k < items; ++k) {
-    const int s = k < n - 1 ? chunk(r - k) : chunk(r + 1 - (k - (n - 1)));
-    const int v = k < n - 1 ? chunk(r - k - 1) : chunk(r - (k - (n - 1)));
-    send_offsets[k] = chunk_begin(s) * bytes;
-    send_lengths[k] = (chunk_begin(s + 1) - chunk_begin(s)) * bytes;
-    recv_offsets[k] = chunk_begin(v) * bytes;
-    recv_lengths[k] = (chunk_begin(v + 1) - chunk_begin(v)) * bytes;
+  for (int i = 0; i < items; ++i) {
+    const int c = i < n - 1 ? chunk(r - i - 1) : chunk(r - (i - (n - 1)));
+    recv_offsets[i] = chunk_begin(c) * bytes;
+    recv_lengths[i] = (chunk_begin(c + 1) - chunk_begin(c)) * bytes;
   }
-  for (int k = 1; k < items; ++k) needed[k] = needed[k - 1] + (k > 1 ? recv_lengths[k - 2] : 0);
+  std::vector<int64_t> send_offsets{chunk_begin(r) * bytes};
+  std::vector<int64_t> send_lengths{(chunk_begin(r + 1) - chunk_begin(r)) * bytes};
+  send_offsets.insert(send_offsets.end(), recv_offsets.begin(), recv_offsets.end() - 1);
+  send_lengths.insert(send_lengths.end(), recv_lengths.begin(), recv_lengths.end() - 1);
+  std::vector<int64_t> needed(items, 0);
+  for (int k = 2; k < items; ++k) needed[k] = needed[k - 1] + recv_lengths[k - 2];
   char header[kHeaderBytes] = {};
   std::memcpy(header, kHeaderMagic, 4);
   put_u32(header + 4, sequence_);
@@ -160,12 +167,7 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
       try {
         write_items(header, kHeaderBytes, send_offsets, send_lengths, needed, base, deadline);
       } catch (const std::exception& e) {
-        if (!failed_.exchange(true)) {
-          writer_error_ = e.what();
-          ::shutdown(from_previous_, SHUT_RDWR);
-          std::lock_guard<std::mutex> lock(mu_);
-          progress_.notify_all();
-        }
+        if (first_failure(from_previous_)) writer_error_ = e.what();
       }
     });
   } catch (const std::system_error& e) {
@@ -185,16 +187,15 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
   try {
     char theirs[kHeaderBytes];
     error = recv_all(from_previous_, theirs, kHeaderBytes, deadline, &failed_, from);
-    if (error.empty() && std::memcmp(theirs, header, kHeaderBytes) != 0) {
+    if (error.empty() && std::memcmp(theirs, kHeaderMagic, 4) != 0) {
+      error = absl::StrCat("rank ", previous, " sent no allreduce header");
+    } else if (error.empty() && std::memcmp(theirs, header, kHeaderBytes) != 0) {
       error = absl::StrCat(
           "rank ", previous, " started allreduce ", get_u32(theirs + 4), " of ", get_u64(theirs + 8),
           " elements of ", get_u32(theirs + 16), " bytes (dtype ", get_u32(theirs + 20),
           ", reduction ", get_u32(theirs + 24), "); this rank's allreduce ", sequence_, " has ",
           numel, " elements of ", element_size, " bytes (dtype ", dtype, ", reduction ",
           static_cast<int>(reduction), ")");
-      if (std::memcmp(theirs, kHeaderMagic, 4) != 0) {
-        error = absl::StrCat("rank ", previous, " sent no allreduce header");
-      }
     }
     for (int i = 0; error.empty() && i < items; ++i) {
       const bool reducing = i < n - 1;
@@ -243,11 +244,7 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
   } catch (const std::exception& e) {
     error = e.what();
   }
-  if (!error.empty() && !failed_.exchange(true)) {
-    ::shutdown(to_next_, SHUT_RDWR);  // wakes the writer
-    std::lock_guard<std::mutex> lock(mu_);
-    progress_.notify_all();
-  }
+  if (!error.empty()) first_failure(to_next_);
   writer.join();
   // Whichever side failed first says why (writer_error_ is set only then).
   if (!writer_error_.empty()) error = writer_error_;

@@ -99,6 +99,9 @@ class TcpRing {
                    char* base, absl::Time deadline);
   // Ends a failed call: both connections shut down, the ring broken.
   void fail(const std::string& error);
+  // Marks the call failed, shutting `fd` down and waking any wait; false
+  // when the other side had failed first.
+  bool first_failure(int fd);
   std::string who() const;
 
   const int rank_, size_;

@@ -1,5 +1,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <openssl/crypto.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -57,12 +58,6 @@ std::string proof(const TcpRing::Options& options, int from, int to, const std::
   return tag;
 }
 
-bool equal_in_constant_time(const char* a, const char* b, size_t n) {
-  unsigned char diff = 0;
-  for (size_t i = 0; i < n; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
 // Accepts connections on `listener` until one proves it comes from rank
 // `from` to rank `to` with `expected` as its proof; strangers are closed.
 Fd accept_proved(int listener, int from, int to, const std::string& expected, absl::Time deadline,
@@ -113,7 +108,7 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
         return -1;
       }
       if (p.hello.size() < kHelloBytes) return 0;
-      return equal_in_constant_time(h + 12, expected.data(), kProofBytes) ? 1 : -1;
+      return CRYPTO_memcmp(h + 12, expected.data(), kProofBytes) == 0 ? 1 : -1;  // constant time
     };
     auto proved = [](Pending& p) {
       Fd fd = std::move(p.fd);
