@@ -88,10 +88,12 @@ def worker(rank, world, a):
     torch.set_num_threads(1)  # every process single-threaded, as ddprpc's ranks are
     T, P = a["trainers"], a["ps"]
     host = a.get("master_addr", "127.0.0.1")
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{a['port']}", num_worker_threads=16, rpc_timeout=600)
-    if a["network_path"]:
-        opts._transports = ["uv"]  # TCP only: no shared memory, no cross-memory copies
-        opts._channels = ["basic"]
+    # The network path: TCP only (no shared memory, no cross-memory copies),
+    # given to the constructor (assigning opts._transports afterwards only
+    # adds a Python attribute that nothing reads).
+    restrict = {"_transports": ["uv"], "_channels": ["basic"]} if a["network_path"] else {}
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{a['port']}", num_worker_threads=16,
+                                           rpc_timeout=600, **restrict)
     if rank == T + P:
         rpc.init_rpc("master", rank=rank, world_size=world, rpc_backend_options=opts)
         t0 = time.time()

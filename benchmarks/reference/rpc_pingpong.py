@@ -43,12 +43,23 @@ def counts(numel, huge_iters):
     return 50, (2000 if numel < 1e6 else 200)
 
 
+def bytes_read():
+    """Bytes this process has read through read(2)-like calls, sockets included (rchar)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
+
+
 def run(rank, addr, port, args):
+    # The network path: TCP only (no shared memory, no cross-memory copies).
+    # The restriction must go to the constructor: TensorPipeRpcBackendOptions
+    # is a Python class, so assigning opts._transports afterwards only adds
+    # an attribute that nothing reads.
+    restrict = {"_transports": ["uv"], "_channels": ["basic"]} if args.network_path else {}
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8,
-                                           init_method=f"tcp://{addr}:{port}")
-    if args.network_path:
-        opts._transports = ["uv"]
-        opts._channels = ["basic"]
+                                           init_method=f"tcp://{addr}:{port}", **restrict)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
         res = {}
@@ -58,10 +69,18 @@ def run(rank, addr, port, args):
             for _ in range(warmup):
                 rpc.rpc_sync("w1", identity, args=(t,))
             lat = []
+            before = bytes_read()
             for _ in range(n):
                 s = time.perf_counter()
                 rpc.rpc_sync("w1", identity, args=(t,))
                 lat.append((time.perf_counter() - s) * 1e6)
+            received = bytes_read() - before
+            if args.network_path and received < n * numel * 4:
+                # The replies' bytes came some other way than the socket:
+                # TensorPipe's shared-memory or cross-memory channel.
+                raise SystemExit(f"rpc_pingpong.py: {n} replies of {numel * 4} bytes, but only "
+                                 f"{received} bytes were read from sockets: TensorPipe did not "
+                                 f"keep to its TCP transport and basic channel")
             res[f"sync_{numel * 4}B"] = {"p50_us": pct(lat, .5), "p90_us": pct(lat, .9)}
         t = torch.ones(4)
         s = time.perf_counter()
