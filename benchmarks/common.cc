@@ -40,9 +40,9 @@ DEFINE_bool(sched_batch, true,
             "run the runtime's threads as SCHED_BATCH (RpcBackendOptions::batch_scheduling; the "
             "library's default is off)");
 DEFINE_int32(spin_us, 50,
-             "microseconds a wait for a peer on this host may spin before it sleeps, 0..10000 "
-             "(RpcBackendOptions::max_spin, ProcessGroupOptions::max_spin; the library's default "
-             "is 0)");
+             "microseconds a wait for a peer's message may spin before it sleeps (same-host "
+             "transport, gRPC streams, same-host allreduce), 0..10000 (RpcBackendOptions::max_spin, "
+             "ProcessGroupOptions::max_spin; the library's default is 0)");
 DEFINE_bool(same_host_transport, true,
             "reach peers on this host through the same-host transport (false: gRPC for every "
             "peer, the path of workers on other hosts)");

@@ -67,7 +67,22 @@ absl::Status write_all(int fd, const char* data, size_t size) {
   return absl::OkStatus();
 }
 
-absl::Status read_all(int fd, char* data, size_t size) {
+// With spin_us, a read looks without sleeping (recv that does not wait,
+// yielding the CPU between looks) for up to that long before it polls.
+absl::Status read_all(int fd, char* data, size_t size, int spin_us = 0) {
+  const absl::Time spin_end = absl::Now() + absl::Microseconds(spin_us);
+  while (size > 0 && spin_us > 0) {
+    const ssize_t n = ::recv(fd, data, size, MSG_DONTWAIT);
+    if (n > 0) {
+      data += n;
+      size -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) return absl::UnavailableError("raw TCP: the peer closed the connection");
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno_status("recv");
+    if (absl::Now() >= spin_end) break;
+    sched_yield();
+  }
   while (size > 0) {
     if (!wait_for(fd, POLLIN)) return absl::DeadlineExceededError("raw TCP: the peer went silent");
     const ssize_t n = ::recv(fd, data, size, 0);
@@ -160,7 +175,7 @@ absl::Status raw_tcp_listen(const std::string& address, RawTcpListener* out) {
 }
 
 absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t bytes, int warmup,
-                                 int rounds, std::vector<double>* micros) {
+                                 int rounds, std::vector<double>* micros, int spin_us) {
   std::vector<int> fds;
   absl::Status s;
   while (s.ok() && static_cast<int>(fds.size()) < streams) {
@@ -191,7 +206,7 @@ absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t b
       start.arrive_and_wait();
       const absl::Time t0 = absl::Now();
       if (ok.ok()) ok = write_all(fds[i], out.data() + offset, size);
-      if (ok.ok()) ok = read_all(fds[i], in.data() + offset, size);
+      if (ok.ok()) ok = read_all(fds[i], in.data() + offset, size, spin_us);
       end.arrive_and_wait();
       if (i == 0 && ok.ok() && r >= warmup) {
         micros->push_back(absl::ToDoubleMicroseconds(absl::Now() - t0));
@@ -205,7 +220,7 @@ absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t b
 }
 
 absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_t bytes,
-                          int total_rounds) {
+                          int total_rounds, int spin_us) {
   sockaddr_in addr;
   if (!parse_ipv4(host, port, &addr)) {
     return absl::InvalidArgumentError(absl::StrCat("raw TCP: not an IPv4 address: ", host));
@@ -228,7 +243,7 @@ absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_
     const auto [offset, size] = share(bytes, streams, i);
     absl::Status ok;
     for (int r = 0; r < total_rounds; ++r) {
-      if (ok.ok()) ok = read_all(fds[i], buffer.data() + offset, size);
+      if (ok.ok()) ok = read_all(fds[i], buffer.data() + offset, size, spin_us);
       whole.arrive_and_wait();  // echoed once all of it came, as a reply
       if (ok.ok()) ok = write_all(fds[i], buffer.data() + offset, size);
     }

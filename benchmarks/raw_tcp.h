@@ -7,7 +7,9 @@
 // every stream has its thread, at the normal scheduling policy):
 // one TCP stream is processed by one CPU at a time in the kernel, several
 // spread over the CPUs. TCP_NODELAY on every connection, the kernel's own
-// buffer sizes.
+// buffer sizes. With `spin_us`, each read of a message first looks for its
+// bytes without sleeping for up to that long, as the runtime's waits do
+// under RpcBackendOptions::max_spin.
 #pragma once
 
 #include <cstdint>
@@ -29,12 +31,12 @@ absl::Status raw_tcp_listen(const std::string& address, RawTcpListener* out);
 // `warmup` + `rounds` round trips of `bytes`; the microseconds of the last
 // `rounds` go to *micros.
 absl::Status raw_tcp_round_trips(RawTcpListener listener, int streams, int64_t bytes, int warmup,
-                                 int rounds, std::vector<double>* micros);
+                                 int rounds, std::vector<double>* micros, int spin_us = 0);
 
 // The other end: opens `streams` connections to host:port and echoes
 // `total_rounds` rounds of `bytes`.
 absl::Status raw_tcp_echo(const std::string& host, int port, int streams, int64_t bytes,
-                          int total_rounds);
+                          int total_rounds, int spin_us = 0);
 
 // A ring over plain TCP, the bound beside a ring allreduce's figures: each
 // rank streams bytes to the next rank while it reads as many from the one

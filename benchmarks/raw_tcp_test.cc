@@ -14,14 +14,17 @@ namespace bench = ddprpc::benchmarks;
 
 namespace {
 
-void round_trips(int streams, int64_t bytes) {
+void round_trips(int streams, int64_t bytes, int spin_us = 0) {
   bench::RawTcpListener listener;
   ASSERT_TRUE(bench::raw_tcp_listen("127.0.0.1", &listener).ok());
   ASSERT_GT(listener.port, 0);
   absl::Status echoed;
-  std::thread echo([&] { echoed = bench::raw_tcp_echo("127.0.0.1", listener.port, streams, bytes, 2 + 5); });
+  std::thread echo([&] {
+    echoed = bench::raw_tcp_echo("127.0.0.1", listener.port, streams, bytes, 2 + 5, spin_us);
+  });
   std::vector<double> micros;
-  const absl::Status s = bench::raw_tcp_round_trips(listener, streams, bytes, 2, 5, &micros);
+  const absl::Status s =
+      bench::raw_tcp_round_trips(listener, streams, bytes, 2, 5, &micros, spin_us);
   echo.join();
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_TRUE(echoed.ok()) << echoed;
@@ -35,6 +38,13 @@ TEST(RawTcpTest, OneStreamEchoesEveryByte) { round_trips(1, 1 << 20); }
 TEST(RawTcpTest, SeveralStreamsSplitTheBytes) { round_trips(3, (4 << 20) + 7); }
 
 TEST(RawTcpTest, MoreStreamsThanBytes) { round_trips(4, 2); }
+
+// Reads that look without sleeping first still get every byte, small or
+// large (the echo checks them).
+TEST(RawTcpTest, SpinningReadsEchoEveryByte) {
+  round_trips(1, 16, /*spin_us=*/200);
+  round_trips(3, (4 << 20) + 7, /*spin_us=*/200);
+}
 
 TEST(RawTcpTest, NoListenerIsAnError) {
   bench::RawTcpListener listener;

@@ -40,6 +40,7 @@
 
 DECLARE_bool(same_host_transport);  // benchmarks/common.cc
 DECLARE_uint64(bulk_min_bytes);     // benchmarks/common.cc
+DECLARE_int32(spin_us);             // benchmarks/common.cc
 
 DEFINE_int32(iters, 2000, "timed rpc_sync calls per small tensor size");
 DEFINE_int32(big_iters, 200, "timed rpc_sync calls for the 4 MiB tensor");
@@ -77,11 +78,11 @@ DDPRPC_REGISTER_FUNCTION(identity);
 
 // Rank 1's end of the raw TCP round trips: connects to rank 0 (the
 // rendezvous host) and echoes. 0, or -1 when the socket failed.
-int64_t tcp_echo(int64_t port, int64_t streams, int64_t bytes, int64_t rounds) {
+int64_t tcp_echo(int64_t port, int64_t streams, int64_t bytes, int64_t rounds, int64_t spin_us) {
   const char* host = std::getenv("MASTER_ADDR");
-  const absl::Status s =
-      bench::raw_tcp_echo(host ? host : "127.0.0.1", static_cast<int>(port),
-                          static_cast<int>(streams), bytes, static_cast<int>(rounds));
+  const absl::Status s = bench::raw_tcp_echo(host ? host : "127.0.0.1", static_cast<int>(port),
+                                             static_cast<int>(streams), bytes,
+                                             static_cast<int>(rounds), static_cast<int>(spin_us));
   if (!s.ok()) std::fprintf(stderr, "rpc_pingpong: %s\n", s.ToString().c_str());
   return s.ok() ? 0 : -1;
 }
@@ -152,8 +153,8 @@ int worker() {
           const int64_t bytes = size.numel * 4;
           rpc::Future<int64_t> echo =
               rpc::rpc_async<int64_t>("w1", "tcp_echo", int64_t{listener.port}, int64_t{streams},
-                                      bytes, int64_t{warmup + n});
-          s = bench::raw_tcp_round_trips(listener, streams, bytes, warmup, n, &lat);
+                                      bytes, int64_t{warmup + n}, int64_t{FLAGS_spin_us});
+          s = bench::raw_tcp_round_trips(listener, streams, bytes, warmup, n, &lat, FLAGS_spin_us);
           if (echo.value() != 0 && s.ok()) s = absl::UnavailableError("the echo failed");
         }
         const std::string key = absl::StrCat("tcp", streams == 1 ? "1" : "n", "_", size.key);
@@ -307,9 +308,10 @@ int coordinator(int argc, char** argv) {
   std::printf("%s\n", bench::versions().c_str());
   std::printf("%s", table.str().c_str());
   std::printf("raw TCP: plain sockets between the two ddprpc workers, each message written whole "
-              "and echoed once whole; x%d: split between %d connections, a thread each; "
+              "and echoed once whole, each read spinning up to %d us first (--spin_us) as "
+              "ddprpc's waits do; x%d: split between %d connections, a thread each; "
               "ddprpc / raw TCP: against the faster of the two\n",
-              FLAGS_raw_tcp_streams, FLAGS_raw_tcp_streams);
+              FLAGS_spin_us, FLAGS_raw_tcp_streams, FLAGS_raw_tcp_streams);
   if (!pytorch_note.empty()) std::printf("%s\n", pytorch_note.c_str());
 
   bench::Json json;

@@ -146,10 +146,13 @@ struct RpcBackendOptions {
   // from them (a handler's, libtorch's intra-op pool) inherit it. Off by
   // default: it changes how the program's own work is scheduled.
   bool batch_scheduling = false;
-  // A wait for a peer on this host looks for its message for up to this
-  // long before it sleeps, while the job's workers on this host have a CPU
-  // each (at most 10 ms). It saves the wake-up of a sleeping thread
-  // (tens of microseconds on a VM) and costs CPU time: zero by default.
+  // A wait for a peer's message looks for it for up to this long before it
+  // sleeps (at most 10 ms): for a peer on this host while the job's workers
+  // on this host have a CPU each, for a peer on another host (gRPC) when
+  // this process may use two CPUs or more. A thread's allowance halves
+  // after each look that found nothing in time, so threads that wait long
+  // stop spinning. It saves the wake-up of a sleeping thread (tens of
+  // microseconds on a VM) and costs CPU time: zero by default.
   absl::Duration max_spin = absl::ZeroDuration();
   // Every frame this worker reads (requests and replies, either transport)
   // is also written into this directory, e.g. to seed the fuzzers

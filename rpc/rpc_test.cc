@@ -385,6 +385,35 @@ MULTIPROCESS_TEST(RpcTest, AsyncExecutionBatchesFourCallersOnOneThread, 5) {
   rpc::shutdown();
 }
 
+// Waits on the network path (gRPC) that look before they sleep
+// (max_spin) miss nothing: every reply and request arrives, with workers
+// that spin and one that does not, and a call still ends at its timeout.
+MULTIPROCESS_TEST(RpcTest, SpinningWaitsOnTheNetworkPathMissNothing, 3) {
+  rpc::RpcBackendOptions options = mp::backend_options();
+  options.same_host_transport = false;
+  options.max_spin = mp::rank() == 2 ? absl::ZeroDuration() : absl::Microseconds(200);
+  init(3, options);
+  const std::string next = mp::worker_name((mp::rank() + 1) % 3);
+  for (int i = 0; i < 300; ++i) {
+    at::Tensor x = at::full({i % 2 == 0 ? 4 : 16384}, static_cast<double>(i));
+    ASSERT_TRUE(at::equal(rpc::rpc_sync<at::Tensor>(next, "add", x, x), x * 2)) << i;
+  }
+  std::vector<rpc::Future<int64_t>> futures;
+  for (int i = 0; i < 300; ++i) {
+    futures.push_back(rpc::rpc_async<int64_t>(mp::worker_name(i % 3), "add_ints", i, 1));
+  }
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(futures[i].value(), i + 1) << i;
+  if (mp::rank() == 0) {
+    const absl::Time start = absl::Now();
+    rpc::Future<int64_t> parked =
+        rpc::rpc_async<int64_t>(rpc::CallOptions{absl::Milliseconds(300)}, "worker1", "park");
+    EXPECT_THROW(parked.value(), rpc::RpcError);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+    rpc::rpc_sync("worker1", "unpark");
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(RpcTest, ThousandOutstandingCalls, 2) {
   init(2);
   if (mp::rank() == 0) {

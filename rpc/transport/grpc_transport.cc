@@ -21,9 +21,35 @@
 #include "rpc/transport/internal/caller_table.h"
 #include "rpc/transport/internal/frame_capture.h"
 #include "rpc/transport/internal/reading_role.h"
+#include "rpc/transport/internal/spin_poll.h"
+#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::rpc::internal {
 namespace {
+
+// How long a thread reading a completion queue may look for its next event
+// before it sleeps (SpinPoll): the transport's max_spin, on a machine where
+// another thread can run meanwhile.
+int64_t queue_spin_ns(const transport::TransportOptions& options) {
+  return transport::usable_cpus() >= 2 ? transport::spin_ns(options.max_spin) : 0;
+}
+
+// The next event of `cq` as CompletionQueue::AsyncNext with `deadline`,
+// after looking for one without sleeping for up to this thread's spin
+// allowance under `spin_ns`.
+template <typename Queue, typename Deadline>
+grpc::CompletionQueue::NextStatus next_event(Queue* cq, int64_t spin_ns, void** tag, bool* ok,
+                                             const Deadline& deadline) {
+  grpc::CompletionQueue::NextStatus status = grpc::CompletionQueue::TIMEOUT;
+  if (spin_ns > 0) {
+    transport::SpinPoll::this_thread(spin_ns).spin([&] {
+      status = cq->AsyncNext(tag, ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+      return status != grpc::CompletionQueue::TIMEOUT;
+    });
+  }
+  if (status == grpc::CompletionQueue::TIMEOUT) status = cq->AsyncNext(tag, ok, deadline);
+  return status;
+}
 
 // The one method of the transport: a bidirectional stream of raw frames.
 // Frames bypass protobuf (see codec.h), so the method is declared by hand
@@ -411,6 +437,7 @@ class TransportServer::Service {
           OnRequest run_inline, OnRequest offload, const transport::TransportOptions& options)
       : limits_(limits),
         options_(options),
+        spin_ns_(queue_spin_ns(options)),
         auth_(security.authenticated() ? std::make_unique<AuthChecker>(security.token) : nullptr),
         check_(std::move(check)),
         run_inline_(std::move(run_inline)),
@@ -552,7 +579,8 @@ class TransportServer::Service {
     while (true) {
       void* got = nullptr;
       bool ok = false;
-      if (!cq_->Next(&got, &ok)) {
+      if (next_event(cq_.get(), spin_ns_, &got, &ok, gpr_inf_future(GPR_CLOCK_MONOTONIC)) !=
+          grpc::CompletionQueue::GOT_EVENT) {
         absl::MutexLock lock(&mu_);
         drained_ = true;
         role_.stop();
@@ -811,6 +839,7 @@ class TransportServer::Service {
 
   const ServerLimits limits_;
   const transport::TransportOptions options_;
+  const int64_t spin_ns_;  // queue_spin_ns(options_)
   const std::unique_ptr<AuthChecker> auth_;  // null: streams are not authenticated
   const CheckRequest check_;
   const OnRequest run_inline_;
@@ -913,7 +942,7 @@ TransportServer::~TransportServer() { shutdown(absl::ZeroDuration()); }
 // -------------------------------------------------------------- client side
 
 ClientQueue::ClientQueue(transport::TransportOptions options)
-    : options_(std::move(options)), background_([this] {
+    : options_(std::move(options)), spin_ns_(queue_spin_ns(options_)), background_([this] {
         apply_thread_policy(options_.batch_scheduling);
         background_loop();
       }) {}
@@ -1007,7 +1036,7 @@ void ClientQueue::run_events(const std::function<bool()>& done, absl::Time deadl
     void* got = nullptr;
     bool ok = false;
     const absl::Time until = std::min(deadline, absl::Now() + kSlice);
-    switch (cq_.AsyncNext(&got, &ok, absl::ToChronoTime(until))) {
+    switch (next_event(&cq_, spin_ns_, &got, &ok, absl::ToChronoTime(until))) {
       case grpc::CompletionQueue::SHUTDOWN: {
         absl::MutexLock lock(&mu_);
         drained_ = true;

@@ -145,6 +145,8 @@ class ClientQueue {
   void background_loop();
 
   const transport::TransportOptions options_;
+  // How long a wait for the queue's next event may look before it sleeps.
+  const int64_t spin_ns_;
   grpc::CompletionQueue cq_;
   Tag alarm_tag_{nullptr, -1};
   absl::Mutex mu_;

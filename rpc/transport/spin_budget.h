@@ -1,5 +1,6 @@
 // How long a waiting thread may look before it sleeps (the same-host
-// transport's polls, the shared-memory allreduce's barriers), and the CPUs
+// transport's polls, the gRPC transport's completion queues, the
+// shared-memory allreduce's barriers), and the CPUs
 // this process may use. Spinning is the program's choice
 // (TransportOptions::max_spin, ddp::ProcessGroupOptions::max_spin): off by
 // default, because it burns CPU time in someone else's process. It pays

@@ -38,9 +38,11 @@ struct TransportOptions {
   // The threads the transport starts run as SCHED_BATCH
   // (rpc/internal/thread_policy.h).
   bool batch_scheduling = false;
-  // A wait for a peer on this host (same-host transport) looks for up to
-  // this long before it sleeps, while the job's workers on this host fit
-  // its CPUs (spin_budget.h; at most kMaxSpinUs). Zero: waits sleep at once.
+  // A wait for a peer's message looks for up to this long before it sleeps
+  // (spin_budget.h; at most kMaxSpinUs): on the same-host transport while
+  // the job's workers on this host fit its CPUs, and on the gRPC
+  // transport's completion queues (peers on other hosts) when this process
+  // may use two CPUs or more. Zero: waits sleep at once.
   absl::Duration max_spin = absl::ZeroDuration();
   // Every frame read, requests and replies of either transport, is also
   // written into this directory, one file each named <kind>-<hash of its

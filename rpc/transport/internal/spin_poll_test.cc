@@ -97,4 +97,25 @@ TEST_F(SpinPollTest, EachThreadFollowsTheMaximumItIsGiven) {
 }
 
 }  // namespace
+TEST(SpinTest, ALookThatSucceedsKeepsTheBudgetOneThatNeverDoesHalvesIt) {
+  SpinPoll spin(/*max_ns=*/64'000);
+  int looks = 0;
+  EXPECT_TRUE(spin.spin([&] { return ++looks == 3; }));
+  EXPECT_EQ(looks, 3);
+  EXPECT_EQ(spin.budget_ns(), 64'000);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(spin.spin([] { return false; }));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::microseconds(64));
+  EXPECT_EQ(spin.budget_ns(), 32'000);
+}
+
+TEST(SpinTest, NoMaximumNeverLooks) {
+  SpinPoll spin(/*max_ns=*/0);
+  int looks = 0;
+  for (int i = 0; i < 3 * SpinPoll::kProbeEvery; ++i) {
+    EXPECT_FALSE(spin.spin([&] { return ++looks > 0; }));
+  }
+  EXPECT_EQ(looks, 0);
+}
+
 }  // namespace ddprpc::rpc::transport
