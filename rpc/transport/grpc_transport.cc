@@ -40,14 +40,17 @@ int64_t queue_spin_ns(const transport::TransportOptions& options) {
 template <typename Queue, typename Deadline>
 grpc::CompletionQueue::NextStatus next_event(Queue* cq, int64_t spin_ns, void** tag, bool* ok,
                                              const Deadline& deadline) {
+  if (spin_ns <= 0) return cq->AsyncNext(tag, ok, deadline);
+  transport::SpinPoll& spin = transport::SpinPoll::this_thread(spin_ns);
   grpc::CompletionQueue::NextStatus status = grpc::CompletionQueue::TIMEOUT;
-  if (spin_ns > 0) {
-    transport::SpinPoll::this_thread(spin_ns).spin([&] {
-      status = cq->AsyncNext(tag, ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
-      return status != grpc::CompletionQueue::TIMEOUT;
-    });
+  if (spin.spin([&] {
+        status = cq->AsyncNext(tag, ok, gpr_time_0(GPR_CLOCK_MONOTONIC));
+        return status != grpc::CompletionQueue::TIMEOUT;
+      })) {
+    return status;
   }
-  if (status == grpc::CompletionQueue::TIMEOUT) status = cq->AsyncNext(tag, ok, deadline);
+  status = cq->AsyncNext(tag, ok, deadline);
+  spin.slept();
   return status;
 }
 

@@ -20,11 +20,12 @@ SpinPoll& SpinPoll::this_thread(int64_t max_ns) {
 }
 
 int SpinPoll::poll(pollfd* fds, nfds_t n, int timeout_ms) {
-  if (timeout_ms != 0) {
-    int r = 0;
-    if (spin([&] { return (r = ::poll(fds, n, 0)) != 0; })) return r;
-  }
-  return ::poll(fds, n, timeout_ms);
+  if (timeout_ms == 0) return ::poll(fds, n, 0);
+  int r = 0;
+  if (spin([&] { return (r = ::poll(fds, n, 0)) != 0; })) return r;
+  r = ::poll(fds, n, timeout_ms);
+  slept();
+  return r;
 }
 
 }  // namespace ddprpc::rpc::transport

@@ -8,11 +8,13 @@
 // for up to this thread's spin budget, and sleeps in poll only after it.
 //
 // The budget adapts per thread, as an adaptive mutex's spin count does: a
-// wait that ended within the budget keeps it at its maximum, one that did
-// not halves it (down to none), and a thread without budget tries a full
-// one again every kProbeEvery waits (back to none if that one fails too). Threads that wait long for each
+// wait that ended within the budget, or soon after it (within twice the
+// maximum), makes it full; a longer one halves it (down to none), and a
+// thread without budget tries a full one again every kProbeEvery waits
+// (back to none if that one fails too). Threads that wait long for each
 // message (a busy host, a slow peer) so stop spinning after a few waits,
-// and threads of a quick exchange keep spinning.
+// and threads of a quick exchange keep spinning, or start again: two that
+// stopped answer each other within a few wake-ups.
 //
 // Spinning pays only while the processes that exchange messages have a CPU
 // each, and it costs CPU time the program may want elsewhere: the maximum
@@ -37,29 +39,51 @@ class SpinPoll {
   int poll(pollfd* fds, nfds_t n, int timeout_ms);
 
   // Calls `look` (which must not block) until it returns true, yielding
-  // the CPU between calls, for up to this thread's current allowance
-  // (updated here as for poll()). True when a look succeeded; false when
-  // the allowance ran out or there was none, and the caller then sleeps
-  // in its own wait.
+  // the CPU between calls, for up to this thread's current allowance. True
+  // when a look succeeded (the allowance is then full again). False when
+  // the allowance ran out or there was none: the caller then sleeps in its
+  // own wait and calls slept() once that returns.
   template <typename Look>
   bool spin(Look&& look) {
+    wait_start_ns_ = 0;
     if (max_ns_ <= 0) return false;
+    wait_start_ns_ = now_ns();
     int64_t budget = budget_ns_;
-    const bool probe = budget < kMinSpinNs && ++waits_without_budget_ >= kProbeEvery;
-    if (probe) budget = max_ns_;
+    probing_ = budget < kMinSpinNs && ++waits_without_budget_ >= kProbeEvery;
+    if (probing_) budget = max_ns_;
+    spun_ns_ = 0;
     if (budget < kMinSpinNs) return false;
     waits_without_budget_ = 0;
-    const int64_t end = now_ns() + budget;
+    spun_ns_ = budget;
+    const int64_t end = wait_start_ns_ + budget;
     for (;;) {
       if (look()) {
         budget_ns_ = max_ns_;
+        wait_start_ns_ = 0;
         return true;
       }
       if (now_ns() >= end) break;
       yield();
     }
-    budget_ns_ = probe ? 0 : budget / 2;
     return false;
+  }
+
+  // After the sleep that followed a spin() that found nothing. A wait
+  // that ended within twice the maximum, spun or not, makes the allowance
+  // full again: a little more looking would have caught it, and in an
+  // exchange both sides answer sooner while both look (two threads that
+  // had stopped looking start again). A longer wait halves what was spun
+  // (a probe that failed leaves none); an unspun long one changes nothing.
+  void slept() {
+    if (wait_start_ns_ == 0) return;
+    const int64_t waited = now_ns() - wait_start_ns_;
+    wait_start_ns_ = 0;
+    if (waited <= 2 * max_ns_) {
+      budget_ns_ = max_ns_;
+      waits_without_budget_ = 0;
+    } else if (spun_ns_ > 0) {
+      budget_ns_ = probing_ ? 0 : spun_ns_ / 2;
+    }
   }
 
   // This thread's current budget, in nanoseconds.
@@ -80,6 +104,11 @@ class SpinPoll {
   int64_t max_ns_;
   int64_t budget_ns_;
   int waits_without_budget_ = 0;
+  // The wait that spin() began and slept() ends: when it began (0: none),
+  // how long it looked, and whether that was a probe.
+  int64_t wait_start_ns_ = 0;
+  int64_t spun_ns_ = 0;
+  bool probing_ = false;
 };
 
 }  // namespace ddprpc::rpc::transport

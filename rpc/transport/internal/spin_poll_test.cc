@@ -96,8 +96,7 @@ TEST_F(SpinPollTest, EachThreadFollowsTheMaximumItIsGiven) {
   EXPECT_EQ(SpinPoll::this_thread(64'000).budget_ns(), 64'000);
 }
 
-}  // namespace
-TEST(SpinTest, ALookThatSucceedsKeepsTheBudgetOneThatNeverDoesHalvesIt) {
+TEST(SpinTest, ALookThatSucceedsKeepsTheBudgetALongWaitAfterOneThatDidNotHalvesIt) {
   SpinPoll spin(/*max_ns=*/64'000);
   int looks = 0;
   EXPECT_TRUE(spin.spin([&] { return ++looks == 3; }));
@@ -106,7 +105,34 @@ TEST(SpinTest, ALookThatSucceedsKeepsTheBudgetOneThatNeverDoesHalvesIt) {
   const auto start = std::chrono::steady_clock::now();
   EXPECT_FALSE(spin.spin([] { return false; }));
   EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::microseconds(64));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the caller's own wait
+  spin.slept();
   EXPECT_EQ(spin.budget_ns(), 32'000);
+}
+
+// A wait that ends soon after the allowance ran out (within twice the
+// maximum) fills it again, even from none: two threads of an exchange that
+// both stopped looking start again.
+TEST(SpinTest, AWaitThatEndsSoonAfterFillsTheBudgetAgain) {
+  SpinPoll spin(/*max_ns=*/5'000'000);
+  EXPECT_FALSE(spin.spin([] { return false; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // 4x the maximum
+  spin.slept();
+  EXPECT_EQ(spin.budget_ns(), 2'500'000);
+  EXPECT_FALSE(spin.spin([] { return false; }));
+  spin.slept();  // at once: within twice the maximum
+  EXPECT_EQ(spin.budget_ns(), 5'000'000);
+  // Down to none with long waits; then one short wait, without a spin.
+  while (spin.budget_ns() >= 2'000) {
+    EXPECT_FALSE(spin.spin([] { return false; }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(11));
+    spin.slept();
+  }
+  int looks = 0;
+  EXPECT_FALSE(spin.spin([&] { return ++looks > 0; }));
+  EXPECT_EQ(looks, 0);  // no allowance: no look
+  spin.slept();
+  EXPECT_EQ(spin.budget_ns(), 5'000'000);
 }
 
 TEST(SpinTest, NoMaximumNeverLooks) {
@@ -114,8 +140,11 @@ TEST(SpinTest, NoMaximumNeverLooks) {
   int looks = 0;
   for (int i = 0; i < 3 * SpinPoll::kProbeEvery; ++i) {
     EXPECT_FALSE(spin.spin([&] { return ++looks > 0; }));
+    spin.slept();
   }
   EXPECT_EQ(looks, 0);
+  EXPECT_EQ(spin.budget_ns(), 0);
 }
 
+}  // namespace
 }  // namespace ddprpc::rpc::transport
