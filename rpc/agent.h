@@ -150,9 +150,10 @@ struct RpcBackendOptions {
   // sleeps (at most 10 ms): for a peer on this host while the job's workers
   // on this host have a CPU each, for a peer on another host (gRPC) when
   // this process may use two CPUs or more. A thread's allowance halves
-  // after each look that found nothing in time, so threads that wait long
-  // stop spinning. It saves the wake-up of a sleeping thread (tens of
-  // microseconds on a VM) and costs CPU time: zero by default.
+  // after each wait that outlasted twice this long (a wait that ended
+  // sooner fills it again), so threads that wait long stop spinning. It
+  // saves the wake-up of a sleeping thread (tens of microseconds on a VM)
+  // and costs CPU time: zero by default.
   absl::Duration max_spin = absl::ZeroDuration();
   // Every frame this worker reads (requests and replies, either transport)
   // is also written into this directory, e.g. to seed the fuzzers

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/time/time.h"
+#include "rpc/core/internal/byte_order.h"
 
 namespace ddprpc::ddp::internal::ring {
 
@@ -18,10 +19,10 @@ namespace ddprpc::ddp::internal::ring {
 constexpr absl::Duration kSlice = absl::Milliseconds(200);
 
 // Little-endian integers on the wire.
-void put_u32(char* p, uint32_t v);
-void put_u64(char* p, uint64_t v);
-uint32_t get_u32(const char* p);
-uint64_t get_u64(const char* p);
+using rpc::internal::get_u32;
+using rpc::internal::get_u64;
+using rpc::internal::put_u32;
+using rpc::internal::put_u64;
 
 // Owns a file descriptor.
 class Fd {

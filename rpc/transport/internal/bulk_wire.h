@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "rpc/core/internal/byte_order.h"
 
 namespace ddprpc::rpc::transport::bulk {
 
@@ -39,10 +40,10 @@ enum PullStatus : uint32_t {
   kPullOutOfRange = 2,   // past the end of the lend
 };
 
-void put_u32(char* p, uint32_t v);
-void put_u64(char* p, uint64_t v);
-uint32_t get_u32(const char* p);
-uint64_t get_u64(const char* p);
+using rpc::internal::get_u32;
+using rpc::internal::get_u64;
+using rpc::internal::put_u32;
+using rpc::internal::put_u64;
 
 // Blocking I/O on a socket, each call bounded by `silence`: no progress
 // for that long is an error (DEADLINE_EXCEEDED). The peer's end is
