@@ -57,9 +57,9 @@ DEFINE_bool(same_host_allreduce, true,
             "let Gloo groups on one host reduce through shared memory and cross-process reads "
             "(false: Gloo's TCP algorithms)");
 DEFINE_bool(tcp_ring, true,
-            "between hosts, run Gloo groups' allreduces above 1 MiB as a streaming ring over "
-            "TCP connections of the group's own (ProcessGroupOptions::tcp_ring; false: Gloo's "
-            "ring)");
+            "between hosts, run Gloo groups' allreduces from 256 KiB as a streaming ring over "
+            "TCP connections of the group's own (ProcessGroupOptions::tcp_ring; false: "
+            "halving-doubling up to 1 MiB, Gloo's ring above)");
 DEFINE_bool(mutex_deadlock_detection, false,
             "keep abseil's mutex deadlock detection (Debian's abseil has it on; it costs ~5% "
             "of ddp_rpc's CPU)");

@@ -191,7 +191,7 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
 }
 
-// Between hosts (the same-host allreduce off), allreduces above 1 MiB run
+// Between hosts (the same-host allreduce off), allreduces from 256 KiB run
 // the group's TCP ring; a group one of whose ranks turns it off runs Gloo's
 // ring on every rank. Both give the exact results, for each op and dtype.
 MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesBetweenHostsWithAndWithoutTheTcpRing, 3) {

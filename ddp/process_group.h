@@ -78,9 +78,9 @@ struct ProcessGroupOptions {
   // before they sleep, while the group has a CPU per rank (at most 10 ms).
   // Zero by default: spinning costs CPU time the program may want.
   absl::Duration max_spin = absl::ZeroDuration();
-  // Between hosts, allreduces of 256 KiB and more that the synchronous
-  // halving-doubling does not take (those above 1 MiB) run a streaming ring
-  // over TCP connections of the group's own instead of Gloo's ring: the
+  // Between hosts, allreduces of 256 KiB and more run a streaming ring
+  // over TCP connections of the group's own instead of the synchronous
+  // halving-doubling (up to 1 MiB) and Gloo's ring (above): the
   // connections are made, and proved with the job's secret, when the group
   // is built. A group uses it only if every rank agrees and listens on an
   // IPv4 address; otherwise, or with false, Gloo's ring.
