@@ -49,7 +49,13 @@ DEFINE_bool(same_host_transport, true,
 DEFINE_uint64(bulk_min_bytes, 256 << 10,
               "tensors at least this large between hosts leave gRPC for the bulk path, pulled "
               "over --bulk_streams TCP connections (RpcBackendOptions::bulk_min_bytes; 0: off)");
-DEFINE_int32(bulk_streams, 3, "connections a bulk pull is spread over (1..16)");
+DEFINE_int32(bulk_streams, 3, "connections a bulk pull or push is spread over (1..16)");
+DEFINE_bool(bulk_push, true,
+            "senders with --bulk_push_min_cpus CPUs or more start pushing bulk tensors as they "
+            "lend them, the receiver pulling what does not come (RpcBackendOptions::bulk_push; "
+            "false: every bulk tensor is pulled)");
+DEFINE_int32(bulk_push_min_cpus, 4,
+             "CPUs a sender needs to push (RpcBackendOptions::bulk_push_min_cpus; 0: always)");
 DEFINE_int64(bulk_receive_cache_mb, 128,
              "MiB of idle buffers kept resident for pulled tensors "
              "(RpcBackendOptions::bulk_receive_cache_bytes; 0: the CPU allocator's memory)");
@@ -109,6 +115,8 @@ rpc::RpcBackendOptions backend_options() {
   options.same_host_transport = FLAGS_same_host_transport;
   options.bulk_min_bytes = FLAGS_bulk_min_bytes;
   options.bulk_streams = std::clamp(FLAGS_bulk_streams, 1, 16);
+  options.bulk_push = FLAGS_bulk_push;
+  options.bulk_push_min_cpus = std::max(0, FLAGS_bulk_push_min_cpus);
   options.bulk_receive_cache_bytes = std::max<int64_t>(0, FLAGS_bulk_receive_cache_mb) << 20;
   options.capture_frames_dir = FLAGS_capture_frames;
   options.allow_insecure = FLAGS_allow_insecure;
@@ -138,7 +146,10 @@ std::string runtime_settings() {
       ", bulk path ",
       FLAGS_bulk_min_bytes > 0
           ? absl::StrCat("from ", FLAGS_bulk_min_bytes >> 10, " KiB over ",
-                         std::clamp(FLAGS_bulk_streams, 1, 16), " connections")
+                         std::clamp(FLAGS_bulk_streams, 1, 16), " connections, ",
+                         FLAGS_bulk_push ? absl::StrCat("pushed from ", FLAGS_bulk_push_min_cpus,
+                                                        " CPUs (else pulled)")
+                                         : std::string("pulled"))
           : std::string("off"),
       ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off", ", TCP ring ",
       FLAGS_tcp_ring ? "on" : "off",

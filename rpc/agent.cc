@@ -217,6 +217,8 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     transport::BulkOptions bulk;
     bulk.min_bytes = options_.bulk_min_bytes;
     bulk.streams = std::max(1, options_.bulk_streams);
+    bulk.push = options_.bulk_push;
+    bulk.push_min_cpus = options_.bulk_push_min_cpus;
     bulk.receive_cache_bytes = std::max<int64_t>(0, options_.bulk_receive_cache_bytes);
     // A lender that sends nothing for as long as keepalive takes to find
     // a peer dead is taken for dead.

@@ -133,6 +133,14 @@ struct RpcBackendOptions {
   // on the encrypted stream) or when bulk_min_bytes is 0.
   uint64_t bulk_min_bytes = 256 << 10;
   int bulk_streams = 3;
+  // Where this process may use bulk_push_min_cpus CPUs or more, the sender
+  // starts pushing such a tensor's bytes as it lends it, over bulk_streams
+  // connections of its own to the receiver, when they are open and idle;
+  // the receiver takes them straight into the tensor once the frame that
+  // names them is checked, and pulls what does not come. (On fewer CPUs the
+  // pushed bytes delay the frame that names them, and pulling is faster.)
+  bool bulk_push = true;
+  int bulk_push_min_cpus = 4;
   // Pulled tensors take their memory from buffers that earlier ones gave
   // back, pages still resident, keeping at most this many bytes of buffers
   // no tensor uses, each for at most 10 s (0: the CPU allocator's memory,

@@ -12,9 +12,12 @@
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "rpc/core/errors.h"
+#include "rpc/transport/spin_budget.h"
+#include "rpc/transport/internal/bulk_claims.h"
 #include "rpc/transport/internal/bulk_lender.h"
 #include "rpc/transport/internal/bulk_pull_pool.h"
 #include "rpc/transport/internal/bulk_puller.h"
+#include "rpc/transport/internal/bulk_pusher.h"
 #include "rpc/transport/internal/bulk_receive_cache.h"
 
 namespace ddprpc::rpc::transport {
@@ -82,7 +85,14 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
         cache_(options.receive_cache_bytes > 0
                    ? bulk::ReceiveCache::create(
                          {options.receive_cache_bytes, options.receive_cache_idle_time})
-                   : nullptr) {}
+                   : nullptr),
+        claims_(options.push ? std::make_shared<bulk::ClaimTable>(bulk::ClaimLimits{
+                                   1024, options.max_lent_bytes_per_peer,
+                                   std::max(options.lend_timeout, options.silence)})
+                             : nullptr),
+        pushing_(options.push && usable_cpus() >= options.push_min_cpus) {}
+
+  const std::shared_ptr<bulk::ClaimTable>& claims() const { return claims_; }
 
   const BulkOptions& options() const { return options_; }
 
@@ -91,12 +101,15 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   // wrapped transport go: deliveries use that one.
   void stop() {
     std::vector<std::shared_ptr<bulk::Puller>> pullers;
+    std::map<int, std::shared_ptr<bulk::Pusher>> pushers;
     {
       absl::MutexLock lock(&mu_);
       stopped_ = true;
       for (auto& [peer, puller] : pullers_) pullers.push_back(puller);
+      pushers.swap(pushers_);
     }
     for (auto& puller : pullers) puller->abort();
+    pushers.clear();  // ends their pushes and joins their threads
     pool_.stop();
     pool_.wait();
     if (cache_) cache_->close();
@@ -112,17 +125,31 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
     struct Pending {
       Frame frame;
       absl::Status status;
+      // By tensor index: the claims of pushed tensors (null: pulled).
+      std::vector<std::shared_ptr<bulk::ClaimTable::Claim>> claims;
+      std::shared_ptr<bulk::ClaimTable> table;
+      std::vector<uint64_t> pushed;  // lends that came pushed, to release
+      ~Pending() {
+        for (const auto& claim : claims) {
+          if (claim != nullptr) table->drop(claim);
+        }
+      }
     };
     auto pending = std::make_shared<Pending>();
     pending->frame = std::move(frame);
+    claim_pushed(&pending->frame, peer, max_message_bytes, &pending->claims);
+    pending->table = claims_;
     auto state = shared_from_this();
     auto pull = [state, gate, pending, peer, self, token = std::move(token), max_message_bytes] {
       pending->status = gate->closed()
                             ? absl::CancelledError("its connection closed before the pull")
-                            : state->fill(&pending->frame, peer, self, token, max_message_bytes);
+                            : state->fill(&pending->frame, peer, self, token, max_message_bytes,
+                                          pending->claims, &pending->pushed);
     };
-    auto then = [state, gate, pending, deliver = std::move(deliver)] {
+    auto then = [state, gate, pending, peer, deliver = std::move(deliver)] {
       gate->run([&] { deliver(std::move(pending->frame), pending->status); });
+      // After the delivery: the lender may be slow to answer, or gone.
+      if (!pending->pushed.empty()) state->release(peer, pending->pushed);
       // A caller reading the wrapped transport may wait for what this
       // completed. (After stop() the wrapped transport may be gone: a
       // delivery destroyed the transport on this thread.)
@@ -147,9 +174,11 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
                                                max_reply_bytes, options_.lend_timeout);
   }
 
-  void set_listening(bool on) {
+  // `token` proves this worker on the connections it pushes over.
+  void set_listening(bool on, const std::string& token = std::string()) {
     absl::MutexLock lock(&mu_);
     listening_ = on;
+    if (on) token_ = token;
   }
   void set_endpoints(const std::vector<std::string>& endpoints) {
     absl::MutexLock lock(&mu_);
@@ -159,7 +188,9 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   // Lends `frame`'s large tensors from `self` to `peer` when both have
   // published a bulk endpoint (and this transport listens on its own);
   // whether it lent any.
-  bool lend(Frame* frame, int self, int peer, bool reply,
+  // A lent tensor may be pushed: `*pusher` then starts its bytes once the
+  // frame is sent (Pusher::start).
+  bool lend(Frame* frame, int self, int peer, bool reply, std::shared_ptr<bulk::Pusher>* started,
             absl::Time not_before = absl::InfinitePast()) {
     bool large = false;  // most frames have no large tensor: no lock for them
     for (const auto& meta : frame->header.tensors()) large |= meta.nbytes() >= options_.min_bytes;
@@ -174,6 +205,7 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
         return false;
       }
     }
+    std::shared_ptr<bulk::Pusher> pusher = pushing_ ? pusher_for(self, peer) : nullptr;
     bool lent = false;
     auto* metas = frame->header.mutable_tensors();
     const int n = std::min<int>(metas->size(), static_cast<int>(frame->tensors.size()));
@@ -187,19 +219,18 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       const uint64_t id = table->lend(peer, frame->header.id(), t, reply, not_before);
       if (id == 0) break;  // the peer's bound: the rest travel in the frame
       meta->set_lent(id);
+      meta->set_pushed(pusher != nullptr ? pusher->push(id, t) : 0);
+      if (meta->pushed() != 0) *started = pusher;
       lent = true;
     }
     return lent;
   }
 
-  // Allocates `frame`'s lent tensors and pulls their bytes from `peer`.
-  absl::Status fill(Frame* frame, int peer, int self, const std::string& token,
-                    int64_t max_message_bytes) {
-    if (!has_lent(*frame)) return absl::OkStatus();
-    // Each tensor's bytes were checked against its shape; their sum is
-    // checked here, before anything is allocated.
-    uint64_t total = frame->size();
-    for (const auto& meta : frame->header.tensors()) {
+  // Each lent tensor's bytes were checked against its shape; their sum,
+  // with the frame's, must be within `max_message_bytes`.
+  static absl::Status check_lent_bytes(const Frame& frame, int64_t max_message_bytes) {
+    uint64_t total = frame.size();
+    for (const auto& meta : frame.header.tensors()) {
       if (meta.lent() != 0 && (__builtin_add_overflow(total, meta.nbytes(), &total) ||
                                total > static_cast<uint64_t>(max_message_bytes))) {
         return absl::ResourceExhaustedError(
@@ -207,6 +238,82 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
                          max_message_bytes, ")"));
       }
     }
+    return absl::OkStatus();
+  }
+
+  internal::EmptyTensor empty_tensor() {
+    if (!cache_) return nullptr;  // the CPU allocator
+    return [this](c10::ScalarType dtype, c10::IntArrayRef sizes) {
+      return cache_->allocate(dtype, sizes);
+    };
+  }
+
+  // On the thread that read `frame` (checked): allocates each tensor `peer`
+  // says it pushes and claims its bytes, so that they may be read as they
+  // come; by tensor index in `claims`. A frame beyond max_message_bytes, or
+  // a tensor that cannot be claimed, is left to fill().
+  void claim_pushed(Frame* frame, int peer, int64_t max_message_bytes,
+                    std::vector<std::shared_ptr<bulk::ClaimTable::Claim>>* claims) {
+    if (claims_ == nullptr) return;
+    const auto& metas = frame->header.tensors();
+    bool pushed = false;
+    for (const auto& meta : metas) pushed |= meta.lent() != 0 && meta.pushed() != 0;
+    if (!pushed || !check_lent_bytes(*frame, max_message_bytes).ok()) return;
+    const internal::EmptyTensor empty = empty_tensor();
+    claims->resize(metas.size());
+    for (int i = 0; i < metas.size(); ++i) {
+      const auto& meta = metas[i];
+      if (meta.lent() == 0 || meta.pushed() == 0 || meta.nbytes() == 0) continue;
+      at::Tensor t;
+      try {
+        t = internal::allocate_tensor(meta, empty);
+      } catch (const std::exception&) {
+        continue;  // fill() reports it
+      }
+      (*claims)[i] = claims_->add(peer, meta.lent(), std::move(t), meta.pushed());
+    }
+  }
+
+  // Tells `peer` that its lends `ids` arrived pushed.
+  void release(int peer, const std::vector<uint64_t>& ids) {
+    std::shared_ptr<bulk::Puller> puller;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = pullers_.find(peer);
+      if (stopped_ || it == pullers_.end()) return;
+      puller = it->second;
+    }
+    for (uint64_t id : ids) puller->release(id);
+  }
+
+  // The pusher of lends from `self` to `peer`, made on first use.
+  std::shared_ptr<bulk::Pusher> pusher_for(int self, int peer) {
+    absl::MutexLock lock(&mu_);
+    if (stopped_ || peer < 0 || peer >= static_cast<int>(endpoints_.size())) return nullptr;
+    auto& slot = pushers_[peer];
+    if (slot == nullptr) {
+      bulk::PusherOptions po;
+      po.self = self;
+      po.receiver = peer;
+      po.endpoint = endpoints_[peer];
+      po.token = token_;
+      po.streams = options_.streams;
+      po.silence = options_.silence;
+      slot = std::make_shared<bulk::Pusher>(std::move(po));
+    }
+    return slot;
+  }
+
+  // Allocates `frame`'s lent tensors and has their bytes: pushed into the
+  // tensors `claims` name, or pulled from `peer`.
+  absl::Status fill(Frame* frame, int peer, int self, const std::string& token,
+                    int64_t max_message_bytes,
+                    const std::vector<std::shared_ptr<bulk::ClaimTable::Claim>>& claims,
+                    std::vector<uint64_t>* pushed) {
+    if (!has_lent(*frame)) return absl::OkStatus();
+    // Checked before anything is allocated.
+    absl::Status within = check_lent_bytes(*frame, max_message_bytes);
+    if (!within.ok()) return within;
     std::shared_ptr<bulk::Puller> puller;
     {
       absl::MutexLock lock(&mu_);
@@ -232,16 +339,28 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       }
       puller = slot;
     }
-    internal::EmptyTensor empty;  // null: the CPU allocator
-    if (cache_) {
-      empty = [this](c10::ScalarType dtype, c10::IntArrayRef sizes) {
-        return cache_->allocate(dtype, sizes);
-      };
-    }
+    const internal::EmptyTensor empty = empty_tensor();
     auto* metas = frame->header.mutable_tensors();
     for (int i = 0; i < metas->size(); ++i) {
       auto* meta = metas->Mutable(i);
       if (meta->lent() == 0) continue;
+      const auto& claim = i < static_cast<int>(claims.size()) ? claims[i] : nullptr;
+      if (claim != nullptr) {
+        const absl::Time deadline =
+            claim->made + options_.silence +
+            absl::Seconds(static_cast<double>(meta->nbytes()) / (16 << 20));
+        at::Tensor t = claim->tensor;
+        if (claims_->await(claim, options_.push_start_wait, deadline)) {
+          pushed->push_back(meta->lent());
+        } else {
+          absl::Status pulled = puller->pull(meta->lent(), t.data_ptr(), meta->nbytes());
+          if (!pulled.ok()) return pulled;
+        }
+        frame->tensors[i] = std::move(t);
+        meta->set_lent(0);
+        meta->clear_pushed();
+        continue;
+      }
       at::Tensor t;
       try {
         t = internal::allocate_tensor(*meta, empty);
@@ -255,6 +374,7 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       }
       frame->tensors[i] = std::move(t);
       meta->set_lent(0);
+      meta->clear_pushed();
     }
     return absl::OkStatus();
   }
@@ -265,6 +385,9 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   bulk::PullPool pool_;
   // Memory for pulled tensors; null when off.
   const std::shared_ptr<bulk::ReceiveCache> cache_;
+  // Tensors being pushed to this worker; null when pushes are off.
+  const std::shared_ptr<bulk::ClaimTable> claims_;
+  const bool pushing_;  // this worker pushes what it lends
   absl::Mutex mu_;
   // State below is protected by mu_.
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
@@ -273,6 +396,8 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   bool listening_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> endpoints_ ABSL_GUARDED_BY(mu_);  // by rank; empty: none
   std::map<int, std::shared_ptr<bulk::Puller>> pullers_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::shared_ptr<bulk::Pusher>> pushers_ ABSL_GUARDED_BY(mu_);
+  std::string token_ ABSL_GUARDED_BY(mu_);  // proves pushes
 };
 
 // An error frame answering frame `id` in the name of worker `src`.
@@ -295,10 +420,12 @@ class BulkResponder : public Responder {
         self_(self),
         max_message_bytes_(max_message_bytes) {}
   void send(Frame reply) override {
+    std::shared_ptr<bulk::Pusher> pusher;
     if (reply.size() <= static_cast<uint64_t>(max_message_bytes_)) {
-      state_->lend(&reply, self_, inner_->caller(), /*reply=*/true);
+      state_->lend(&reply, self_, inner_->caller(), /*reply=*/true, &pusher);
     }
     inner_->send(std::move(reply));
+    if (pusher != nullptr) pusher->start();
   }
   bool answered() const override { return inner_->answered(); }
   int caller() const override { return inner_->caller(); }
@@ -364,10 +491,12 @@ class BulkChannel : public Channel {
     // lend timeout; a call without one gets the lend timeout.
     const absl::Time keep =
         options.deadline == absl::InfiniteFuture() ? absl::InfinitePast() : options.deadline;
+    std::shared_ptr<bulk::Pusher> pusher;
     const bool lent = frame.size() <= static_cast<uint64_t>(max_message_bytes_) &&
-                      state_->lend(&frame, self_, peer_, /*reply=*/false, keep);
+                      state_->lend(&frame, self_, peer_, /*reply=*/false, &pusher, keep);
     const uint64_t id = frame.header.id();
     const bool sent = inner_->send(std::move(frame), options);
+    if (pusher != nullptr) pusher->start(/*cancel=*/!sent);
     if (!sent && lent) {
       if (auto table = state_->table()) table->release_request(peer_, id);
     }
@@ -418,7 +547,7 @@ class BulkTransport : public Transport {
     state_->set_max_reply_bytes(limits.max_pending_reply_bytes);
     std::string error;
     std::unique_ptr<bulk::Listener> listener =
-        bulk::Listener::start(host, ll, state_->table(), &error);
+        bulk::Listener::start(host, ll, state_->table(), state_->claims(), &error);
     if (listener == nullptr) {
       // Tensors then travel in their frames; peers see no bulk endpoint.
       LOG(WARNING) << "worker " << limits.self << ": no bulk path (" << error << ")";
@@ -466,7 +595,7 @@ class BulkTransport : public Transport {
     const bool bare_ipv6 = host.find(':') != std::string::npos && host.front() != '[';
     const std::string endpoint =
         absl::StrCat(bare_ipv6 ? "[" + host + "]" : host, ":", listener->port());
-    state_->set_listening(true);
+    state_->set_listening(true, security.token);
     return std::make_unique<BulkServer>(state_, std::move(gate), std::move(server),
                                         std::move(listener), endpoint);
   }

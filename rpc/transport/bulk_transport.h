@@ -37,10 +37,31 @@
 // 16 MiB/s in all. A channel's close or a server's shutdown drops the
 // frames still being pulled for it.
 //
+// Pushes: where the lender may use BulkOptions::push_min_cpus CPUs or
+// more, it does not wait for the pull. Once the frame is handed to the
+// wrapped transport, it starts writing a lent tensor's ranges over
+// connections of its own to the receiver's bulk listener (when they are
+// open and idle; the first lend to a peer opens them in the background),
+// and the frame says so (wire::TensorMeta.pushed). The receiver, as it
+// checks the frame on the thread that read it, allocates the tensor and
+// claims it (internal/bulk_claims.h); a push connection reads each range
+// straight into the claimed tensor. A tensor whose ranges do not all start
+// within BulkOptions::push_start_wait, or one of whose ranges breaks the
+// rules, is pulled instead, once no range is being read into it. Push
+// connections prove the job's token as pull connections do (for pushing,
+// to the worker they open to); a range lands only in a tensor that a
+// frame of the same proven worker named, of the size, ranges and index
+// the frame implies, once; a range no frame claims within the silence
+// limit, or one that breaks these rules, ends its connection. After the
+// delivery the receiver releases the lend as after a pull. On fewer CPUs
+// the pushed bytes and the frame that names them compete for the CPUs,
+// and pulling is faster (docs/network-path.md).
+//
 // A lent tensor is not copied: the receiver reads the sender's memory as
 // it is when the pull comes (within a round trip of the frame, usually),
-// as the wrapped transport reads it when it writes the frame. A tensor
-// changed in place before its call completes may arrive changed.
+// or the push writes it (just after the frame), as the wrapped transport
+// reads it when it writes the frame. A tensor changed in place before its
+// call completes may arrive changed.
 //
 // Pulled tensors get their memory from a cache of buffers that earlier
 // pulled tensors gave back, pages still resident
@@ -63,7 +84,7 @@ namespace ddprpc::rpc::transport {
 struct BulkOptions {
   // Tensors at least this large are lent.
   uint64_t min_bytes = 256 << 10;
-  // Connections a pull from one peer is spread over.
+  // Connections a pull from one peer, or a push to it, is spread over.
   int streams = 3;
   // Bytes lent to one peer and not yet pulled.
   int64_t max_lent_bytes_per_peer = int64_t{1} << 30;
@@ -83,6 +104,14 @@ struct BulkOptions {
   // 0: every tensor from the CPU allocator.
   int64_t receive_cache_bytes = int64_t{128} << 20;
   absl::Duration receive_cache_idle_time = absl::Seconds(10);
+  // Pushes (see above): this worker takes pushed tensors, and pushes what
+  // it lends where it may use push_min_cpus CPUs or more (on fewer, the
+  // pushed bytes and the frame that names them compete for the CPUs, and
+  // pulling is faster). A pushed tensor whose ranges have not all started
+  // arriving push_start_wait after its frame was read is pulled instead.
+  bool push = true;
+  int push_min_cpus = 4;
+  absl::Duration push_start_wait = absl::Milliseconds(100);
 };
 
 // Serves and connects through `inner`, lending large tensors on the bulk

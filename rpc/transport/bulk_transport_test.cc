@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -305,35 +306,19 @@ TEST(BulkTransportTest, StrangersOnTheBulkPortAreClosedAndTheWorkerGoesOn) {
 }
 
 // A lender that answers the hello and a pull's head, sends half the bytes
-// and then closes (it died), or sends nothing more (it stalled).
+// and then closes (it died), or sends nothing more (it stalled). It takes
+// one connection, or with `many` each that comes (dying on each).
 class BrokenLender {
  public:
-  explicit BrokenLender(bool stall) {
+  explicit BrokenLender(bool stall, bool many = false) {
     std::string error;
     fd_ = bulk::listen_on("127.0.0.1", &port_, &error);
-    thread_ = std::thread([this, stall] {
-      const int c = ::accept(fd_, nullptr, nullptr);
-      if (c < 0) return;
-      char fixed[bulk::kHelloFixedBytes];
-      if (bulk::read_exact(c, fixed, sizeof(fixed), absl::Seconds(5)).ok()) {
-        std::string proof(bulk::get_u32(fixed + 12), '\0');
-        char pull[bulk::kPullBytes];
-        if (bulk::read_exact(c, proof.data(), proof.size(), absl::Seconds(5)).ok() &&
-            bulk::write_all(c, bulk::kHelloAck, 4, absl::Seconds(5)).ok() &&
-            bulk::read_exact(c, pull, sizeof(pull), absl::Seconds(5)).ok()) {
-          const uint64_t length = bulk::get_u64(pull + 16);
-          char head[bulk::kReplyHeadBytes] = {};
-          bulk::put_u64(head + 8, length);
-          std::vector<char> half(length / 2, 'h');
-          (void)bulk::write_all(c, head, sizeof(head), absl::Seconds(5));
-          (void)bulk::write_all(c, half.data(), half.size(), absl::Seconds(5));
-          if (stall) {
-            char any;
-            (void)bulk::read_exact(c, &any, 1, absl::Seconds(20));  // until the puller leaves
-          }
-        }
-      }
-      ::close(c);
+    thread_ = std::thread([this, stall, many] {
+      do {
+        const int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) return;
+        serve(c, stall);
+      } while (many);
     });
   }
   ~BrokenLender() {
@@ -344,6 +329,29 @@ class BrokenLender {
   std::string endpoint() const { return absl::StrCat("127.0.0.1:", port_); }
 
  private:
+  static void serve(int c, bool stall) {
+    char fixed[bulk::kHelloFixedBytes];
+    if (bulk::read_exact(c, fixed, sizeof(fixed), absl::Seconds(5)).ok()) {
+      std::string proof(bulk::get_u32(fixed + 12), '\0');
+      char pull[bulk::kPullBytes];
+      if (bulk::read_exact(c, proof.data(), proof.size(), absl::Seconds(5)).ok() &&
+          bulk::write_all(c, bulk::kHelloAck, 4, absl::Seconds(5)).ok() &&
+          bulk::read_exact(c, pull, sizeof(pull), absl::Seconds(5)).ok()) {
+        const uint64_t length = bulk::get_u64(pull + 16);
+        char head[bulk::kReplyHeadBytes] = {};
+        bulk::put_u64(head + 8, length);
+        std::vector<char> half(length / 2, 'h');
+        (void)bulk::write_all(c, head, sizeof(head), absl::Seconds(5));
+        (void)bulk::write_all(c, half.data(), half.size(), absl::Seconds(5));
+        if (stall) {
+          char any;
+          (void)bulk::read_exact(c, &any, 1, absl::Seconds(20));  // until the puller leaves
+        }
+      }
+    }
+    ::close(c);
+  }
+
   int fd_ = -1;
   int port_ = 0;
   std::thread thread_;
@@ -523,6 +531,220 @@ TEST(BulkTransportTest, ClosingAChannelDropsTheRepliesBeingPulled) {
   absl::SleepFor(absl::Seconds(4));  // the stalled pull has failed by now
   absl::MutexLock lock(&replies.mu);
   EXPECT_TRUE(replies.frames.empty());
+}
+
+// ---------------------------------------------------------------- pushes
+
+// Bulk options with pushes made whatever the CPUs (the rule that needs
+// four is for speed, not for correctness).
+BulkOptions pushing() {
+  BulkOptions bulk;
+  bulk.push_min_cpus = 0;
+  return bulk;
+}
+
+// The frames captured in `dir`, parsed (lent tensors without their bytes).
+std::vector<Frame> captured_frames(const std::string& dir) {
+  std::vector<Frame> frames;
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return frames;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::string bytes;
+    if (FILE* f = std::fopen((dir + "/" + e->d_name).c_str(), "rb")) {
+      char buf[1 << 16];
+      size_t n;
+      while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) bytes.append(buf, n);
+      std::fclose(f);
+    }
+    Frame frame;
+    internal::ParseOptions options;
+    options.accept_lent = true;
+    if (internal::parse_frame(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                              &frame, options)
+            .ok()) {
+      frames.push_back(std::move(frame));
+    }
+  }
+  closedir(d);
+  return frames;
+}
+
+// Frames in `frames` whose first tensor was pushed.
+int pushed_frames(const std::vector<Frame>& frames) {
+  int n = 0;
+  for (const Frame& f : frames) n += f.header.tensors_size() > 0 && f.header.tensors(0).pushed() > 0;
+  return n;
+}
+
+// Both ways, pushed tensors arrive whole, and each lend ends once its
+// receiver has the bytes: 24 round trips of 4 MiB lend 96 MiB each way,
+// past the 64 MiB a worker holds lent to one peer for replies, so a lend
+// left behind would send a later reply's tensor in its frame.
+TEST(BulkTransportTest, PushedTensorsArriveWholeAndTheirLendsEnd) {
+  TempDir temp0, temp1;
+  Worker w0(0, 2, temp0.path(), pushing()), w1(1, 2, temp1.path(), pushing());
+  world({&w0, &w1});
+  Replies replies;
+  auto ch = w1.connect_to(w0, &replies);
+  constexpr int kRounds = 24;
+  for (uint64_t id = 1; id <= kRounds; ++id) {
+    const at::Tensor big = at::arange(1 << 20, at::kInt).add_(static_cast<int64_t>(id));
+    const at::Tensor odd = at::arange((1 << 20) + 3, at::kByte);
+    ASSERT_TRUE(ch->send(request({big, odd}, id, 1), {}));
+    Frame reply = replies.wait_for(id);
+    ASSERT_EQ(reply.header.kind(), wire::RESPONSE) << reply.header.error();
+    std::vector<at::Tensor> got = tensors_of(reply);
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_TRUE(at::equal(got[0], big)) << "round " << id;
+    EXPECT_TRUE(at::equal(got[1], odd)) << "round " << id;
+  }
+  ch->close(false);
+  for (const std::string& dir : {temp0.path(), temp1.path()}) {
+    const std::vector<Frame> frames = captured_frames(dir);
+    ASSERT_EQ(frames.size(), static_cast<size_t>(kRounds)) << dir;
+    for (int64_t size : captured_sizes(dir)) EXPECT_LT(size, 64 << 10) << dir;
+    // The first lends open the push connections; once open, pushes go.
+    EXPECT_GE(pushed_frames(frames), kRounds / 2) << dir;
+  }
+}
+
+// A receiver that takes no pushes refuses the push connections; the lender
+// then lends for pulls, and its tensors arrive whole.
+TEST(BulkTransportTest, TensorsForAReceiverThatTakesNoPushesArePulled) {
+  TempDir temp0;
+  BulkOptions no_push;
+  no_push.push = false;
+  Worker w0(0, 2, temp0.path(), no_push), w1(1, 2, "", pushing());
+  world({&w0, &w1});
+  Replies replies;
+  auto ch = w1.connect_to(w0, &replies);
+  const at::Tensor big = at::arange(1 << 20, at::kInt);
+  for (uint64_t id = 1; id <= 6; ++id) {
+    ASSERT_TRUE(ch->send(request({big}, id, 1), {}));
+    Frame reply = replies.wait_for(id);
+    ASSERT_EQ(reply.header.kind(), wire::RESPONSE) << reply.header.error();
+    EXPECT_TRUE(at::equal(tensors_of(reply)[0], big));
+    absl::SleepFor(absl::Milliseconds(50));  // time for a push connection to be tried
+  }
+  ch->close(false);
+  const std::vector<Frame> frames = captured_frames(temp0.path());
+  EXPECT_EQ(frames.size(), 6u);
+  EXPECT_EQ(pushed_frames(frames), 0);
+}
+
+// A request from worker 1 whose 1 MiB tensor, lend 4242, it says it pushes
+// over `ranges` connections.
+Frame pushed_request(uint64_t id, uint32_t ranges) {
+  Frame f = request({at::arange(1 << 18, at::kInt)}, id, 1);
+  f.header.mutable_tensors(0)->set_lent(4242);
+  f.header.mutable_tensors(0)->set_pushed(ranges);
+  return f;
+}
+
+// A frame that says its tensor is pushed, whose bytes never come, is
+// pulled once push_start_wait has passed: from a lender that dies here,
+// which fails that call only.
+TEST(BulkTransportTest, APushedTensorWhoseBytesNeverComeIsPulled) {
+  BulkOptions bulk = pushing();
+  bulk.silence = absl::Seconds(1);
+  bulk.streams = 1;  // the broken lender answers one connection
+  bulk.push_start_wait = absl::Milliseconds(300);
+  Worker w0(0, 2, "", bulk), w1(1, 2);
+  BrokenLender lender(/*stall=*/false);
+  world({&w0, &w1}, {w0.bulk_endpoint(), lender.endpoint()});
+  const absl::Time start = absl::Now();
+  Frame reply = send_as_worker1(&w0, pushed_request(9, 2));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(reply.header.kind(), wire::ERROR);
+  EXPECT_NE(reply.header.error().find("pulling lent tensor 4242"), std::string::npos)
+      << reply.header.error();
+  EXPECT_EQ(w0.served(), 0);
+  echoes(&w1, w0, at::arange(8, at::kInt));  // worker 0 goes on
+}
+
+std::string push_hello(int from, int to, const std::string& proof) {
+  std::string h = hello(from, to, proof);
+  std::memcpy(h.data(), bulk::kPushHelloMagic, 4);
+  return h;
+}
+
+std::string push_head(uint64_t id, uint64_t total, uint32_t index, uint32_t ranges) {
+  std::string h(bulk::kPushHeadBytes, '\0');
+  bulk::put_u64(h.data(), id);
+  bulk::put_u64(h.data() + 8, total);
+  bulk::put_u32(h.data() + 16, index);
+  bulk::put_u32(h.data() + 20, ranges);
+  return h;
+}
+
+// Strangers on the push path are closed before anything is read; a proven
+// worker's push that no frame of its own claims, or that does not match
+// its claim, ends its connection at once and sends that frame to a pull
+// (which fails here, the lender being gone); the worker goes on.
+TEST(BulkTransportTest, StrangersAndMalformedPushesEndTheirConnectionOnly) {
+  BulkOptions bulk = pushing();
+  bulk.silence = absl::Seconds(1);
+  bulk.streams = 1;
+  bulk.push_start_wait = absl::Seconds(20);  // only a failed claim ends the wait early
+  Worker w0(0, 2, "", bulk), w1(1, 2);
+  BrokenLender lender(/*stall=*/false, /*many=*/true);
+  world({&w0, &w1}, {w0.bulk_endpoint(), lender.endpoint()});
+  const std::string ep = w0.bulk_endpoint();
+  const std::string right = rpc::internal::auth_proof(kToken, {"rpc", "bulk-push", 1, 0});
+  struct Case {
+    const char* what;
+    std::string bytes;
+  } strangers[] = {
+      {"no proof", push_hello(1, 0, "")},
+      {"a proof for pulls", push_hello(1, 0, rpc::internal::auth_proof(kToken, {"rpc", "bulk", 1, 0}))},
+      {"another job's proof", push_hello(1, 0, rpc::internal::auth_proof("other", {"rpc", "bulk-push", 1, 0}))},
+      {"a hello to another worker", push_hello(1, 1, right)},
+  };
+  for (const Case& c : strangers) {
+    std::string answer;
+    EXPECT_TRUE(closed_after(ep, c.bytes + push_head(1, 1 << 20, 0, 1), &answer)) << c.what;
+    EXPECT_EQ(answer, "") << c.what;
+  }
+  // Proven, but pushing a tensor no frame names: closed once the claim
+  // wait (the silence limit) has passed.
+  {
+    std::string answer;
+    const std::string proof = rpc::internal::auth_proof(kToken, {"rpc", "bulk-push", 1, 0});
+    EXPECT_TRUE(closed_after(ep, push_hello(1, 0, proof) + push_head(77, 1 << 20, 0, 1), &answer));
+    EXPECT_EQ(answer, "OK..");
+  }
+  // A frame whose push does not match it: the wrong size, a range past the
+  // last, the same range twice.
+  struct Bad {
+    const char* what;
+    std::string heads;
+  } bad[] = {
+      {"another size", push_head(4242, 1 << 19, 0, 2)},
+      {"a range past the last", push_head(4242, 1 << 20, 2, 2)},
+      {"other ranges", push_head(4242, 1 << 20, 0, 3)},
+  };
+  uint64_t id = 40;
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.what);
+    Replies replies;
+    auto plain = make_default_transport();
+    auto ch = plain_channel_of_worker1(w0, plain.get(), &replies);
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(ch->send(pushed_request(++id, 2), {}));
+    std::string answer;
+    const std::string proof = rpc::internal::auth_proof(kToken, {"rpc", "bulk-push", 1, 0});
+    EXPECT_TRUE(closed_after(ep, push_hello(1, 0, proof) + b.heads, &answer));
+    Frame reply = replies.wait_for(1);
+    EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // not the 20 s start wait
+    EXPECT_EQ(reply.header.kind(), wire::ERROR);
+    EXPECT_NE(reply.header.error().find("pulling lent tensor 4242"), std::string::npos)
+        << reply.header.error();
+    ch->close(false);
+  }
+  EXPECT_EQ(w0.served(), 0);
+  echoes(&w1, w0, at::arange(8, at::kInt));  // worker 0 goes on
 }
 
 }  // namespace

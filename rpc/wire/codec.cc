@@ -488,6 +488,9 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
     uint64_t bytes;
     absl::Status ok = check_tensor_meta(metas[i], i, &bytes);
     if (!ok.ok()) return ok;
+    if (metas[i].pushed() != 0 && metas[i].lent() == 0) {
+      return absl::DataLossError(absl::StrCat("tensor ", i, " was pushed but not lent"));
+    }
     if (metas[i].lent() != 0) {
       if (!options.accept_lent) {
         return absl::DataLossError(absl::StrCat("tensor ", i, " was lent, on a path without lending"));

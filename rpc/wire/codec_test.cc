@@ -167,6 +167,18 @@ TEST(CodecTest, LentTensorsLeaveTheFrameAndAreRefusedUnlessAccepted) {
   undefined_lent.header.mutable_tensors(0)->set_nbytes(0);
   Frame bad2;
   EXPECT_FALSE(parse_frame(serialize_frame(undefined_lent), &bad2, ParseOptions{true}).ok());
+  // A lent tensor may say it is pushed; one that is not lent may not.
+  Frame pushed = out;
+  pushed.header.mutable_tensors(0)->set_pushed(3);
+  Frame in_pushed;
+  ASSERT_TRUE(parse_frame(serialize_frame(pushed), &in_pushed, ParseOptions{true}).ok());
+  EXPECT_EQ(in_pushed.header.tensors(0).pushed(), 3u);
+  Frame pushed_inline = pushed;
+  pushed_inline.header.mutable_tensors(1)->set_pushed(1);
+  Frame bad3;
+  absl::Status not_lent = parse_frame(serialize_frame(pushed_inline), &bad3, ParseOptions{true});
+  EXPECT_FALSE(not_lent.ok());
+  EXPECT_NE(not_lent.ToString().find("pushed but not lent"), std::string::npos) << not_lent;
 }
 
 TEST(CodecTest, MalformedBytesAreRejected) {

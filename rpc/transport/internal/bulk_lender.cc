@@ -107,7 +107,8 @@ void LendTable::erase_locked(int peer, uint64_t id) {
 // ---------------------------------------------------------------------------
 
 std::unique_ptr<Listener> Listener::start(const std::string& host, const ListenerLimits& limits,
-                                          std::shared_ptr<LendTable> table, std::string* error) {
+                                          std::shared_ptr<LendTable> table,
+                                          std::shared_ptr<ClaimTable> claims, std::string* error) {
   int port = 0;
   const int fd = listen_on(host, &port, error);
   if (fd < 0) return nullptr;
@@ -117,16 +118,18 @@ std::unique_ptr<Listener> Listener::start(const std::string& host, const Listene
     ::close(fd);
     return nullptr;
   }
-  return std::unique_ptr<Listener>(new Listener(fd, wake, port, limits, std::move(table)));
+  return std::unique_ptr<Listener>(
+      new Listener(fd, wake, port, limits, std::move(table), std::move(claims)));
 }
 
 Listener::Listener(int fd, int wake_fd, int port, const ListenerLimits& limits,
-                   std::shared_ptr<LendTable> table)
+                   std::shared_ptr<LendTable> table, std::shared_ptr<ClaimTable> claims)
     : listen_fd_(fd),
       wake_fd_(wake_fd),
       port_(port),
       limits_(limits),
       table_(std::move(table)),
+      claims_(std::move(claims)),
       auth_(limits.token.empty() ? nullptr
                                  : std::make_unique<rpc::internal::AuthChecker>(limits.token)) {
   acceptor_ = std::thread([this] { accept_loop(); });
@@ -145,6 +148,7 @@ void Listener::shutdown() {
     stopping_ = true;
     for (auto& c : connections_) ::shutdown(c->fd, SHUT_RDWR);
   }
+  if (claims_ != nullptr) claims_->close();
   const uint64_t one = 1;
   (void)!::write(wake_fd_, &one, sizeof(one));
   if (acceptor_.joinable()) acceptor_.join();
@@ -239,7 +243,8 @@ int Listener::handshake(Connection* c) {
   char fixed[kHelloFixedBytes];
   absl::Status ok = read_exact(c->fd, fixed, sizeof(fixed), limits_.handshake_timeout);
   if (!ok.ok()) return -1;
-  if (std::memcmp(fixed, kHelloMagic, 4) != 0) {
+  const bool push = std::memcmp(fixed, kPushHelloMagic, 4) == 0 && claims_ != nullptr;
+  if (!push && std::memcmp(fixed, kHelloMagic, 4) != 0) {
     LOG(WARNING) << "bulk listener on port " << port_ << ": a connection sent no bulk hello";
     return -1;
   }
@@ -258,7 +263,7 @@ int Listener::handshake(Connection* c) {
   if (!ok.ok()) return -1;
   if (auth_ != nullptr) {
     grpc::Status proven = auth_->check_proof(
-        proof, {"rpc", "bulk", static_cast<int>(from), limits_.self});
+        proof, {"rpc", push ? "bulk-push" : "bulk", static_cast<int>(from), limits_.self});
     if (!proven.ok()) {
       LOG(WARNING) << "bulk listener of worker " << limits_.self
                    << ": refused a connection naming worker " << from << ": "
@@ -287,6 +292,7 @@ int Listener::handshake(Connection* c) {
       ::shutdown(oldest->fd, SHUT_RDWR);
     }
     c->peer = static_cast<int>(from);
+    c->push = push;
     c->proven.store(true);
   }
   ok = write_all(c->fd, kHelloAck, sizeof(kHelloAck), limits_.handshake_timeout);
@@ -295,8 +301,42 @@ int Listener::handshake(Connection* c) {
   return static_cast<int>(from);
 }
 
+void Listener::serve_pushes(Connection* c, int peer) {
+  for (;;) {
+    char head[kPushHeadBytes];
+    // Idle connections wait for their next push without a limit.
+    if (!read_exact(c->fd, head, 1, absl::InfiniteDuration()).ok() ||
+        !read_exact(c->fd, head + 1, sizeof(head) - 1, limits_.silence).ok()) {
+      return;
+    }
+    const uint64_t id = get_u64(head), total = get_u64(head + 8);
+    const uint32_t index = get_u32(head + 16), ranges = get_u32(head + 20);
+    std::shared_ptr<ClaimTable::Claim> claim;
+    char* dst = nullptr;
+    uint64_t length = 0;
+    absl::Status ok = claims_->begin_range(peer, id, total, ranges, index, limits_.silence,
+                                           &claim, &dst, &length);
+    if (!ok.ok()) {
+      LOG(WARNING) << "bulk listener of worker " << limits_.self << ": worker " << peer
+                   << " pushed " << ok.message() << "; its connection ends";
+      return;
+    }
+    const absl::Time deadline = absl::Now() + limits_.silence +
+                                absl::Seconds(static_cast<double>(length) / (16 << 20));
+    ok = read_exact_blocking(c->fd, dst, length, deadline);
+    claims_->end_range(claim, ok.ok());
+    if (!ok.ok()) return;
+  }
+}
+
 void Listener::serve(Connection* c) {
   const int peer = handshake(c);
+  if (peer >= 0 && c->push) {
+    serve_pushes(c, peer);
+    ::shutdown(c->fd, SHUT_RDWR);
+    c->done.store(true);
+    return;
+  }
   while (peer >= 0) {
     char pull[kPullBytes];
     // Idle connections wait for their next pull without a limit; shutdown()

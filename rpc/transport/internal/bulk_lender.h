@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/core/internal/auth.h"
+#include "rpc/transport/internal/bulk_claims.h"
 
 namespace ddprpc::rpc::transport::bulk {
 
@@ -95,12 +96,17 @@ struct ListenerLimits {
   absl::Duration silence = absl::Seconds(30);  // a pull that stalls this long ends
 };
 
-// Serves pulls of `table`'s lends on host:0, a thread per connection.
+// Serves pulls of `table`'s lends on host:0, a thread per connection, and
+// takes pushes to this worker into `claims` (null: push connections are
+// refused). A push waits up to the silence limit for the frame that claims
+// it; one that is not claimed then, or does not match its claim, ends its
+// connection.
 class Listener {
  public:
   // nullptr and `*error` if it cannot listen.
   static std::unique_ptr<Listener> start(const std::string& host, const ListenerLimits& limits,
-                                         std::shared_ptr<LendTable> table, std::string* error);
+                                         std::shared_ptr<LendTable> table,
+                                         std::shared_ptr<ClaimTable> claims, std::string* error);
   ~Listener();  // shutdown()
   Listener(const Listener&) = delete;
   Listener& operator=(const Listener&) = delete;
@@ -119,12 +125,14 @@ class Listener {
     std::atomic<bool> proven{false};
     std::atomic<bool> done{false};
     bool evicted = false;  // pushed out for a newer connection (under mu_)
+    bool push = false;     // opened to push, once proven
     std::thread thread;
   };
   Listener(int fd, int wake_fd, int port, const ListenerLimits& limits,
-           std::shared_ptr<LendTable> table);
+           std::shared_ptr<LendTable> table, std::shared_ptr<ClaimTable> claims);
   void accept_loop();
   void serve(Connection* c);
+  void serve_pushes(Connection* c, int peer);
   // Checks the hello; the peer's id, or -1 (and logs why).
   int handshake(Connection* c);
   void reap_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -134,6 +142,7 @@ class Listener {
   const int port_;
   const ListenerLimits limits_;
   const std::shared_ptr<LendTable> table_;
+  const std::shared_ptr<ClaimTable> claims_;
   const std::unique_ptr<rpc::internal::AuthChecker> auth_;
   absl::Mutex mu_;
   // State below is protected by mu_.

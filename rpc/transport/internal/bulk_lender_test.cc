@@ -37,7 +37,7 @@ std::unique_ptr<bulk::Listener> listener_of_worker0(std::shared_ptr<bulk::LendTa
   limits.token = kToken;
   limits.max_connections_per_peer = max_per_peer;
   std::string error;
-  auto listener = bulk::Listener::start("127.0.0.1", limits, std::move(table), &error);
+  auto listener = bulk::Listener::start("127.0.0.1", limits, std::move(table), nullptr, &error);
   EXPECT_NE(listener, nullptr) << error;
   return listener;
 }

@@ -8,14 +8,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "rpc/core/internal/auth.h"
 #include "rpc/transport/internal/bulk_wire.h"
 
 namespace ddprpc::rpc::transport::bulk {
 namespace {
 
 constexpr uint64_t kMinRangeBytes = 256 << 10;
-constexpr uint64_t kRangeAlign = 4096;
 
 }  // namespace
 
@@ -31,32 +29,9 @@ void Puller::close_locked() {
 
 absl::Status Puller::open_one(int* fd) {
   std::string error;
-  *fd = connect_to(options_.endpoint, options_.connect_timeout, &error);
-  if (*fd < 0) return absl::UnavailableError(error);
-  const std::string proof =
-      options_.token.empty()
-          ? std::string()
-          : rpc::internal::auth_proof(options_.token,
-                                      {"rpc", "bulk", options_.self, options_.lender});
-  std::string hello(kHelloFixedBytes, '\0');
-  std::memcpy(hello.data(), kHelloMagic, 4);
-  put_u32(hello.data() + 4, static_cast<uint32_t>(options_.self));
-  put_u32(hello.data() + 8, static_cast<uint32_t>(options_.lender));
-  put_u32(hello.data() + 12, static_cast<uint32_t>(proof.size()));
-  hello += proof;
-  char ack[sizeof(kHelloAck)];
-  absl::Status ok = write_all(*fd, hello.data(), hello.size(), options_.connect_timeout);
-  if (ok.ok()) ok = read_exact(*fd, ack, sizeof(ack), options_.connect_timeout);
-  if (ok.ok() && std::memcmp(ack, kHelloAck, sizeof(ack)) != 0) {
-    ok = absl::DataLossError("it answered the hello with something else");
-  }
-  if (!ok.ok()) {
-    ::close(*fd);
-    *fd = -1;
-    return absl::UnavailableError(absl::StrCat("refused the bulk connection (", ok.message(), ")"));
-  }
-  set_silence(*fd, options_.silence);
-  return absl::OkStatus();
+  *fd = connect_proven(options_.endpoint, kHelloMagic, "bulk", options_.self, options_.lender,
+                       options_.token, options_.connect_timeout, options_.silence, &error);
+  return *fd < 0 ? absl::UnavailableError(error) : absl::OkStatus();
 }
 
 absl::Status Puller::connect_locked(size_t count) {
@@ -89,6 +64,25 @@ absl::Status Puller::pull_range(int fd, uint64_t id, uint64_t offset, uint64_t l
   return read_exact_blocking(fd, dst + offset, length, deadline);
 }
 
+void Puller::release_locked(uint64_t id) {
+  // A release that cannot go out fails nothing (the lend then expires),
+  // but the connection is not used again.
+  char release[kPullBytes];
+  put_u64(release, id);
+  put_u64(release + 8, kReleaseOffset);
+  put_u64(release + 16, 0);
+  if (!write_all_blocking(fds_[0], release, sizeof(release)).ok()) close_locked();
+}
+
+void Puller::release(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  {
+    absl::MutexLock abort_lock(&abort_mu_);
+    if (aborted_) return;
+  }
+  if (connect_locked(1).ok()) release_locked(id);
+}
+
 void Puller::abort() {
   absl::MutexLock lock(&abort_mu_);
   aborted_ = true;
@@ -118,14 +112,12 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
   }
   std::vector<absl::Status> results(ranges);
   if (ok.ok()) {
-    uint64_t step = (nbytes + ranges - 1) / ranges;
-    step = (step + kRangeAlign - 1) / kRangeAlign * kRangeAlign;
     std::vector<std::thread> helpers;
     helpers.reserve(ranges);
     char* out = static_cast<char*>(dst);
     for (uint64_t r = ranges; r-- > 0;) {
-      const uint64_t begin = std::min(nbytes, r * step);
-      const uint64_t length = std::min(nbytes, begin + step) - begin;
+      uint64_t begin, length;
+      range_of(nbytes, ranges, r, &begin, &length);
       const int fd = fds_[r];
       auto run = [this, fd, id, begin, length, out, deadline, &results, r] {
         results[r] = pull_range(fd, id, begin, length, out, deadline);
@@ -151,15 +143,7 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
         break;
       }
     }
-    if (ok.ok()) {
-      // Every byte is here: a release that cannot go out fails nothing (the
-      // lend then expires), but the connection is not used again.
-      char release[kPullBytes];
-      put_u64(release, id);
-      put_u64(release + 8, kReleaseOffset);
-      put_u64(release + 16, 0);
-      if (!write_all_blocking(fds_[0], release, sizeof(release)).ok()) close_locked();
-    }
+    if (ok.ok()) release_locked(id);
   }
   if (!ok.ok()) {
     close_locked();

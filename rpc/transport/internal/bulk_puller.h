@@ -41,6 +41,10 @@ class Puller {
   // lender) closes the connections; the next pull opens new ones.
   absl::Status pull(uint64_t id, void* dst, uint64_t nbytes);
 
+  // Tells the lender that lend `id` arrived otherwise (pushed): it may let
+  // it go. Opens a connection if none is open; failing, the lend expires.
+  void release(uint64_t id);
+
   // Ends the pull that runs now (its reads return at once) and fails every
   // later one (kCancelled). Any thread.
   void abort();
@@ -49,6 +53,7 @@ class Puller {
   absl::Status connect_locked(size_t count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status open_one(int* fd);
   void close_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void release_locked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status pull_range(int fd, uint64_t id, uint64_t offset, uint64_t length, char* dst,
                           absl::Time deadline);
 

@@ -13,6 +13,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "rpc/core/internal/auth.h"
 
 namespace ddprpc::rpc::transport::bulk {
 
@@ -167,6 +168,34 @@ int connect_to(const std::string& endpoint, absl::Duration timeout, std::string*
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     set_keepalive(fd);
   }
+  return fd;
+}
+
+int connect_proven(const std::string& endpoint, const char (&magic)[4], const char* transport,
+                   int from, int to, const std::string& token, absl::Duration connect_timeout,
+                   absl::Duration silence, std::string* error) {
+  const int fd = connect_to(endpoint, connect_timeout, error);
+  if (fd < 0) return -1;
+  const std::string proof =
+      token.empty() ? std::string() : rpc::internal::auth_proof(token, {"rpc", transport, from, to});
+  std::string hello(kHelloFixedBytes, '\0');
+  std::memcpy(hello.data(), magic, 4);
+  put_u32(hello.data() + 4, static_cast<uint32_t>(from));
+  put_u32(hello.data() + 8, static_cast<uint32_t>(to));
+  put_u32(hello.data() + 12, static_cast<uint32_t>(proof.size()));
+  hello += proof;
+  char ack[sizeof(kHelloAck)];
+  absl::Status ok = write_all(fd, hello.data(), hello.size(), connect_timeout);
+  if (ok.ok()) ok = read_exact(fd, ack, sizeof(ack), connect_timeout);
+  if (ok.ok() && std::memcmp(ack, kHelloAck, sizeof(ack)) != 0) {
+    ok = absl::DataLossError("it answered the hello with something else");
+  }
+  if (!ok.ok()) {
+    ::close(fd);
+    *error = absl::StrCat("refused the bulk connection (", ok.message(), ")");
+    return -1;
+  }
+  set_silence(fd, silence);
   return fd;
 }
 

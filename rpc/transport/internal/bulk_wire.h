@@ -11,10 +11,23 @@
 //   puller -> lender  release: u64 lend id, u64 kReleaseOffset, u64 0 (once
 //                     every range of the lend has arrived; no reply)
 //
+// A lender may also push a lent tensor's bytes as it lends it, over
+// connections it opens to the receiver's listener:
+//
+//   lender -> receiver  hello: "DDP1", u32 from, u32 to, u32 proof size, proof
+//   receiver -> lender  "OK.." once the proof is checked (else it closes)
+//   lender -> receiver  push: u64 lend id, u64 total bytes, u32 range,
+//                       u32 ranges, then the range's bytes (range_of)
+//
+// Nothing else goes back on a push connection: the receiver takes the
+// bytes for a frame that names them (TensorMeta.pushed), or closes the
+// connection, and releases the lend as after a pull.
+//
 // Integers are little-endian. A status other than kPullOk ends the
 // connection after its reply; so does any malformed message.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -26,11 +39,15 @@
 namespace ddprpc::rpc::transport::bulk {
 
 inline constexpr char kHelloMagic[4] = {'D', 'D', 'B', '1'};
+inline constexpr char kPushHelloMagic[4] = {'D', 'D', 'P', '1'};
 inline constexpr char kHelloAck[4] = {'O', 'K', '.', '.'};
 inline constexpr size_t kHelloFixedBytes = 16;
 inline constexpr uint32_t kMaxProofBytes = 256;
 inline constexpr size_t kPullBytes = 24;
 inline constexpr size_t kReplyHeadBytes = 16;
+inline constexpr size_t kPushHeadBytes = 24;
+// Connections one tensor may be pushed over.
+inline constexpr uint32_t kMaxPushRanges = 16;
 
 inline constexpr uint64_t kReleaseOffset = ~uint64_t{0};
 
@@ -44,6 +61,17 @@ using rpc::internal::get_u32;
 using rpc::internal::get_u64;
 using rpc::internal::put_u32;
 using rpc::internal::put_u64;
+
+// Range `index` of `ranges` of a tensor of `total` bytes: [*begin, *begin +
+// *length). Ranges are equal but for the last, and 4 KiB aligned; a pull
+// and a push cut a tensor alike.
+inline void range_of(uint64_t total, uint64_t ranges, uint64_t index, uint64_t* begin,
+                     uint64_t* length) {
+  uint64_t step = (total + ranges - 1) / ranges;
+  step = (step + 4095) / 4096 * 4096;
+  *begin = std::min(total, index * step);
+  *length = std::min(total, *begin + step) - *begin;
+}
 
 // Blocking I/O on a socket, each call bounded by `silence`: no progress
 // for that long is an error (DEADLINE_EXCEEDED). The peer's end is
@@ -71,6 +99,16 @@ void set_keepalive(int fd);
 // Connects to "host:port" (numeric host or name) within `timeout`; the
 // socket has TCP_NODELAY. -1 and `*error` on failure.
 int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error);
+
+// Connects to `endpoint` and proves worker `from` there: a hello with
+// `magic` (kHelloMagic to pull, kPushHelloMagic to push) from `from` to
+// `to`, its proof for `transport` ("bulk", "bulk-push") under `token` (none
+// when empty), then the listener's acknowledgement, each step within
+// `connect_timeout`; the socket then blocks, failing after `silence`
+// without progress (set_silence). -1 and `*error` on failure.
+int connect_proven(const std::string& endpoint, const char (&magic)[4], const char* transport,
+                   int from, int to, const std::string& token, absl::Duration connect_timeout,
+                   absl::Duration silence, std::string* error);
 
 // Listens on host:0 (an IPv6 host with or without brackets); -1 and
 // `*error` on failure. `*port` is the port.
