@@ -66,6 +66,9 @@ DEFINE_bool(tcp_ring, true,
             "between hosts, run Gloo groups' allreduces from 256 KiB as a streaming ring over "
             "TCP connections of the group's own (ProcessGroupOptions::tcp_ring; false: "
             "halving-doubling up to 1 MiB, Gloo's ring above)");
+DEFINE_int32(tcp_ring_streams, 0,
+             "rings a TCP ring allreduce is striped over (ProcessGroupOptions::tcp_ring_streams; "
+             "0: 3 where a process may use 8 CPUs or more, else 1; at most 8)");
 DEFINE_bool(mutex_deadlock_detection, false,
             "keep abseil's mutex deadlock detection (Debian's abseil has it on; it costs ~5% "
             "of ddp_rpc's CPU)");
@@ -128,6 +131,7 @@ ddp::ProcessGroupOptions group_options() {
   options.same_host_allreduce = FLAGS_same_host_allreduce;
   options.max_spin = absl::Microseconds(FLAGS_spin_us);
   options.tcp_ring = FLAGS_tcp_ring;
+  options.tcp_ring_streams = std::clamp(FLAGS_tcp_ring_streams, 0, 8);
   return options;
 }
 
@@ -152,7 +156,10 @@ std::string runtime_settings() {
                                          : std::string("pulled"))
           : std::string("off"),
       ", same-host allreduce ", FLAGS_same_host_allreduce ? "on" : "off", ", TCP ring ",
-      FLAGS_tcp_ring ? "on" : "off",
+      FLAGS_tcp_ring ? (FLAGS_tcp_ring_streams > 0
+                            ? absl::StrCat("on, ", FLAGS_tcp_ring_streams, " ring(s)")
+                            : std::string("on, 3 rings from 8 CPUs (else 1)"))
+                     : std::string("off"),
       ", gRPC poll engine '", poll_engine(), "', abseil deadlock detection ",
       FLAGS_mutex_deadlock_detection ? "on" : "off");
 }

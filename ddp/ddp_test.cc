@@ -193,15 +193,24 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsTheOthersWithinTheTimeout, 3) {
 
 // Between hosts (the same-host allreduce off), allreduces from 256 KiB run
 // the group's TCP ring; a group one of whose ranks turns it off runs Gloo's
-// ring on every rank. Both give the exact results, for each op and dtype.
+// ring on every rank. Striped over three rings (one rank asking for four:
+// the fewest wins), or over two, each part on its own ring at once. All give
+// the exact results, for each op and dtype.
 MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesBetweenHostsWithAndWithoutTheTcpRing, 3) {
   const int r = mp::rank();
   ddp::ProcessGroupOptions with_ring;
   with_ring.same_host_allreduce = false;
+  with_ring.tcp_ring_streams = 1;
   ddp::ProcessGroupOptions mixed = with_ring;
   mixed.tcp_ring = r != 1;
+  ddp::ProcessGroupOptions striped = with_ring;
+  striped.tcp_ring_streams = r == 2 ? 4 : 3;
+  ddp::ProcessGroupOptions two = with_ring;
+  two.tcp_ring_streams = r == 0 ? 2 : 5;
   const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
-  for (const auto& [prefix, options] : {std::pair{"ring/", with_ring}, std::pair{"mixed/", mixed}}) {
+  for (const auto& [prefix, options] :
+       {std::pair{"ring/", with_ring}, std::pair{"mixed/", mixed},
+        std::pair{"striped/", striped}, std::pair{"two/", two}}) {
     SCOPED_TRACE(prefix);
     auto pg = ddp::make_gloo_group(rank_store.store, prefix, r, 3, options);
     constexpr int64_t kNumel = (3 << 20) / 4 + 5;  // 3 MiB of floats, not a multiple of 3

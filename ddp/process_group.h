@@ -85,6 +85,11 @@ struct ProcessGroupOptions {
   // is built. A group uses it only if every rank agrees and listens on an
   // IPv4 address; otherwise, or with false, Gloo's ring.
   bool tcp_ring = true;
+  // Rings (each with connections of its own) a ring allreduce is striped
+  // over, each taking its share at once on threads of its own; the group
+  // uses the fewest any rank asks for. 0: 3 where this process may use 8
+  // CPUs or more, else 1 (more rings only take turns on fewer CPUs).
+  int tcp_ring_streams = 0;
 };
 
 // Gloo over TCP. Rendezvous through `store` under `prefix`, so several
