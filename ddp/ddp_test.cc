@@ -236,11 +236,14 @@ MULTIPROCESS_TEST(ProcessGroupTest, LargeAllreducesBetweenHostsWithAndWithoutThe
 }
 
 // A rank that dies in a large allreduce between hosts fails the others at
-// once, not at the group's timeout.
-MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsALargeAllreduceBetweenHosts, 3) {
+// once, not at the group's timeout: rank 2 dies while large allreduces run
+// on `rings` TCP rings, and the other ranks fail within 20 s, each naming
+// its ring.
+void dead_rank_fails_large_allreduces(int rings) {
   ddp::ProcessGroupOptions options;
   options.same_host_allreduce = false;
   options.timeout = absl::Seconds(60);
+  options.tcp_ring_streams = rings;
   auto pg = ddp::init_process_group("gloo", "env://", -1, -1, options);
   at::Tensor t = at::ones({16 << 20});  // 64 MiB
   pg->allreduce({t})->wait(absl::Seconds(60));
@@ -271,6 +274,15 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsALargeAllreduceBetweenHosts, 3)
     }
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+}
+
+MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsALargeAllreduceBetweenHosts, 3) {
+  dead_rank_fails_large_allreduces(1);
+}
+
+// The same with the allreduce striped over three rings at once.
+MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsAStripedAllreduceBetweenHosts, 3) {
+  dead_rank_fails_large_allreduces(3);
 }
 
 // A group built on an existing store (as when RPC already hosts one): two
