@@ -362,25 +362,23 @@ class ProcessGroupGloo : public ProcessGroup {
     };
     if (parts == 1) return run(0);
     std::vector<std::string> errors(parts);
+    auto run_part = [&](int64_t p) {
+      try {
+        run(p);
+      } catch (const std::exception& e) {
+        errors[p] = e.what();
+      }
+    };
     std::vector<std::thread> threads;
+    std::vector<int64_t> here{0};  // parts this thread runs: the first, and any without a thread
     for (int64_t p = 1; p < parts; ++p) {
       try {
-        threads.emplace_back([&, p] {
-          try {
-            run(p);
-          } catch (const std::exception& e) {
-            errors[p] = e.what();
-          }
-        });
-      } catch (const std::system_error& e) {
-        errors[p] = absl::StrCat("no thread for ring ", p, ": ", e.what());
+        threads.emplace_back(run_part, p);
+      } catch (const std::system_error&) {
+        here.push_back(p);  // the other ranks run it too: it must not be skipped
       }
     }
-    try {
-      run(0);
-    } catch (const std::exception& e) {
-      errors[0] = e.what();
-    }
+    for (int64_t p : here) run_part(p);
     for (auto& t : threads) t.join();
     for (const std::string& e : errors) {
       if (!e.empty()) throw std::runtime_error(e);

@@ -148,8 +148,6 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
     };
     auto then = [state, gate, pending, peer, deliver = std::move(deliver)] {
       gate->run([&] { deliver(std::move(pending->frame), pending->status); });
-      // After the delivery: the lender may be slow to answer, or gone.
-      if (!pending->pushed.empty()) state->release(peer, pending->pushed);
       // A caller reading the wrapped transport may wait for what this
       // completed. (After stop() the wrapped transport may be gone: a
       // delivery destroyed the transport on this thread.)
@@ -159,6 +157,8 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
         stopped = state->stopped_;
       }
       if (!stopped) state->inner_->interrupt_drive();
+      // Last: the lender may be slow to answer, or gone.
+      if (!pending->pushed.empty()) state->release(peer, pending->pushed);
     };
     return pool_.submit(peer, std::move(pull), std::move(then));
   }
@@ -346,11 +346,10 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       if (meta->lent() == 0) continue;
       const auto& claim = i < static_cast<int>(claims.size()) ? claims[i] : nullptr;
       if (claim != nullptr) {
-        const absl::Time deadline =
-            claim->made + options_.silence +
-            absl::Seconds(static_cast<double>(meta->nbytes()) / (16 << 20));
         at::Tensor t = claim->tensor;
-        if (claims_->await(claim, options_.push_start_wait, deadline)) {
+        if (claims_->await(claim, options_.push_start_wait,
+                           bulk::transfer_deadline(claim->made, options_.silence,
+                                                   meta->nbytes()))) {
           pushed->push_back(meta->lent());
         } else {
           absl::Status pulled = puller->pull(meta->lent(), t.data_ptr(), meta->nbytes());

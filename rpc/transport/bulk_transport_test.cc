@@ -142,17 +142,25 @@ void world(std::vector<Worker*> workers, std::vector<std::string> endpoints = {}
   }
 }
 
-// Sizes of the files in `dir` (frames captured by a transport).
-std::vector<int64_t> captured_sizes(const std::string& dir) {
-  std::vector<int64_t> sizes;
+// Paths of the files in `dir` (frames captured by a transport).
+std::vector<std::string> captured_files(const std::string& dir) {
+  std::vector<std::string> paths;
   DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return sizes;
+  if (d == nullptr) return paths;
   while (dirent* e = readdir(d)) {
-    if (e->d_name[0] == '.') continue;
-    struct stat st;
-    if (stat((dir + "/" + e->d_name).c_str(), &st) == 0) sizes.push_back(st.st_size);
+    if (e->d_name[0] != '.') paths.push_back(dir + "/" + e->d_name);
   }
   closedir(d);
+  return paths;
+}
+
+// Sizes of the files in `dir`.
+std::vector<int64_t> captured_sizes(const std::string& dir) {
+  std::vector<int64_t> sizes;
+  for (const std::string& path : captured_files(dir)) {
+    struct stat st;
+    if (stat(path.c_str(), &st) == 0) sizes.push_back(st.st_size);
+  }
   return sizes;
 }
 
@@ -546,12 +554,9 @@ BulkOptions pushing() {
 // The frames captured in `dir`, parsed (lent tensors without their bytes).
 std::vector<Frame> captured_frames(const std::string& dir) {
   std::vector<Frame> frames;
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return frames;
-  while (dirent* e = readdir(d)) {
-    if (e->d_name[0] == '.') continue;
+  for (const std::string& path : captured_files(dir)) {
     std::string bytes;
-    if (FILE* f = std::fopen((dir + "/" + e->d_name).c_str(), "rb")) {
+    if (FILE* f = std::fopen(path.c_str(), "rb")) {
       char buf[1 << 16];
       size_t n;
       while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) bytes.append(buf, n);
@@ -566,7 +571,6 @@ std::vector<Frame> captured_frames(const std::string& dir) {
       frames.push_back(std::move(frame));
     }
   }
-  closedir(d);
   return frames;
 }
 

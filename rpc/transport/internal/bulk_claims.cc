@@ -45,10 +45,7 @@ void ClaimTable::expire_locked(absl::Time now) {
   for (auto it = claims_.begin(); it != claims_.end();) {
     const std::shared_ptr<Claim> claim = it->second;
     ++it;
-    if (claim->active == 0 && now - claim->made > limits_.max_age) {
-      claim->taken = true;
-      erase_locked(claim);
-    }
+    if (claim->active == 0 && now - claim->made > limits_.max_age) erase_locked(claim);
   }
 }
 
@@ -65,7 +62,6 @@ absl::Status ClaimTable::begin_range(int peer, uint64_t id, uint64_t total, uint
   }
   if (closed_) return absl::CancelledError("the transport is shutting down");
   std::shared_ptr<Claim> claim = claims_[{peer, id}];
-  if (claim->taken) return absl::FailedPreconditionError("its frame no longer waits for it");
   if (total != claim->nbytes || ranges != claim->ranges || index >= ranges) {
     claim->failed = true;
     return absl::DataLossError(absl::StrCat("range ", index, " of ", ranges, " of ", total,
@@ -113,7 +109,6 @@ bool ClaimTable::await(const std::shared_ptr<Claim>& claim, absl::Duration start
       mu_.AwaitWithDeadline(absl::Condition(&settled), deadline)) {
     whole = !claim->failed;
   }
-  claim->taken = true;
   erase_locked(claim);
   if (!whole) {
     auto idle = [&claim]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return claim->active == 0; };
@@ -129,7 +124,6 @@ void ClaimTable::close() {
 
 void ClaimTable::drop(const std::shared_ptr<Claim>& claim) {
   absl::MutexLock lock(&mu_);
-  claim->taken = true;
   erase_locked(claim);
 }
 

@@ -101,8 +101,7 @@ struct ClaimTable::Claim {
   int active = 0;    // ranges being read now
   uint32_t done = 0;  // ranges read whole
   bool failed = false;
-  bool taken = false;  // by the delivery: no range starts any more
-  bool listed = true;  // in claims_
+  bool listed = true;  // in claims_: ranges may start (false once taken over or dropped)
 };
 
 }  // namespace ddprpc::rpc::transport::bulk

@@ -321,9 +321,8 @@ void Listener::serve_pushes(Connection* c, int peer) {
                    << " pushed " << ok.message() << "; its connection ends";
       return;
     }
-    const absl::Time deadline = absl::Now() + limits_.silence +
-                                absl::Seconds(static_cast<double>(length) / (16 << 20));
-    ok = read_exact_blocking(c->fd, dst, length, deadline);
+    ok = read_exact_blocking(c->fd, dst, length,
+                             transfer_deadline(absl::Now(), limits_.silence, length));
     claims_->end_range(claim, ok.ok());
     if (!ok.ok()) return;
   }

@@ -92,8 +92,7 @@ void Puller::abort() {
 absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
   absl::MutexLock lock(&mu_);
   const absl::Time deadline =
-      absl::Now() + options_.silence +
-      absl::Seconds(static_cast<double>(nbytes) / std::max(1.0, options_.min_bytes_per_second));
+      transfer_deadline(absl::Now(), options_.silence, nbytes, options_.min_bytes_per_second);
   const uint64_t most = std::max(1, options_.streams);
   const uint64_t ranges = std::clamp<uint64_t>(nbytes / kMinRangeBytes, 1, most);
   absl::Status ok;

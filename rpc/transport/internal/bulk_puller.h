@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "rpc/transport/internal/bulk_wire.h"
 
 namespace ddprpc::rpc::transport::bulk {
 
@@ -24,7 +25,7 @@ struct PullerOptions {
   absl::Duration silence = absl::Seconds(30);  // a pull that stalls this long fails
   // However slowly bytes come, a pull fails after silence + its bytes at
   // this rate.
-  double min_bytes_per_second = 16 << 20;
+  double min_bytes_per_second = kMinBytesPerSecond;
 };
 
 // Thread-safe; pulls from one lender run one at a time.

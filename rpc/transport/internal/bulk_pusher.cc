@@ -71,6 +71,7 @@ int Pusher::open_one(std::string* error) {
 }
 
 void Pusher::connect_all() {
+  size_t count;
   {
     // The old connections go once no push uses them.
     absl::MutexLock lock(&mu_);
@@ -82,10 +83,6 @@ void Pusher::connect_all() {
       if (s.fd >= 0) ::close(s.fd);
       s.fd = -1;
     }
-  }
-  size_t count;
-  {
-    absl::MutexLock lock(&mu_);
     count = slots_.size();
   }
   std::vector<int> fds;
@@ -107,16 +104,16 @@ void Pusher::connect_all() {
     retry_after_ = absl::Now() + retry_delay(failures_++);
     return;
   }
+  for (size_t i = 0; i < count; ++i) slots_[i].fd = fds[i];  // closed by the next connect
   for (size_t i = 0; i < count; ++i) {
-    slots_[i].fd = fds[i];
-    if (!slots_[i].thread.joinable()) {
-      try {
-        slots_[i].thread = std::thread([this, i] { run(i); });
-      } catch (const std::system_error& e) {
-        LOG(WARNING) << "worker " << options_.self << ": no thread to push to worker "
-                     << options_.receiver << ": " << e.what();
-        return;  // not ready: tensors are pulled
-      }
+    if (slots_[i].thread.joinable()) continue;
+    try {
+      slots_[i].thread = std::thread([this, i] { run(i); });
+    } catch (const std::system_error& e) {
+      LOG(WARNING) << "worker " << options_.self << ": no thread to push to worker "
+                   << options_.receiver << ": " << e.what();
+      retry_after_ = absl::Now() + retry_delay(failures_++);
+      return;  // not ready: tensors are pulled
     }
   }
   ready_ = true;
@@ -201,8 +198,7 @@ void Pusher::run(size_t slot) {
     put_u64(head + 8, total);
     put_u32(head + 16, index);
     put_u32(head + 20, ranges);
-    const absl::Time deadline =
-        absl::Now() + options_.silence + absl::Seconds(static_cast<double>(length) / (16 << 20));
+    const absl::Time deadline = transfer_deadline(absl::Now(), options_.silence, length);
     absl::Status ok = write_all_blocking(fd, head, sizeof(head), deadline);
     if (ok.ok()) {
       ok = write_all_blocking(fd, static_cast<const char*>(tensor.data_ptr()) + begin, length,

@@ -73,6 +73,15 @@ inline void range_of(uint64_t total, uint64_t ranges, uint64_t index, uint64_t* 
   *length = std::min(total, *begin + step) - *begin;
 }
 
+// However slowly bytes still come, a transfer of `bytes` begun at `start`
+// fails after `silence` plus the bytes at `bytes_per_second`.
+inline constexpr double kMinBytesPerSecond = 16 << 20;
+inline absl::Time transfer_deadline(absl::Time start, absl::Duration silence, uint64_t bytes,
+                                    double bytes_per_second = kMinBytesPerSecond) {
+  return start + silence +
+         absl::Seconds(static_cast<double>(bytes) / std::max(1.0, bytes_per_second));
+}
+
 // Blocking I/O on a socket, each call bounded by `silence`: no progress
 // for that long is an error (DEADLINE_EXCEEDED). The peer's end is
 // UNAVAILABLE. Never raises SIGPIPE.
