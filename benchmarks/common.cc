@@ -136,9 +136,9 @@ ddp::ProcessGroupOptions group_options() {
 }
 
 namespace {
-// The engine gRPC was told to use, "(gRPC's default)" if none.
-std::string poll_engine() {
-  const char* v = std::getenv("GRPC_POLL_STRATEGY");
+// A gRPC setting from the environment, "(gRPC's default)" if none.
+std::string grpc_setting(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && *v != '\0' ? v : "(gRPC's default)";
 }
 }  // namespace
@@ -160,7 +160,8 @@ std::string runtime_settings() {
                             ? absl::StrCat("on, ", FLAGS_tcp_ring_streams, " ring(s)")
                             : std::string("on, 3 rings from 8 CPUs (else 1)"))
                      : std::string("off"),
-      ", gRPC poll engine '", poll_engine(), "', abseil deadlock detection ",
+      ", gRPC poll engine '", grpc_setting("GRPC_POLL_STRATEGY"), "', gRPC experiments '",
+      grpc_setting("GRPC_EXPERIMENTS"), "', abseil deadlock detection ",
       FLAGS_mutex_deadlock_detection ? "on" : "off");
 }
 

@@ -19,9 +19,9 @@ namespace ddprpc::testing {
 
 // True inside a spawned rank.
 bool is_worker();
-// What a spawned rank does before the test's body: gRPC's polling as the
-// benchmarks set it (rpc::kLowLatencyGrpcEnvironment), so that the tests run
-// the transport as it is measured.
+// What a spawned rank does before the test's body: gRPC's polling and read
+// buffers as the benchmarks set them (rpc::kLowLatencyGrpcEnvironment), so
+// that the tests run the transport as it is measured.
 void prepare_worker();
 int rank();
 int world_size();

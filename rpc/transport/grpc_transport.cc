@@ -65,7 +65,13 @@ int millis(absl::Duration d) {
 
 }  // namespace
 
-constexpr int kMinReadChunk = 64 << 10;
+// gRPC's smallest read buffer (one slice), used where its tcp_read_chunks
+// experiment is off (kLowLatencyGrpcEnvironment): a frame that straddles two
+// slices makes the reader announce window for the rest at once, a
+// WINDOW_UPDATE written on its own before the frame reaches us. Frames on
+// gRPC carry tensors below the bulk path's 256 KiB; with 256 KiB slices
+// most of them sit in one, and the update goes out with the reply.
+constexpr int kMinReadChunk = 256 << 10;
 
 namespace {
 // gRPC's message size limits are ints.
@@ -91,8 +97,7 @@ grpc::ChannelArguments channel_arguments(const PeerOptions& options) {
   // No per-call filters we do not use (deadlines and message sizes are the
   // agent's): rpc_pingpong 16 B p50 118 vs 155 us, pipelined calls +30%.
   args.SetInt(GRPC_ARG_MINIMAL_STACK, 1);
-  // Reads of at least 64 KiB: a message read in pieces makes gRPC announce
-  // window for the rest at once, a WINDOW_UPDATE that wakes the sender.
+  // See kMinReadChunk.
   args.SetInt(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, kMinReadChunk);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
