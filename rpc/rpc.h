@@ -34,7 +34,8 @@ namespace ddprpc::rpc {
 // and gRPC's tcp_read_chunks experiment off, so that a connection reads
 // into one buffer of at least 256 KiB instead of 64 KiB slices (a message
 // that straddles two slices has its reader send a WINDOW_UPDATE on its own,
-// before the reply: ~8 us of a 64 KiB round trip between hosts).
+// before the reply: ~8 us of a 64 KiB round trip between hosts; a gRPC
+// without that experiment logs its name as unknown and goes on).
 // They change gRPC for everything in the process, so the library never sets
 // them: a program that wants them exports them, or sets them first thing in
 // main, before anything uses gRPC (the benchmarks do, keeping values
