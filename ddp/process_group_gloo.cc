@@ -30,10 +30,10 @@
 #include "ddp/internal/same_host_common.h"
 #include "ddp/internal/shm_allreduce.h"
 #include "ddp/internal/tcp_ring.h"
-#include "rpc/transport/spin_budget.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/init_method.h"
 #include "rpc/rendezvous/store.h"
+#include "rpc/transport/spin_budget.h"
 
 namespace ddprpc::ddp {
 namespace {
@@ -476,10 +476,9 @@ class ProcessGroupGloo : public ProcessGroup {
   // This host's net.core.wmem_max (Linux's default when unreadable), at
   // most kSyncMaxBytes (less with a ring). Beyond a megabyte the
   // synchronous algorithm's steps, each written whole and then read whole
-  // by one thread, lose to
-  // the asynchronous ring, which moves segments both ways at once (4 ranks
-  // on 4 network namespaces, 4 MiB: 18.5-21.9 ms synchronous, 11.5-15.7 ms
-  // ring, in alternating runs).
+  // by one thread, lose to the asynchronous ring, which moves segments both
+  // ways at once (4 ranks on 4 network namespaces, 4 MiB: 18.5-21.9 ms
+  // synchronous, 11.5-15.7 ms ring, in alternating runs).
   static constexpr int64_t kSyncMaxBytes = 1 << 20;
   static int64_t local_sync_max_bytes() {
     int64_t wmem_max = 212992;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
@@ -345,29 +346,23 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       auto* meta = metas->Mutable(i);
       if (meta->lent() == 0) continue;
       const auto& claim = i < static_cast<int>(claims.size()) ? claims[i] : nullptr;
-      if (claim != nullptr) {
-        at::Tensor t = claim->tensor;
-        if (claims_->await(claim, options_.push_start_wait,
-                           bulk::transfer_deadline(claim->made, options_.silence,
-                                                   meta->nbytes()))) {
-          pushed->push_back(meta->lent());
-        } else {
-          absl::Status pulled = puller->pull(meta->lent(), t.data_ptr(), meta->nbytes());
-          if (!pulled.ok()) return pulled;
-        }
-        frame->tensors[i] = std::move(t);
-        meta->set_lent(0);
-        meta->clear_pushed();
-        continue;
-      }
       at::Tensor t;
-      try {
-        t = internal::allocate_tensor(*meta, empty);
-      } catch (const std::exception&) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("no memory for a lent tensor of ", meta->nbytes(), " bytes"));
+      bool arrived = false;  // pushed whole
+      if (claim != nullptr) {
+        t = claim->tensor;
+        arrived = claims_->await(
+            claim, options_.push_start_wait,
+            bulk::transfer_deadline(claim->made, options_.silence, meta->nbytes()));
+        if (arrived) pushed->push_back(meta->lent());
+      } else {
+        try {
+          t = internal::allocate_tensor(*meta, empty);
+        } catch (const std::exception&) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("no memory for a lent tensor of ", meta->nbytes(), " bytes"));
+        }
       }
-      if (meta->nbytes() > 0) {
+      if (!arrived && meta->nbytes() > 0) {
         absl::Status pulled = puller->pull(meta->lent(), t.data_ptr(), meta->nbytes());
         if (!pulled.ok()) return pulled;
       }
@@ -420,11 +415,17 @@ class BulkResponder : public Responder {
         max_message_bytes_(max_message_bytes) {}
   void send(Frame reply) override {
     std::shared_ptr<bulk::Pusher> pusher;
+    bool sent = false;
+    // Pushes start once the frame is on its way, and are dropped if sending
+    // threw: a push left waiting would hold its connections.
+    absl::Cleanup start_pushes = [&] {
+      if (pusher != nullptr) pusher->start(/*cancel=*/!sent);
+    };
     if (reply.size() <= static_cast<uint64_t>(max_message_bytes_)) {
       state_->lend(&reply, self_, inner_->caller(), /*reply=*/true, &pusher);
     }
     inner_->send(std::move(reply));
-    if (pusher != nullptr) pusher->start();
+    sent = true;
   }
   bool answered() const override { return inner_->answered(); }
   int caller() const override { return inner_->caller(); }
@@ -491,11 +492,16 @@ class BulkChannel : public Channel {
     const absl::Time keep =
         options.deadline == absl::InfiniteFuture() ? absl::InfinitePast() : options.deadline;
     std::shared_ptr<bulk::Pusher> pusher;
+    bool sent = false;
+    // As in BulkResponder::send.
+    absl::Cleanup start_pushes = [&] {
+      if (pusher != nullptr) pusher->start(/*cancel=*/!sent);
+    };
     const bool lent = frame.size() <= static_cast<uint64_t>(max_message_bytes_) &&
                       state_->lend(&frame, self_, peer_, /*reply=*/false, &pusher, keep);
     const uint64_t id = frame.header.id();
-    const bool sent = inner_->send(std::move(frame), options);
-    if (pusher != nullptr) pusher->start(/*cancel=*/!sent);
+    sent = inner_->send(std::move(frame), options);
+    std::move(start_pushes).Invoke();
     if (!sent && lent) {
       if (auto table = state_->table()) table->release_request(peer_, id);
     }
