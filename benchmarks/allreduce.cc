@@ -3,6 +3,8 @@
 // torch.distributed (gloo) measured in the same run
 // (benchmarks/reference/allreduce_gloo.py with --python).
 // Bus bandwidth = bytes * 2(n-1)/n / time, the median of several calls.
+// --pairs=N runs N interleaved rounds (ours, then torch.distributed's) per
+// process count and prints the medians of the rounds' times and ratios.
 //
 //   ./bazelw run //benchmarks:allreduce
 //   ./bazelw run //benchmarks:allreduce -- --hosts=4   # root: one network namespace each
@@ -19,6 +21,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 
@@ -29,6 +32,7 @@
 #include "benchmarks/harness.h"
 #include "benchmarks/network_hosts.h"
 #include "benchmarks/raw_tcp.h"
+#include "benchmarks/rounds.h"
 #include "ddp/process_group.h"
 #include "rpc/rendezvous/launch.h"
 
@@ -42,6 +46,10 @@ DEFINE_bool(raw_tcp, true,
             "with the same-host allreduce off (--hosts), also time the bytes a ring allreduce "
             "moves over a ring of plain TCP connections between the same ranks (the bound), "
             "from 1 MiB up");
+DEFINE_int32(pairs, 1,
+             "rounds of interleaved runs per process count: ddprpc's processes, then "
+             "torch.distributed's; each time printed is the median of the rounds', each ratio the "
+             "median of the rounds' ratios, so that the machine's drift falls on both sides alike");
 DECLARE_bool(same_host_allreduce);  // benchmarks/common.cc
 
 namespace bench = ddprpc::benchmarks;
@@ -54,8 +62,10 @@ constexpr int64_t kSizes[] = {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4
 
 constexpr int64_t kRawMinBytes = 1 << 20;
 
+// Timed calls per size (the reference script takes as many): at least 9,
+// so that the median of the largest sizes is not one call's.
 int iters_for(int64_t bytes) {
-  return static_cast<int>(std::max<int64_t>(5, std::min<int64_t>(200, (256 << 20) / bytes)));
+  return static_cast<int>(std::max<int64_t>(9, std::min<int64_t>(200, (256 << 20) / bytes)));
 }
 
 // Joins this rank to a ring of plain TCP connections (rank r to r + 1),
@@ -147,30 +157,54 @@ int worker() {
 // bytes -> (median seconds, bus GB/s)
 using Results = std::map<int64_t, std::pair<double, double>>;
 
+// One run's figures: by size, ours or torch.distributed's, and (ours only)
+// the raw TCP ring's median seconds where timed.
+struct Figures {
+  Results times;
+  std::map<int64_t, double> raw;
+};
+
 // Ours, and the raw TCP ring's median seconds by size (where timed).
-Results read_ours(const bench::JsonValue& result, std::map<int64_t, double>* raw) {
-  Results r;
+Figures read_ours(const bench::JsonValue& result) {
+  Figures f;
   for (const auto& row : result.list_value().values()) {
     const auto& v = row.list_value().values();
     if (v.size() == 4) {
       const auto bytes = static_cast<int64_t>(v[0].number_value());
-      r[bytes] = {v[1].number_value(), v[2].number_value()};
-      if (v[3].number_value() > 0) (*raw)[bytes] = v[3].number_value();
+      f.times[bytes] = {v[1].number_value(), v[2].number_value()};
+      if (v[3].number_value() > 0) f.raw[bytes] = v[3].number_value();
     }
   }
-  return r;
+  return f;
 }
 
 // The reference script's report: {"<bytes>": {"median_s": m, "busbw_gbps": b}, ...}.
-Results read_reference(const bench::JsonValue& report) {
-  Results r;
-  if (!report.has_struct_value()) return r;
+Figures read_reference(const bench::JsonValue& report) {
+  Figures f;
+  if (!report.has_struct_value()) return f;
   for (const auto& [key, v] : report.struct_value().fields()) {
     int64_t bytes = 0;
     if (!absl::SimpleAtoi(key, &bytes)) continue;
-    r[bytes] = {bench::json_number(v, {"median_s"}, 0), bench::json_number(v, {"busbw_gbps"}, 0)};
+    f.times[bytes] = {bench::json_number(v, {"median_s"}, 0),
+                      bench::json_number(v, {"busbw_gbps"}, 0)};
   }
-  return r;
+  return f;
+}
+
+// Over the rounds, the median of a figure that is positive (0: none is).
+double median_over(const std::vector<Figures>& rounds,
+                   const std::function<double(const Figures&)>& figure) {
+  std::vector<double> v;
+  for (const Figures& f : rounds) {
+    const double x = figure(f);
+    if (x > 0) v.push_back(x);
+  }
+  return v.empty() ? 0 : bench::percentile(v, 0.5);
+}
+
+double seconds(const Figures& f, int64_t bytes) {
+  const auto it = f.times.find(bytes);
+  return it == f.times.end() ? 0 : it->second.first;
 }
 
 std::string human(int64_t bytes) {
@@ -185,73 +219,107 @@ int coordinator(int argc, char** argv) {
   json.begin_object();
   json.versions();
   json.key("placement").value(where);
+  json.key("pairs").value(FLAGS_pairs);
   std::printf("%s\n", bench::versions().c_str());
   std::printf("processes on %s\n", where.c_str());
   for (const std::string& nstr : std::vector<std::string>(absl::StrSplit(FLAGS_nprocs, ','))) {
     const int n = std::stoi(nstr);
-    const std::string tmp = bench::temp_path(absl::StrCat("allreduce", n));
     bench::RolesOptions launch;
     launch.nprocs = n;
     launch.timeout = absl::Minutes(10);
     if (hosts) hosts->place(&launch);
-    std::fprintf(stderr, "allreduce: ddprpc ProcessGroupGloo, %d processes\n", n);
-    const bench::RolesResult r = bench::run_roles(argc, argv, launch);
-    if (!r.ok()) {
-      std::fprintf(stderr, "allreduce: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
-      return 1;
-    }
-    std::map<int64_t, double> raw;
-    Results ours = read_ours(r.result, &raw);
-    Results theirs;
     const std::string script = bench::source_path("benchmarks/reference/allreduce_gloo.py");
-    if (FLAGS_pytorch && !script.empty()) {
-      std::fprintf(stderr, "allreduce: torch.distributed gloo, %d processes\n", n);
-      bench::ReferenceRun run;
-      if (hosts) {
-        bench::RolesOptions ranks = launch;
-        ranks.master_port = 0;
-        ranks.env.emplace_back("GLOO_SOCKET_IFNAME", "eth0");
-        run = bench::run_reference_ranks(script, {"--nprocs", absl::StrCat(n)}, ranks);
-      } else {
-        run = bench::run_reference(script, {"--nprocs", absl::StrCat(n), "--port",
-                                            absl::StrCat(ddprpc::rpc::pick_free_port())});
-      }
-      theirs = read_reference(run.report);
-      if (!run.ok()) {
-        std::fprintf(stderr, "allreduce: torch.distributed gloo failed: %s\n",
-                     run.failure().c_str());
-      }
-    }
+    bench::RoundsPlan plan;
+    plan.name = absl::StrCat("allreduce, ", n, " processes");
+    plan.rounds = FLAGS_pairs;
+    plan.variants = {"ddprpc"};
+    plan.with_theirs = FLAGS_pytorch && !script.empty();
+    bench::Rounds<Figures> rounds;
+    const int rc = bench::run_rounds<Figures>(
+        plan,
+        [&](const std::string&, int, Figures* ours) {
+          std::fprintf(stderr, "allreduce: ddprpc ProcessGroupGloo, %d processes\n", n);
+          const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+          if (!r.ok()) {
+            std::fprintf(stderr, "allreduce: %s\n",
+                         r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
+            return 1;
+          }
+          *ours = read_ours(r.result);
+          return 0;
+        },
+        [&](int, Figures* theirs) {
+          std::fprintf(stderr, "allreduce: torch.distributed gloo, %d processes\n", n);
+          bench::ReferenceRun run;
+          if (hosts) {
+            bench::RolesOptions ranks = launch;
+            ranks.master_port = 0;
+            ranks.env.emplace_back("GLOO_SOCKET_IFNAME", "eth0");
+            run = bench::run_reference_ranks(script, {"--nprocs", absl::StrCat(n)}, ranks);
+          } else {
+            run = bench::run_reference(script, {"--nprocs", absl::StrCat(n), "--port",
+                                                absl::StrCat(ddprpc::rpc::pick_free_port())});
+          }
+          *theirs = read_reference(run.report);
+          if (run.ok() && !theirs->times.empty()) return true;
+          std::fprintf(stderr, "allreduce: torch.distributed gloo failed: %s\n",
+                       run.failure().c_str());
+          return false;
+        },
+        &rounds);
+    if (rc != 0) return rc;
+    const std::vector<Figures>& ours = rounds.ours["ddprpc"];
+    const bool several = rounds.theirs.size() > 1;
+    bool any_raw = false;
+    for (const Figures& f : ours) any_raw = any_raw || !f.raw.empty();
     std::vector<std::string> columns = {absl::StrCat("allreduce, ", n, " processes"),
                                         "ddprpc", "busbw", "torch.distributed", "busbw", "ratio"};
-    if (!raw.empty()) {
+    if (any_raw) {
       columns.push_back("raw TCP ring");
       columns.push_back("ddprpc / raw");
     }
+    if (several) columns.push_back("ratio per round");
     bench::Table table(columns);
     json.key(absl::StrCat("nprocs_", n)).begin_object();
     for (int64_t bytes : kSizes) {
-      auto [m, bw] = ours[bytes];
-      auto [tm, tbw] = theirs.count(bytes) ? theirs[bytes] : std::pair<double, double>{0, 0};
+      auto busbw = [&](double s) { return s > 0 ? bytes * 2.0 * (n - 1) / n / s / 1e9 : 0; };
+      const double m = median_over(ours, [&](const Figures& f) { return seconds(f, bytes); });
+      const double tm =
+          median_over(rounds.theirs, [&](const Figures& f) { return seconds(f, bytes); });
+      const double rm = median_over(ours, [&](const Figures& f) {
+        const auto it = f.raw.find(bytes);
+        return it == f.raw.end() ? 0 : it->second;
+      });
+      const bench::RoundSpeedups ratios = rounds.speedups(
+          "ddprpc", [&](const Figures& f) { return seconds(f, bytes); },
+          /*higher_is_better=*/false);
       std::vector<std::string> cells = {
-          human(bytes), absl::StrFormat("%.1f us", m * 1e6), absl::StrFormat("%.3f GB/s", bw),
+          human(bytes), absl::StrFormat("%.1f us", m * 1e6),
+          absl::StrFormat("%.3f GB/s", busbw(m)),
           tm > 0 ? absl::StrFormat("%.1f us", tm * 1e6) : "-",
-          tm > 0 ? absl::StrFormat("%.3f GB/s", tbw) : "-",
-          bench::speedup_cell(m, tm, /*higher_is_better=*/false)};
-      const double rm = raw.count(bytes) ? raw[bytes] : 0;
-      if (!raw.empty()) {
+          tm > 0 ? absl::StrFormat("%.3f GB/s", busbw(tm)) : "-",
+          ratios.per_round.empty() ? "-" : absl::StrFormat("%.2fx", ratios.median())};
+      if (any_raw) {
         cells.push_back(rm > 0 ? absl::StrFormat("%.1f us", rm * 1e6) : "-");
         cells.push_back(rm > 0 ? absl::StrFormat("%.2fx", m / rm) : "-");
       }
+      if (several) cells.push_back(ratios.list());
       table.add(cells);
       json.key(absl::StrCat(bytes)).begin_object();
-      json.key("ddprpc_busbw_gbps").value(bw).key("ddprpc_median_s").value(m);
-      json.key("pytorch_busbw_gbps").value(tbw).key("pytorch_median_s").value(tm);
+      json.key("ddprpc_busbw_gbps").value(busbw(m)).key("ddprpc_median_s").value(m);
+      json.key("pytorch_busbw_gbps").value(busbw(tm)).key("pytorch_median_s").value(tm);
       if (rm > 0) json.key("raw_tcp_ring_median_s").value(rm);
+      if (!ratios.per_round.empty()) json.key("ratio").value(ratios.json());
       json.end_object();
     }
     json.end_object();
-    std::printf("%s\n", table.str().c_str());
+    std::printf("%s", table.str().c_str());
+    if (several) {
+      std::printf("%zu interleaved rounds (--pairs): each time is the median of the rounds' "
+                  "medians, each ratio the median of the rounds' ratios\n",
+                  rounds.theirs.size());
+    }
+    std::printf("\n");
     std::fflush(stdout);
   }
   json.end_object();
@@ -266,6 +334,10 @@ int coordinator(int argc, char** argv) {
 int rank_main(int argc, char** argv) {
   bench::parse_flags(&argc, &argv, "benchmarks/allreduce");
   if (FLAGS_hosts > 0) FLAGS_same_host_allreduce = false;
+  if (FLAGS_pairs < 1) {
+    std::fprintf(stderr, "allreduce: --pairs must be at least 1 (see --help)\n");
+    return 2;
+  }
   if (bench::env_rank() >= 0) return worker();
   return coordinator(argc, argv);
 }

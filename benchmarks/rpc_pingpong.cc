@@ -9,6 +9,8 @@
 // Rank 0 calls rpc_sync(identity, t) on rank 1 for 16 B, 64 KiB, 4 MiB and
 // 64 MiB float tensors (p50/p90 microseconds), then issues pipelined
 // rpc_async calls with 16 B (calls/s). Prints a table and writes JSON.
+// --pairs=N runs N interleaved rounds (ours, then PyTorch's) and prints
+// medians: the median of the rounds' figures, and of their ratios.
 //
 // By default both workers run on this host, on loopback, and each side
 // takes its fastest path (ddprpc's same-host transport; TensorPipe's shm
@@ -35,6 +37,7 @@
 #include "benchmarks/harness.h"
 #include "benchmarks/network_hosts.h"
 #include "benchmarks/raw_tcp.h"
+#include "benchmarks/rounds.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
 
@@ -64,6 +67,10 @@ DEFINE_int32(hosts, 0,
 DEFINE_bool(raw_tcp, true,
             "also time the same round trips over plain TCP socket pairs between the two ddprpc "
             "workers (the network's bound): one connection, and --raw_tcp_streams from 4 MiB up");
+DEFINE_int32(pairs, 1,
+             "rounds of interleaved runs: ddprpc's two workers, then PyTorch's; each figure "
+             "printed is the median of the rounds', each ratio the median of the rounds' ratios, "
+             "so that the machine's drift between runs falls on both sides alike");
 DEFINE_int32(raw_tcp_streams, 3,
              "connections (each with a thread on both ends) that the second raw TCP figure "
              "splits 4 MiB and larger messages between");
@@ -228,6 +235,27 @@ std::map<std::string, double> read_reference(const bench::JsonValue& report) {
   return out;
 }
 
+using Figures = std::map<std::string, double>;
+
+// The median over the rounds of one figure (0: no round has it).
+double median_of(const std::vector<Figures>& rounds, const std::string& key) {
+  std::vector<double> v;
+  for (const Figures& f : rounds) {
+    const auto it = f.find(key);
+    if (it != f.end() && it->second > 0) v.push_back(it->second);
+  }
+  return v.empty() ? 0 : bench::percentile(v, 0.5);
+}
+
+Figures medians(const std::vector<Figures>& rounds) {
+  Figures out;
+  for (const Figures& f : rounds) {
+    for (const auto& [k, v] : f) out[k] = 0;
+  }
+  for (auto& [k, v] : out) v = median_of(rounds, k);
+  return out;
+}
+
 int coordinator(int argc, char** argv) {
   bench::RolesOptions launch;
   launch.nprocs = 2;
@@ -236,66 +264,114 @@ int coordinator(int argc, char** argv) {
       bench::hosts_from_flag("rpc_pingpong", FLAGS_hosts);
   const std::string where = hosts ? hosts->describe() : "loopback";
   if (hosts) hosts->place(&launch);
-  std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers (%s)\n", where.c_str());
-  const bench::RolesResult r = bench::run_roles(argc, argv, launch);
-  if (!r.ok()) {
-    std::fprintf(stderr, "rpc_pingpong: %s\n", r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
-    return 1;
-  }
-  std::map<std::string, double> ours = read_results(r.result);
-
-  std::map<std::string, double> theirs;
   const std::string script =
       bench::reference_script(FLAGS_pytorch_script, "benchmarks/reference/rpc_pingpong.py");
   std::string pytorch_note;
-  if (FLAGS_pytorch && !script.empty()) {
-    std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", script.c_str());
-    std::vector<std::string> args = {absl::StrCat("--huge_iters=", FLAGS_huge_iters)};
-    if (network_path()) args.push_back("--network_path");
-    // PyTorch's two ranks are placed as ours were.
-    bench::RolesOptions ranks = launch;
-    ranks.master_port = 0;
-    if (hosts) {
-      // Each namespace's one interface, for TensorPipe and for the Gloo
-      // group init_rpc makes.
-      ranks.env.emplace_back("TP_SOCKET_IFNAME", "eth0");
-      ranks.env.emplace_back("GLOO_SOCKET_IFNAME", "eth0");
-    }
-    const bench::ReferenceRun run = bench::run_reference_ranks(script, args, ranks, /*report_flag=*/"");
-    theirs = read_reference(run.report);
-    if (!run.ok() || theirs.empty()) pytorch_note = "PyTorch reference failed: " + run.failure();
-  } else {
-    pytorch_note = "PyTorch reference not run (reference script not found; pass --pytorch_script)";
+  bench::RoundsPlan plan;
+  plan.name = "rpc_pingpong";
+  plan.rounds = FLAGS_pairs;
+  plan.variants = {"ddprpc"};
+  plan.with_theirs = FLAGS_pytorch && !script.empty();
+  if (!plan.with_theirs) {
+    pytorch_note = FLAGS_pytorch ? "PyTorch reference not run (reference script not found; pass "
+                                   "--pytorch_script)"
+                                 : "PyTorch reference not run (--pytorch=false)";
   }
+  bench::Rounds<Figures> rounds;
+  const int rc = bench::run_rounds<Figures>(
+      plan,
+      [&](const std::string&, int, Figures* ours) {
+        std::fprintf(stderr, "rpc_pingpong: starting 2 ddprpc workers (%s)\n", where.c_str());
+        const bench::RolesResult r = bench::run_roles(argc, argv, launch);
+        if (!r.ok()) {
+          std::fprintf(stderr, "rpc_pingpong: %s\n",
+                       r.exit_code != 0 ? r.message.c_str() : r.result_error.c_str());
+          return 1;
+        }
+        *ours = read_results(r.result);
+        return 0;
+      },
+      [&](int, Figures* theirs) {
+        std::fprintf(stderr, "rpc_pingpong: measuring PyTorch RPC with %s\n", script.c_str());
+        std::vector<std::string> args = {absl::StrCat("--huge_iters=", FLAGS_huge_iters)};
+        if (network_path()) args.push_back("--network_path");
+        // PyTorch's two ranks are placed as ours were.
+        bench::RolesOptions ranks = launch;
+        ranks.master_port = 0;
+        if (hosts) {
+          // Each namespace's one interface, for TensorPipe and for the Gloo
+          // group init_rpc makes.
+          ranks.env.emplace_back("TP_SOCKET_IFNAME", "eth0");
+          ranks.env.emplace_back("GLOO_SOCKET_IFNAME", "eth0");
+        }
+        const bench::ReferenceRun run =
+            bench::run_reference_ranks(script, args, ranks, /*report_flag=*/"");
+        *theirs = read_reference(run.report);
+        if (run.ok() && !theirs->empty()) return true;
+        pytorch_note = "PyTorch reference failed: " + run.failure();
+        return false;
+      },
+      &rounds);
+  if (rc != 0) return rc;
+  const std::vector<Figures>& our_rounds = rounds.ours["ddprpc"];
+  Figures ours = medians(our_rounds);
+  Figures theirs = medians(rounds.theirs);
+  const bool several = rounds.theirs.size() > 1;
+  // The median of the rounds' ratios of one figure, and their list.
+  auto round_ratios = [&](const std::string& key, bool higher_is_better) {
+    return rounds.speedups(
+        "ddprpc",
+        [key](const Figures& f) {
+          const auto it = f.find(key);
+          return it == f.end() ? 0.0 : it->second;
+        },
+        higher_is_better);
+  };
 
-  bench::Table table({"rpc_sync identity", "ddprpc p50", "ddprpc p90", "PyTorch p50",
-                      "PyTorch p90", "p50 speedup", "raw TCP p50",
-                      absl::StrCat("raw TCP x", FLAGS_raw_tcp_streams), "ddprpc / raw TCP"});
+  std::vector<std::string> columns = {"rpc_sync identity", "ddprpc p50", "ddprpc p90",
+                                      "PyTorch p50", "PyTorch p90", "p50 speedup", "raw TCP p50",
+                                      absl::StrCat("raw TCP x", FLAGS_raw_tcp_streams),
+                                      "ddprpc / raw TCP"};
+  if (several) columns.push_back("speedup per round");
+  bench::Table table(columns);
   auto fmt_us = [](double v) { return v > 0 ? absl::StrFormat("%.0f us", v) : std::string("-"); };
-  auto ratio = [](double ours_us, double theirs_us) {
-    return bench::speedup_cell(ours_us, theirs_us, /*higher_is_better=*/false, 1);
+  auto ratio = [](const bench::RoundSpeedups& r) {
+    return r.per_round.empty() ? std::string("-") : absl::StrFormat("%.1fx", r.median());
   };
   auto over_bound = [](double ours_us, double bound_us) {
     return ours_us > 0 && bound_us > 0 ? absl::StrFormat("%.2fx", ours_us / bound_us)
                                        : std::string("-");
   };
+  std::map<std::string, bench::RoundSpeedups> speedups;  // by figure, for the JSON
   for (const auto& size : kSizes) {
     const std::string k = size.key;
     const double one = ours["tcp1_" + k + ".p50_us"];
-    const double several = ours["tcpn_" + k + ".p50_us"];
-    const double bound = several > 0 && several < one ? several : one;
-    table.add({size.label, fmt_us(ours[k + ".p50_us"]), fmt_us(ours[k + ".p90_us"]),
-               fmt_us(theirs[k + ".p50_us"]), fmt_us(theirs[k + ".p90_us"]),
-               ratio(ours[k + ".p50_us"], theirs[k + ".p50_us"]), fmt_us(one), fmt_us(several),
-               over_bound(ours[k + ".p50_us"], bound)});
+    const double more = ours["tcpn_" + k + ".p50_us"];
+    const double bound = more > 0 && more < one ? more : one;
+    const bench::RoundSpeedups& r = speedups[k + ".p50_us"] =
+        round_ratios(k + ".p50_us", /*higher_is_better=*/false);
+    std::vector<std::string> cells = {
+        size.label, fmt_us(ours[k + ".p50_us"]), fmt_us(ours[k + ".p90_us"]),
+        fmt_us(theirs[k + ".p50_us"]), fmt_us(theirs[k + ".p90_us"]), ratio(r), fmt_us(one),
+        fmt_us(more), over_bound(ours[k + ".p50_us"], bound)};
+    if (several) cells.push_back(r.list());
+    table.add(cells);
   }
-  table.add({"RRef method 16 B", fmt_us(ours["rref_method_16B.p50_us"]),
-             fmt_us(ours["rref_method_16B.p90_us"]), "-", "-", "-", "-", "-", "-"});
+  std::vector<std::string> rref = {"RRef method 16 B", fmt_us(ours["rref_method_16B.p50_us"]),
+                                   fmt_us(ours["rref_method_16B.p90_us"]), "-", "-", "-", "-", "-",
+                                   "-"};
+  if (several) rref.push_back("");
+  table.add(rref);
   const double our_tput = ours["async_16B_calls_per_s"];
   const double their_tput = theirs["async_16B_calls_per_s"];
-  table.add({"rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",
-             their_tput > 0 ? absl::StrFormat("%.0f calls/s", their_tput) : "-", "",
-             bench::speedup_cell(our_tput, their_tput, /*higher_is_better=*/true, 1), "", "", ""});
+  const bench::RoundSpeedups& tput = speedups["async_16B_calls_per_s"] =
+      round_ratios("async_16B_calls_per_s", /*higher_is_better=*/true);
+  std::vector<std::string> pipelined = {
+      "rpc_async 16 B pipelined", absl::StrFormat("%.0f calls/s", our_tput), "",
+      their_tput > 0 ? absl::StrFormat("%.0f calls/s", their_tput) : "-", "", ratio(tput), "",
+      "", ""};
+  if (several) pipelined.push_back(tput.list());
+  table.add(pipelined);
   std::printf("\nrpc_pingpong: 2 workers, %s; %s; %d callee threads, %d CPUs, %s\n",
               where.c_str(),
               network_path()
@@ -312,6 +388,11 @@ int coordinator(int argc, char** argv) {
               "ddprpc's waits do; x%d: split between %d connections, a thread each; "
               "ddprpc / raw TCP: against the faster of the two\n",
               FLAGS_spin_us, FLAGS_raw_tcp_streams, FLAGS_raw_tcp_streams);
+  if (several) {
+    std::printf("%zu interleaved rounds (--pairs): each time is the median of the rounds' p50 "
+                "(or p90, or calls/s), each speedup the median of the rounds' speedups\n",
+                rounds.theirs.size());
+  }
   if (!pytorch_note.empty()) std::printf("%s\n", pytorch_note.c_str());
 
   bench::Json json;
@@ -323,6 +404,7 @@ int coordinator(int argc, char** argv) {
   json.key("huge_iters").value(FLAGS_huge_iters);
   json.key("raw_tcp_streams").value(FLAGS_raw_tcp_streams);
   json.key("async_calls").value(FLAGS_async_calls);
+  json.key("pairs").value(FLAGS_pairs);
   json.key("network_path").value(network_path());
   json.key("placement").value(where);
   json.key("num_worker_threads").value(FLAGS_num_worker_threads);
@@ -336,6 +418,12 @@ int coordinator(int argc, char** argv) {
     for (const auto& [k, v] : m) json.key(k).value(v);
     json.end_object();
   }
+  // Each round's speedup of a figure, and their median.
+  json.key("speedups").begin_object();
+  for (const auto& [k, r] : speedups) {
+    if (!r.per_round.empty()) json.key(k).value(r.json());
+  }
+  json.end_object();
   json.end_object();
   const std::string path = bench::output_path(FLAGS_json);
   if (json.write(path)) std::printf("wrote %s\n", path.c_str());
@@ -348,6 +436,10 @@ int coordinator(int argc, char** argv) {
 int rank_main(int argc, char** argv) {
   bench::parse_flags(&argc, &argv, "benchmarks/rpc_pingpong");
   if (network_path()) FLAGS_same_host_transport = false;
+  if (FLAGS_pairs < 1) {
+    std::fprintf(stderr, "rpc_pingpong: --pairs must be at least 1 (see --help)\n");
+    return 2;
+  }
   if (bench::env_rank() >= 0) return worker();
   return coordinator(argc, argv);
 }

@@ -5,7 +5,7 @@ With RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment it runs th
 (allreduce --hosts starts it so, on the namespaces of its own ranks).
 Prints one line per size and writes {"<bytes>": {"median_s": t, "busbw_gbps": b}}.
 """
-import argparse, json, os, time
+import argparse, json, os, statistics, time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 def iters_for(nbytes):
-    return max(5, min(200, (256 << 20) // nbytes))
+    # As ddprpc's side (benchmarks/allreduce.cc): at least 9 timed calls.
+    return max(9, min(200, (256 << 20) // nbytes))
 
 def run(rank, n, port, out, host="127.0.0.1"):
     dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=n)
@@ -26,7 +27,7 @@ def run(rank, n, port, out, host="127.0.0.1"):
         for _ in range(iters_for(nbytes)):
             dist.barrier()
             s = time.perf_counter(); dist.all_reduce(t); times.append(time.perf_counter() - s)
-        times.sort(); med = times[len(times) // 2]
+        med = statistics.median(times)  # the middle two's mean, as ddprpc's side takes it
         res[str(nbytes)] = {"median_s": med, "busbw_gbps": nbytes * 2 * (n - 1) / n / med / 1e9}
         if rank == 0:
             print(f"{nbytes:>10} B  {med * 1e6:10.1f} us  {res[str(nbytes)]['busbw_gbps']:7.3f} GB/s", flush=True)
