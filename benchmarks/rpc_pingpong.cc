@@ -336,7 +336,7 @@ int coordinator(int argc, char** argv) {
   bench::Table table(columns);
   auto fmt_us = [](double v) { return v > 0 ? absl::StrFormat("%.0f us", v) : std::string("-"); };
   auto ratio = [](const bench::RoundSpeedups& r) {
-    return r.per_round.empty() ? std::string("-") : absl::StrFormat("%.1fx", r.median());
+    return r.per_round.empty() ? std::string("-") : absl::StrFormat("%.2fx", r.median());
   };
   auto over_bound = [](double ours_us, double bound_us) {
     return ours_us > 0 && bound_us > 0 ? absl::StrFormat("%.2fx", ours_us / bound_us)
