@@ -88,8 +88,7 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
                          {options.receive_cache_bytes, options.receive_cache_idle_time})
                    : nullptr),
         claims_(options.push ? std::make_shared<bulk::ClaimTable>(bulk::ClaimLimits{
-                                   1024, options.max_lent_bytes_per_peer,
-                                   std::max(options.lend_timeout, options.silence)})
+                                   1024, options.max_lent_bytes_per_peer})
                              : nullptr),
         pushing_(options.push && usable_cpus() >= options.push_min_cpus) {}
 
@@ -142,10 +141,16 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
     pending->table = claims_;
     auto state = shared_from_this();
     auto pull = [state, gate, pending, peer, self, token = std::move(token), max_message_bytes] {
-      pending->status = gate->closed()
-                            ? absl::CancelledError("its connection closed before the pull")
-                            : state->fill(&pending->frame, peer, self, token, max_message_bytes,
-                                          pending->claims, &pending->pushed);
+      try {
+        pending->status = gate->closed()
+                              ? absl::CancelledError("its connection closed before the pull")
+                              : state->fill(&pending->frame, peer, self, token, max_message_bytes,
+                                            pending->claims, &pending->pushed);
+      } catch (const std::exception& e) {
+        // The frame is not whole: it must not be delivered as if it were.
+        pending->status = absl::InternalError(
+            absl::StrCat("pulling its lent tensors failed: ", e.what()));
+      }
     };
     auto then = [state, gate, pending, peer, deliver = std::move(deliver)] {
       gate->run([&] { deliver(std::move(pending->frame), pending->status); });
@@ -249,10 +254,11 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
     };
   }
 
-  // On the thread that read `frame` (checked): allocates each tensor `peer`
-  // says it pushes and claims its bytes, so that they may be read as they
-  // come; by tensor index in `claims`. A frame beyond max_message_bytes, or
-  // a tensor that cannot be claimed, is left to fill().
+  // On the thread that read `frame` (checked): counts each tensor `peer`
+  // says it pushes against the peer's claim bounds, then allocates it and
+  // claims its bytes, so that they may be read as they come; by tensor
+  // index in `claims`. A frame beyond max_message_bytes, or a tensor that
+  // cannot be claimed, is left to fill().
   void claim_pushed(Frame* frame, int peer, int64_t max_message_bytes,
                     std::vector<std::shared_ptr<bulk::ClaimTable::Claim>>* claims) {
     if (claims_ == nullptr) return;
@@ -265,13 +271,18 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
     for (int i = 0; i < metas.size(); ++i) {
       const auto& meta = metas[i];
       if (meta.lent() == 0 || meta.pushed() == 0 || meta.nbytes() == 0) continue;
+      // Counted against the peer's bounds before anything is allocated.
+      std::shared_ptr<bulk::ClaimTable::Claim> claim =
+          claims_->reserve(peer, meta.lent(), meta.nbytes(), meta.pushed());
+      if (claim == nullptr) continue;  // pulled
       at::Tensor t;
       try {
         t = internal::allocate_tensor(meta, empty);
       } catch (const std::exception&) {
+        claims_->drop(claim);
         continue;  // fill() reports it
       }
-      (*claims)[i] = claims_->add(peer, meta.lent(), std::move(t), meta.pushed());
+      if (claims_->ready(claim, std::move(t))) (*claims)[i] = std::move(claim);
     }
   }
 

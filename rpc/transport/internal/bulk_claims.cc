@@ -5,14 +5,12 @@
 
 namespace ddprpc::rpc::transport::bulk {
 
-std::shared_ptr<ClaimTable::Claim> ClaimTable::add(int peer, uint64_t id, at::Tensor tensor,
-                                                   uint32_t ranges) {
-  const absl::Time now = absl::Now();
-  const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+std::shared_ptr<ClaimTable::Claim> ClaimTable::reserve(int peer, uint64_t id, uint64_t nbytes,
+                                                       uint32_t ranges) {
   absl::MutexLock lock(&mu_);
-  expire_locked(now);
   const auto held = per_peer_.count(peer) ? per_peer_[peer] : std::pair<int, int64_t>{0, 0};
-  if (ranges == 0 || ranges > kMaxPushRanges || held.first >= limits_.max_claims_per_peer ||
+  if (closed_ || ranges == 0 || ranges > kMaxPushRanges ||
+      held.first >= limits_.max_claims_per_peer ||
       nbytes > static_cast<uint64_t>(limits_.max_bytes_per_peer - held.second) ||
       claims_.count({peer, id}) != 0) {
     return nullptr;
@@ -21,14 +19,33 @@ std::shared_ptr<ClaimTable::Claim> ClaimTable::add(int peer, uint64_t id, at::Te
   claim->peer = peer;
   claim->id = id;
   claim->nbytes = nbytes;
-  claim->tensor = std::move(tensor);
   claim->ranges = ranges;
-  claim->made = now;
   claim->started.assign(ranges, false);
   claims_[{peer, id}] = claim;
   auto& count = per_peer_[peer];
   ++count.first;
   count.second += static_cast<int64_t>(nbytes);
+  return claim;
+}
+
+bool ClaimTable::ready(const std::shared_ptr<Claim>& claim, at::Tensor tensor) {
+  const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  absl::MutexLock lock(&mu_);
+  if (nbytes != claim->nbytes || !claim->listed) {
+    erase_locked(claim);
+    return false;
+  }
+  claim->tensor = std::move(tensor);
+  claim->made = absl::Now();
+  claim->ready = true;
+  return true;
+}
+
+std::shared_ptr<ClaimTable::Claim> ClaimTable::add(int peer, uint64_t id, at::Tensor tensor,
+                                                   uint32_t ranges) {
+  const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  std::shared_ptr<Claim> claim = reserve(peer, id, nbytes, ranges);
+  if (claim == nullptr || !ready(claim, std::move(tensor))) return nullptr;
   return claim;
 }
 
@@ -41,21 +58,15 @@ void ClaimTable::erase_locked(const std::shared_ptr<Claim>& claim) {
   if (--count.first == 0) per_peer_.erase(claim->peer);
 }
 
-void ClaimTable::expire_locked(absl::Time now) {
-  for (auto it = claims_.begin(); it != claims_.end();) {
-    const std::shared_ptr<Claim> claim = it->second;
-    ++it;
-    if (claim->active == 0 && now - claim->made > limits_.max_age) erase_locked(claim);
-  }
-}
-
 absl::Status ClaimTable::begin_range(int peer, uint64_t id, uint64_t total, uint32_t ranges,
                                      uint32_t index, absl::Duration wait,
                                      std::shared_ptr<Claim>* out, char** dst,
                                      uint64_t* length) {
   absl::MutexLock lock(&mu_);
   auto listed = [this, peer, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return closed_ || claims_.count({peer, id}) != 0;
+    if (closed_) return true;
+    const auto it = claims_.find({peer, id});
+    return it != claims_.end() && it->second->ready;
   };
   if (!mu_.AwaitWithTimeout(absl::Condition(&listed), wait)) {
     return absl::NotFoundError(absl::StrCat("no frame names pushed tensor ", id));

@@ -3,21 +3,23 @@
 // push connections that carry their bytes.
 //
 // A claim is made for a pushed tensor once its frame has been parsed and
-// checked and the tensor allocated. A push connection's range finds its
-// claim (waiting a while for the frame, which may come after the bytes),
-// checks that the range is one the claim expects and not taken yet, and
-// reads the bytes into the claim's tensor. The frame's delivery waits for
-// every range; if one does not start in time, or fails, it takes the claim
-// over (no range starts after that), waits for the ranges being read, and
-// pulls the tensor instead. So a tensor is written by pushes or by a pull,
-// never by both at once, and its memory (held by the claim) outlives every
-// write into it.
+// checked: its bytes are counted against the peer's bounds first (reserve),
+// then the tensor is allocated and the claim is ready. A push connection's
+// range finds its claim (waiting a while for the frame, which may come after
+// the bytes), checks that the range is one the claim expects and not taken
+// yet, and reads the bytes into the claim's tensor. The frame's delivery
+// waits for every range; if one does not start in time, or fails, it takes
+// the claim over (no range starts after that), waits for the ranges being
+// read, and pulls the tensor instead. So a tensor is written by pushes or by
+// a pull, never by both at once, and its memory (held by the claim) outlives
+// every write into it.
 //
 // What a peer can make this side hold is bounded: claims exist only for
 // checked frames, at most max_claims_per_peer and max_bytes_per_peer per
-// peer, and each ends when its frame's delivery is done with it or,
-// unused, after max_age. A range may only land in a claim of the worker
-// its connection proved to be.
+// peer, counted before their memory is allocated, and each is counted
+// until its frame's delivery is done with it or the frame is dropped
+// (whoever reserved a claim ends it: await or drop). A range may only land
+// in a claim of the worker its connection proved to be.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,7 +40,6 @@ namespace ddprpc::rpc::transport::bulk {
 struct ClaimLimits {
   int max_claims_per_peer = 1024;
   int64_t max_bytes_per_peer = int64_t{1} << 30;
-  absl::Duration max_age = absl::Seconds(120);
 };
 
 // Thread-safe.
@@ -48,10 +49,18 @@ class ClaimTable {
 
   explicit ClaimTable(ClaimLimits limits = {}) : limits_(limits) {}
 
-  // Registers tensor `id` pushed by `peer` over `ranges` connections (at
-  // most kMaxPushRanges), its bytes to go into `tensor` (contiguous, CPU).
-  // Null when the peer holds its bound of claims, or already has one of
-  // that id (the tensor is then pulled).
+  // Counts `nbytes` of tensor `id`, pushed by `peer` over `ranges`
+  // connections (at most kMaxPushRanges), against the peer's bounds, before
+  // its memory is allocated. Null when the peer holds its bound of claims or
+  // bytes, or already has one of that id (the tensor is then pulled).
+  // Ranges wait for ready(); the caller ends the claim with await() or
+  // drop().
+  std::shared_ptr<Claim> reserve(int peer, uint64_t id, uint64_t nbytes, uint32_t ranges);
+  // The reserved claim's bytes go into `tensor` (contiguous, CPU, of the
+  // claim's bytes): its ranges may start. False (the claim dropped) when
+  // the sizes differ.
+  bool ready(const std::shared_ptr<Claim>& claim, at::Tensor tensor);
+  // reserve(), then ready() with `tensor`.
   std::shared_ptr<Claim> add(int peer, uint64_t id, at::Tensor tensor, uint32_t ranges);
 
   // A push connection's range: waits up to `wait` for the claim of (`peer`,
@@ -80,7 +89,6 @@ class ClaimTable {
 
  private:
   void erase_locked(const std::shared_ptr<Claim>& claim) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void expire_locked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ClaimLimits limits_;
   absl::Mutex mu_;
@@ -96,7 +104,8 @@ struct ClaimTable::Claim {
   at::Tensor tensor;
   uint64_t nbytes = 0;
   uint32_t ranges = 0;
-  absl::Time made;
+  bool ready = false;  // the tensor is set: ranges may start
+  absl::Time made;     // when it became ready
   std::vector<bool> started;
   int active = 0;    // ranges being read now
   uint32_t done = 0;  // ranges read whole

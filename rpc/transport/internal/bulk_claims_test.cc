@@ -114,7 +114,7 @@ TEST(BulkClaimsTest, AClaimWhoseRangesDoNotStartIsTakenOverOnlyOnceNoneIsBeingRe
 }
 
 TEST(BulkClaimsTest, ClaimsPerPeerAreBoundedInCountAndBytes) {
-  ClaimTable table(ClaimLimits{3, 10000, absl::Seconds(60)});
+  ClaimTable table(ClaimLimits{3, 10000});
   std::vector<std::shared_ptr<ClaimTable::Claim>> held;
   for (uint64_t id = 1; id <= 3; ++id) {
     held.push_back(table.add(1, id, at::zeros({100}, at::kByte), 1));
@@ -127,6 +127,37 @@ TEST(BulkClaimsTest, ClaimsPerPeerAreBoundedInCountAndBytes) {
   EXPECT_EQ(table.add(3, 1, at::zeros({100}, at::kByte), kMaxPushRanges + 1), nullptr);
   table.drop(held[0]);
   EXPECT_NE(table.add(1, 4, at::zeros({100}, at::kByte), 1), nullptr) << "a dropped claim";
+}
+
+TEST(BulkClaimsTest, AReservationCountsBeforeItsTensorExistsAndTakesRangesOnceReady) {
+  ClaimTable table(ClaimLimits{4, 1000});
+  auto first = table.reserve(1, 7, 600, 1);
+  ASSERT_NE(first, nullptr);
+  // Refused before anything would be allocated for them.
+  EXPECT_EQ(table.reserve(1, 8, 600, 1), nullptr) << "past the bytes";
+  EXPECT_EQ(table.reserve(1, 7, 10, 1), nullptr) << "an id reserved";
+  // A range for a claim without its tensor waits, then finds none.
+  Range early;
+  EXPECT_EQ(begin(&table, 1, 7, 600, 1, 0, &early, absl::Milliseconds(50)).code(),
+            absl::StatusCode::kNotFound);
+  // A tensor of other bytes than reserved ends the reservation.
+  EXPECT_FALSE(table.ready(first, at::zeros({599}, at::kByte)));
+  EXPECT_EQ(table.size(), 0u);
+  auto second = table.reserve(1, 8, 600, 1);
+  ASSERT_NE(second, nullptr) << "the ended reservation's bytes are free again";
+  // A range waiting for the claim lands once it is ready.
+  Range r;
+  absl::Status begun;
+  std::thread push([&] { begun = begin(&table, 1, 8, 600, 1, 0, &r, absl::Seconds(10)); });
+  absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(table.ready(second, at::zeros({600}, at::kByte)));
+  push.join();
+  ASSERT_TRUE(begun.ok()) << begun;
+  EXPECT_EQ(r.length, 600u);
+  std::memset(r.dst, 5, r.length);
+  table.end_range(r.claim, true);
+  EXPECT_TRUE(table.await(second, absl::Seconds(1), absl::Now() + absl::Seconds(5)));
+  EXPECT_EQ(second->tensor[599].item<uint8_t>(), 5);
 }
 
 TEST(BulkClaimsTest, ClosingFailsARangeWaitingForItsClaimAtOnce) {

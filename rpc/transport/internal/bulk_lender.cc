@@ -362,9 +362,12 @@ void Listener::serve(Connection* c) {
     put_u64(head + 8, length);
     const char* data = static_cast<const char*>(tensor->data_ptr()) + offset;
     // The socket blocks (set_silence after the hello): the kernel fills it
-    // as it drains, without a poll per segment.
-    if (!write_all_blocking(c->fd, head, sizeof(head)).ok() ||
-        !write_all_blocking(c->fd, data, length).ok()) {
+    // as it drains, without a poll per segment. A puller that drains it
+    // slowly is cut off as a slow pull is (silence + its bytes at the
+    // least rate), not only when it stops.
+    const absl::Time deadline = transfer_deadline(absl::Now(), limits_.silence, length);
+    if (!write_all_blocking(c->fd, head, sizeof(head), deadline).ok() ||
+        !write_all_blocking(c->fd, data, length, deadline).ok()) {
       break;
     }
   }

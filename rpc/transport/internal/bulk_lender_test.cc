@@ -180,6 +180,47 @@ TEST(BulkLenderTest, AWorkerPastItsConnectionsPushesOutItsOldestAndIsNeverLocked
   for (int fd : {first, second, third, other}) ::close(fd);
 }
 
+TEST(BulkLenderTest, APullerThatDrainsTooSlowlyIsCutOffThoughItNeverStops) {
+  auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
+                                                 absl::Seconds(60));
+  bulk::ListenerLimits limits;
+  limits.self = 0;
+  limits.world_size = 2;
+  limits.token = kToken;
+  limits.silence = absl::Seconds(1);
+  std::string error;
+  auto listener = bulk::Listener::start("127.0.0.1", limits, table, nullptr, &error);
+  ASSERT_NE(listener, nullptr) << error;
+  const at::Tensor t = at::arange(int64_t{12} << 20, at::kInt);  // 48 MiB
+  const uint64_t id = table->lend(/*peer=*/1, /*frame_id=*/1, t, /*reply=*/false);
+  ASSERT_NE(id, 0u);
+  const int fd = bulk::connect_proven(absl::StrCat("127.0.0.1:", listener->port()),
+                                      bulk::kHelloMagic, "bulk", 1, 0, kToken, absl::Seconds(10),
+                                      absl::Seconds(30), &error);
+  ASSERT_GE(fd, 0) << error;
+  char pull[bulk::kPullBytes];
+  bulk::put_u64(pull, id);
+  bulk::put_u64(pull + 8, 0);
+  bulk::put_u64(pull + 16, t.nbytes());
+  ASSERT_TRUE(bulk::write_all_blocking(fd, pull, sizeof(pull)).ok());
+  // 64 KiB every 20 ms (3.2 MiB/s): never silent for the limit, but far
+  // below the least rate a transfer is held to (silence + 48 MiB at 16
+  // MiB/s: 4 s), so the lender ends it long before the 15 s this would take.
+  std::vector<char> chunk(64 << 10);
+  uint64_t received = 0;
+  const absl::Time start = absl::Now();
+  while (absl::Now() - start < absl::Seconds(20)) {
+    const ssize_t n = ::recv(fd, chunk.data(), chunk.size(), 0);
+    if (n <= 0) break;
+    received += static_cast<uint64_t>(n);
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(received, t.nbytes() + bulk::kReplyHeadBytes) << "the whole tensor went out";
+  EXPECT_LT(took, absl::Seconds(12));
+  ::close(fd);
+}
+
 TEST(BulkLenderTest, LendsExpireAfterTheTimeoutOrAtTheirCallsLaterDeadline) {
   bulk::LendTable table(int64_t{64} << 20, int64_t{64} << 20, absl::Milliseconds(100));
   const at::Tensor t = at::arange(1024, at::kInt);

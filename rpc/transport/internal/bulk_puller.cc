@@ -119,7 +119,11 @@ absl::Status Puller::pull(uint64_t id, void* dst, uint64_t nbytes) {
       range_of(nbytes, ranges, r, &begin, &length);
       const int fd = fds_[r];
       auto run = [this, fd, id, begin, length, out, deadline, &results, r] {
-        results[r] = pull_range(fd, id, begin, length, out, deadline);
+        try {  // nothing may leave a thread by an exception
+          results[r] = pull_range(fd, id, begin, length, out, deadline);
+        } catch (const std::exception& e) {
+          results[r] = absl::InternalError(e.what());
+        }
       };
       if (r == 0) {
         run();

@@ -176,8 +176,14 @@ int connect_proven(const std::string& endpoint, const char (&magic)[4], const ch
                    absl::Duration silence, std::string* error) {
   const int fd = connect_to(endpoint, connect_timeout, error);
   if (fd < 0) return -1;
-  const std::string proof =
-      token.empty() ? std::string() : rpc::internal::auth_proof(token, {"rpc", transport, from, to});
+  std::string proof;
+  try {
+    if (!token.empty()) proof = rpc::internal::auth_proof(token, {"rpc", transport, from, to});
+  } catch (const std::exception& e) {  // no randomness for the proof's nonce, say
+    ::close(fd);
+    *error = absl::StrCat("cannot prove this worker to ", endpoint, ": ", e.what());
+    return -1;
+  }
   std::string hello(kHelloFixedBytes, '\0');
   std::memcpy(hello.data(), magic, 4);
   put_u32(hello.data() + 4, static_cast<uint32_t>(from));

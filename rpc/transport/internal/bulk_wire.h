@@ -114,7 +114,8 @@ int connect_to(const std::string& endpoint, absl::Duration timeout, std::string*
 // `to`, its proof for `transport` ("bulk", "bulk-push") under `token` (none
 // when empty), then the listener's acknowledgement, each step within
 // `connect_timeout`; the socket then blocks, failing after `silence`
-// without progress (set_silence). -1 and `*error` on failure.
+// without progress (set_silence). -1 and `*error` on failure, a proof that
+// cannot be made included.
 int connect_proven(const std::string& endpoint, const char (&magic)[4], const char* transport,
                    int from, int to, const std::string& token, absl::Duration connect_timeout,
                    absl::Duration silence, std::string* error);
