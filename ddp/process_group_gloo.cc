@@ -357,8 +357,12 @@ class ProcessGroupGloo : public ProcessGroup {
     auto run = [&](int64_t p) {
       const int64_t begin = p * (numel / parts) + std::min(p, numel % parts);
       const int64_t end = (p + 1) * (numel / parts) + std::min(p + 1, numel % parts);
+      // Every rank must cut the same whole into the same parts, for the
+      // same op: each ring's header says which part of what it carries.
+      const internal::RingCall call{numel, static_cast<uint32_t>(p),
+                                         static_cast<uint32_t>(parts), static_cast<uint32_t>(op)};
       rings_[p]->allreduce(base + begin * static_cast<int64_t>(element), end - begin, element,
-                           static_cast<int>(type), reduction, reduce, deadline);
+                           static_cast<int>(type), reduction, reduce, deadline, call);
     };
     if (parts == 1) return run(0);
     std::vector<std::string> errors(parts);

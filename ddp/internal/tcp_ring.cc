@@ -28,9 +28,10 @@ using ring::slice_until;
 using ring::stalled;
 
 // Each allreduce's header: magic, u32 sequence, u64 elements, u32 element
-// size, u32 dtype, u32 reduction, u32 0.
-constexpr char kHeaderMagic[4] = {'D', 'D', 'R', 'A'};
-constexpr size_t kHeaderBytes = 32;
+// size, u32 dtype, u32 reduction, u32 op, u64 elements of the whole
+// allreduce, u32 part, u32 parts.
+constexpr char kHeaderMagic[4] = {'D', 'D', 'R', '2'};
+constexpr size_t kHeaderBytes = 48;
 // Reduce-scatter bytes are read into the staging buffer this much at a
 // time, then reduced into the caller's buffer; allgather bytes go straight
 // there, at most this much per read. Between 4 network namespaces on 2
@@ -115,7 +116,8 @@ bool TcpRing::first_failure(int fd) {
 }
 
 void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtype,
-                        Reduction reduction, ReduceFn reduce, absl::Time deadline) {
+                        Reduction reduction, ReduceFn reduce, absl::Time deadline,
+                        RingCall call) {
   if (!broken_.empty()) {
     throw std::runtime_error(
         absl::StrCat(who(), ": the ring failed in an earlier allreduce: ", broken_));
@@ -155,6 +157,10 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
   put_u32(header + 16, static_cast<uint32_t>(element_size));
   put_u32(header + 20, static_cast<uint32_t>(dtype));
   put_u32(header + 24, static_cast<uint32_t>(reduction));
+  put_u32(header + 28, call.op);
+  put_u64(header + 32, static_cast<uint64_t>(call.whole < 0 ? numel : call.whole));
+  put_u32(header + 40, call.part);
+  put_u32(header + 44, call.parts);
 
   char* base = static_cast<char*>(data);
   received_.store(0);
@@ -190,12 +196,15 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
     if (error.empty() && std::memcmp(theirs, kHeaderMagic, 4) != 0) {
       error = absl::StrCat("rank ", previous, " sent no allreduce header");
     } else if (error.empty() && std::memcmp(theirs, header, kHeaderBytes) != 0) {
-      error = absl::StrCat(
-          "rank ", previous, " started allreduce ", get_u32(theirs + 4), " of ", get_u64(theirs + 8),
-          " elements of ", get_u32(theirs + 16), " bytes (dtype ", get_u32(theirs + 20),
-          ", reduction ", get_u32(theirs + 24), "); this rank's allreduce ", sequence_, " has ",
-          numel, " elements of ", element_size, " bytes (dtype ", dtype, ", reduction ",
-          static_cast<int>(reduction), ")");
+      auto describe = [](const char* h) {
+        return absl::StrCat("allreduce ", get_u32(h + 4), " of ", get_u64(h + 8),
+                            " elements of ", get_u32(h + 16), " bytes (dtype ", get_u32(h + 20),
+                            ", reduction ", get_u32(h + 24), ", op ", get_u32(h + 28), ", part ",
+                            get_u32(h + 40), " of ", get_u32(h + 44), " of ", get_u64(h + 32),
+                            " elements)");
+      };
+      error = absl::StrCat("rank ", previous, " started ", describe(theirs), "; this rank's is ",
+                           describe(header));
     }
     for (int i = 0; error.empty() && i < items; ++i) {
       const bool reducing = i < n - 1;

@@ -21,8 +21,9 @@
 // in their handshake at once, the oldest giving way.
 //
 // Every allreduce starts with a header (sequence number, element count,
-// element size, dtype, reduction) that the next rank checks against its
-// own call, so ranks that disagree fail with an error naming both calls
+// element size, dtype, reduction, and the RingCall: the whole allreduce this
+// call is a part of, and the caller's op) that the next rank checks against
+// its own call, so ranks that disagree fail with an error naming both calls
 // instead of mixing buffers. Any failure (a peer that closed, silence past
 // the deadline, a mismatch) fails the call on this rank, closes both
 // connections so that the neighbours fail at once too, and leaves the ring
@@ -47,6 +48,17 @@ namespace ddprpc::ddp::internal {
 // Every rank's `mine` (the same length on every rank), concatenated in
 // rank order: a collective over the group's authenticated pairs.
 using Allgather = std::function<std::vector<int64_t>(std::vector<int64_t> mine)>;
+
+// What the ranks must agree on beyond one ring's share of an allreduce:
+// an allreduce striped over several rings is `whole` elements cut into
+// `parts`, this call being part `part`; `op` is the caller's own code for
+// its reduction (two ops may reduce alike: an average sums).
+struct RingCall {
+  int64_t whole = -1;  // -1: this call's numel (not striped)
+  uint32_t part = 0;
+  uint32_t parts = 1;
+  uint32_t op = 0;
+};
 
 class TcpRing {
  public:
@@ -80,11 +92,11 @@ class TcpRing {
   TcpRing& operator=(const TcpRing&) = delete;
 
   // Collective, in place: `data` holds `numel` elements of `element_size`
-  // bytes; `dtype` and `reduction` name them in the header (every rank must
+  // bytes; `dtype`, `reduction` and `call` go in the header (every rank must
   // pass the same); `reduce` combines elements. Throws std::runtime_error
   // naming the rank and its neighbour on failure or past `deadline`.
   void allreduce(void* data, int64_t numel, size_t element_size, int dtype, Reduction reduction,
-                 ReduceFn reduce, absl::Time deadline);
+                 ReduceFn reduce, absl::Time deadline, RingCall call = {});
 
   int rank() const { return rank_; }
   int size() const { return size_; }

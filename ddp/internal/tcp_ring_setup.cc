@@ -66,10 +66,11 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
     Fd fd;
     std::string hello;
     absl::Time until;
+    uint64_t round = 0;  // of the loop that accepted it
   };
   std::deque<Pending> pending;
   set_nonblocking(listener, true);
-  while (true) {
+  for (uint64_t round = 0;; ++round) {
     const absl::Time now = absl::Now();
     if (now >= deadline) {
       *error = absl::StrCat("no connection from rank ", from, " proved itself before the deadline");
@@ -129,17 +130,28 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
         if (fd.get() < 0) break;
         // A hello that came with the connection is read at once, so that a
         // crowd of connections cannot push a proving one out unread.
-        Pending p{std::move(fd), std::string(), std::min(deadline, absl::Now() + kHelloTimeout)};
+        Pending p{std::move(fd), std::string(), std::min(deadline, absl::Now() + kHelloTimeout),
+                  round};
         const int state = feed(p);
         if (state > 0) return proved(p);
         if (state < 0) continue;
         if (pending.size() >= static_cast<size_t>(TcpRing::kMaxPendingHellos)) {
-          // The oldest connection that has sent nothing gives way (else the
-          // oldest): a hello that is on its way is not pushed out by a
-          // crowd of silent connections.
-          auto silent = std::find_if(pending.begin(), pending.end(),
-                                     [](const Pending& q) { return q.hello.empty(); });
-          pending.erase(silent != pending.end() ? silent : pending.begin());
+          // A connection accepted in an earlier round gives way: the oldest
+          // that has sent nothing, else the oldest. One accepted in this
+          // round keeps its place until the next round has read what it
+          // sent since (a rank's hello comes just after its connection), so
+          // a crowd, silent or sending part of a hello, cannot push it out
+          // unread; with every place taken in this round, the newcomer
+          // gives way.
+          auto earlier = [round](const Pending& q) { return q.round < round; };
+          auto silent = std::find_if(pending.begin(), pending.end(), [&](const Pending& q) {
+            return earlier(q) && q.hello.empty();
+          });
+          if (silent == pending.end()) {
+            silent = std::find_if(pending.begin(), pending.end(), earlier);
+          }
+          if (silent == pending.end()) continue;
+          pending.erase(silent);
         }
         pending.push_back(std::move(p));
       }
@@ -310,8 +322,12 @@ std::unique_ptr<TcpRing> TcpRing::connect(int rank, int size, const Allgather& a
   }
   if (!error.empty()) throw failure(error);
   if (!failed.empty()) throw failure(absl::StrCat("rank(s) ", failed, " could not join the ring"));
-  return std::unique_ptr<TcpRing>(
-      new TcpRing(rank, size, to_next.release(), from_previous.release()));
+  // The descriptors stay owned here until the ring is made (its buffer may
+  // not be), then go to it.
+  std::unique_ptr<TcpRing> ring(new TcpRing(rank, size, to_next.get(), from_previous.get()));
+  (void)to_next.release();
+  (void)from_previous.release();
+  return ring;
 }
 
 }  // namespace ddprpc::ddp::internal

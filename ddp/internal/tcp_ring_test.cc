@@ -245,10 +245,50 @@ TEST(TcpRingTest, CallsThatDisagreeFailOnEveryRankNamingBoth) {
               mismatch.find("rank 1 started allreduce 1 of 4096 elements of 4 bytes") !=
                   std::string::npos)
       << errors[1] << "\n" << errors[2];
-  EXPECT_NE(mismatch.find("this rank's allreduce 1 has"), std::string::npos) << mismatch;
+  EXPECT_NE(mismatch.find("this rank's is allreduce 1 of"), std::string::npos) << mismatch;
   // The ring stays broken.
   for (const std::string& e : sum_floats(ranks, 1000)) {
     EXPECT_NE(e.find("failed in an earlier allreduce"), std::string::npos) << e;
+  }
+}
+
+// Parts of an allreduce striped over several rings look alike on one ring
+// when the ranks cut different wholes (a 256 KiB call whole on one rank,
+// the first half of a 512 KiB call on the other), and two ops may reduce
+// alike: the header tells them apart, and both ranks fail.
+TEST(TcpRingTest, PartsOfDifferentWholesOrOtherOpsFailOnEveryRank) {
+  struct Case {
+    RingCall zero, one;
+    const char* says;
+  };
+  const Case cases[] = {
+      {{65536, 0, 1, 0}, {131072, 0, 2, 0}, "part 0 of 2 of 131072 elements"},
+      {{65536, 0, 1, 0}, {65536, 0, 1, 1}, "op 1,"},
+  };
+  for (const Case& c : cases) {
+    Exchange exchange(2);
+    Ranks ranks = build(2, exchange);
+    for (int r = 0; r < 2; ++r) ASSERT_NE(ranks.rings[r], nullptr) << ranks.errors[r];
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        std::vector<float> data(65536, 1.0f);
+        try {
+          ranks.rings[r]->allreduce(data.data(), data.size(), 4, 6, Reduction::kSum,
+                                    reduce_fn<float>(Reduction::kSum),
+                                    absl::Now() + absl::Seconds(60), r == 0 ? c.zero : c.one);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_NE(errors[0], "") << c.says;
+    EXPECT_NE(errors[1], "") << c.says;
+    EXPECT_TRUE(errors[0].find(c.says) != std::string::npos ||
+                errors[1].find(c.says) != std::string::npos)
+        << errors[0] << "\n" << errors[1];
   }
 }
 
@@ -334,6 +374,11 @@ TEST(TcpRingTest, StrangersAtTheListenersDoNotGetInOrStopTheRing) {
       fds.push_back(stranger(ip, port, "GET / HTTP/1.0\r\n\r\n" + std::string(80, 'x')));
       fds.push_back(stranger(ip, port, hello(previous, r, std::string(64, 'a'))));  // wrong proof
       fds.push_back(stranger(ip, port, hello(previous, r, "")));  // never finishes
+      // Part of a hello, never the rest: as many as the listener's backlog
+      // takes before anyone accepts (these connect blocking).
+      for (int i = 0; i < TcpRing::kMaxPendingHellos - 4; ++i) {
+        fds.push_back(stranger(ip, port, hello(previous, r, std::string(10, 'a'))));
+      }
       for (int i = 0; i < 2 * TcpRing::kMaxPendingHellos; ++i) fds.push_back(stranger(ip, port, ""));
     }
   };
