@@ -18,7 +18,8 @@
 // under the job's secret over a fresh nonce the listener's rank gave out
 // over the group's (already authenticated) Gloo pairs, or, with no secret,
 // that nonce itself. Strangers are closed; at most kMaxPendingHellos wait
-// in their handshake at once, the oldest giving way.
+// in their handshake at once, one accepted in an earlier round giving way
+// to a newcomer (a silent one first).
 //
 // Every allreduce starts with a header (sequence number, element count,
 // element size, dtype, reduction, and the RingCall: the whole allreduce this
