@@ -372,7 +372,10 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
                          const std::string& token, Method method, const char* what,
                          const rendezvous::StoreRequest& req, absl::Duration timeout, bool fail_fast) {
   rendezvous::Store::Stub stub(channel);
-  const absl::Time deadline = absl::Now() + timeout + absl::Seconds(1);
+  // A timeout already past still gives the call its round trip (the server
+  // looks once).
+  const absl::Time deadline =
+      absl::Now() + std::max(timeout, absl::ZeroDuration()) + absl::Seconds(1);
   // A call that can run twice without harm (all but add and compare_set) is
   // tried again when the server cancelled it (a store host shutting down
   // while the job is still meeting), until its deadline, as one that finds
@@ -397,8 +400,16 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
     ErrorCode code = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
                          ? ErrorCode::kTimeout
                          : ErrorCode::kUnavailable;
-    throw RpcError(code, absl::StrCat("rendezvous store at ", address, ": ", what, " '",
-                                      req.key(), "' failed: ", status.error_message()));
+    // The key, or the first of several and how many more.
+    const std::string subject =
+        req.keys_size() == 0
+            ? absl::StrCat("'", req.key(), "'")
+            : absl::StrCat("'", req.keys(0), "'",
+                           req.keys_size() > 1 ? absl::StrCat(" and ", req.keys_size() - 1,
+                                                              " more")
+                                               : std::string());
+    throw RpcError(code, absl::StrCat("rendezvous store at ", address, ": ", what, " ", subject,
+                                      " failed: ", status.error_message()));
   }
   return resp;
 }
@@ -408,6 +419,17 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
 std::string Store::sign(absl::string_view message) const {
   return token_.empty() ? std::string() : internal::member_mac(token_, message);
 }
+
+namespace {
+
+// How long the server is to wait, as it takes it: from 0 (a deadline that
+// has passed: look once) to its longest wait (an infinite timeout waits
+// that long per call).
+int64_t server_wait_ms(absl::Duration timeout) {
+  return std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 0, internal::StoreState::kMaxTimeoutMs);
+}
+
+}  // namespace
 
 void Store::set(const std::string& key, const std::string& value) {
   rendezvous::StoreRequest req;
@@ -419,7 +441,7 @@ void Store::set(const std::string& key, const std::string& value) {
 std::string Store::get(const std::string& key) {
   rendezvous::StoreRequest req;
   req.set_key(key);
-  req.set_timeout_ms(absl::ToInt64Milliseconds(timeout_));
+  req.set_timeout_ms(server_wait_ms(timeout_));
   return call(channel_, address_, token_, &rendezvous::Store::Stub::Get, "get", req, timeout_, fail_fast_).value();
 }
 
@@ -433,8 +455,7 @@ int64_t Store::add(const std::string& key, int64_t amount) {
 void Store::wait(const std::vector<std::string>& keys, absl::Duration timeout) {
   rendezvous::StoreRequest req;
   for (const auto& k : keys) req.add_keys(k);
-  req.set_key(absl::StrJoin(keys, ","));
-  req.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
+  req.set_timeout_ms(server_wait_ms(timeout));
   call(channel_, address_, token_, &rendezvous::Store::Stub::Wait, "wait", req, timeout, fail_fast_);
 }
 

@@ -46,7 +46,9 @@ class StoreServer {
 
 class Store {
  public:
-  // Calls wait up to `timeout` for the server to come up and for keys.
+  // Calls wait up to `timeout` for the server to come up and for keys
+  // (the server waits for keys 24 h at most per call: an infinite timeout
+  // means that).
   Store(const std::string& host, int port, absl::Duration timeout,
         const Security& security = Security::from_environment());
   ~Store();

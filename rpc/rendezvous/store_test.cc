@@ -224,6 +224,46 @@ TEST(StoreTest, MissingKeyTimesOut) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
+// An infinite timeout waits as long as the server allows, a deadline that
+// has passed looks once: neither is refused as out of range.
+TEST(StoreTest, InfiniteAndPastTimeoutsAreTakenAsTheServerAllows) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  Store forever("127.0.0.1", server->port(), absl::InfiniteDuration());
+  std::thread later([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    forever.set("late", "v");
+  });
+  EXPECT_EQ(forever.get("late"), "v");
+  later.join();
+  forever.wait({"late"}, absl::InfiniteDuration());
+  Store s("127.0.0.1", server->port(), absl::Seconds(5));
+  s.wait({"late"}, -absl::Seconds(1));  // present: no wait needed
+  try {
+    s.wait({"never", "nor this"}, -absl::Seconds(1));
+    FAIL() << "a missing key was found";
+  } catch (const RpcError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'never' and 1 more"), std::string::npos) << e.what();
+  }
+}
+
+// A wait may name as many keys of the longest size as the server takes in
+// one request.
+TEST(StoreTest, AWaitOnManyLongKeysFitsInOneRequest) {
+  auto server = StoreServer::start("127.0.0.1", 0);
+  Store s("127.0.0.1", server->port(), absl::Seconds(30));
+  std::vector<std::string> keys;
+  for (int i = 0; i < 3000; ++i) {
+    std::string k(internal::StoreState::kMaxKeyBytes, 'k');
+    const std::string n = absl::StrCat(i);
+    k.replace(0, n.size(), n);
+    keys.push_back(k);
+    s.set(k, "v");
+  }
+  s.wait(keys, absl::Seconds(30));  // 12 MiB of keys
+  EXPECT_TRUE(s.check(keys));
+}
+
 TEST(StoreTest, UnreachableServerFailsFast) {
   auto server = StoreServer::start("127.0.0.1", 0);
   int port = server->port();
@@ -278,6 +318,19 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   StoreState counters;
   EXPECT_TRUE(counters.add(req, &resp).ok());
   EXPECT_TRUE(counters.add(req, &resp).ok() == false);
+
+  // Timeouts the server does not take, whatever a client sends (ours
+  // clamps them first).
+  for (const int64_t ms : {int64_t{-5}, StoreState::kMaxTimeoutMs + 1}) {
+    rendezvous::StoreRequest odd;
+    odd.add_keys("0");
+    odd.set_timeout_ms(ms);
+    const grpc::Status refused = state.wait(odd, &resp, [] { return false; });
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << ms;
+    EXPECT_NE(refused.error_message().find(absl::StrCat("timeout of ", ms, " ms")),
+              std::string::npos)
+        << refused.error_message();
+  }
 
   // max_waiters requests block; the next is refused at once.
   constexpr int kWaiters = 16;

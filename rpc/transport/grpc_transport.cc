@@ -1320,6 +1320,8 @@ void PeerStream::on_read(bool ok) {
     accepted = on_frame_(std::move(frame));
   } catch (const std::exception& e) {
     accepted = absl::InternalError(absl::StrCat("handling a reply failed: ", e.what()));
+  } catch (...) {
+    accepted = absl::InternalError("handling a reply failed: an exception of no known type");
   }
   if (!accepted.ok()) {
     fail(grpc::Status(grpc::StatusCode::DATA_LOSS, std::string(accepted.message())));
