@@ -191,17 +191,6 @@ Figures read_reference(const bench::JsonValue& report) {
   return f;
 }
 
-// Over the rounds, the median of a figure that is positive (0: none is).
-double median_over(const std::vector<Figures>& rounds,
-                   const std::function<double(const Figures&)>& figure) {
-  std::vector<double> v;
-  for (const Figures& f : rounds) {
-    const double x = figure(f);
-    if (x > 0) v.push_back(x);
-  }
-  return v.empty() ? 0 : bench::percentile(v, 0.5);
-}
-
 double seconds(const Figures& f, int64_t bytes) {
   const auto it = f.times.find(bytes);
   return it == f.times.end() ? 0 : it->second.first;
@@ -283,10 +272,10 @@ int coordinator(int argc, char** argv) {
     json.key(absl::StrCat("nprocs_", n)).begin_object();
     for (int64_t bytes : kSizes) {
       auto busbw = [&](double s) { return s > 0 ? bytes * 2.0 * (n - 1) / n / s / 1e9 : 0; };
-      const double m = median_over(ours, [&](const Figures& f) { return seconds(f, bytes); });
+      const double m = bench::median_over<Figures>(ours, [&](const Figures& f) { return seconds(f, bytes); });
       const double tm =
-          median_over(rounds.theirs, [&](const Figures& f) { return seconds(f, bytes); });
-      const double rm = median_over(ours, [&](const Figures& f) {
+          bench::median_over<Figures>(rounds.theirs, [&](const Figures& f) { return seconds(f, bytes); });
+      const double rm = bench::median_over<Figures>(ours, [&](const Figures& f) {
         const auto it = f.raw.find(bytes);
         return it == f.raw.end() ? 0 : it->second;
       });

@@ -80,4 +80,17 @@ int run_rounds(const RoundsPlan& plan,
   return 0;
 }
 
+// Over the rounds, the median of `figure` where it is positive (0: no round
+// has one).
+template <typename Figures>
+double median_over(const std::vector<Figures>& rounds,
+                   const std::function<double(const Figures&)>& figure) {
+  std::vector<double> v;
+  for (const Figures& f : rounds) {
+    const double x = figure(f);
+    if (x > 0) v.push_back(x);
+  }
+  return v.empty() ? 0 : percentile(v, 0.5);
+}
+
 }  // namespace ddprpc::benchmarks

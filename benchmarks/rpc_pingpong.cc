@@ -237,22 +237,21 @@ std::map<std::string, double> read_reference(const bench::JsonValue& report) {
 
 using Figures = std::map<std::string, double>;
 
-// The median over the rounds of one figure (0: no round has it).
-double median_of(const std::vector<Figures>& rounds, const std::string& key) {
-  std::vector<double> v;
-  for (const Figures& f : rounds) {
-    const auto it = f.find(key);
-    if (it != f.end() && it->second > 0) v.push_back(it->second);
-  }
-  return v.empty() ? 0 : bench::percentile(v, 0.5);
+// One figure of a run (0: it has none).
+double figure(const Figures& f, const std::string& key) {
+  const auto it = f.find(key);
+  return it == f.end() ? 0 : it->second;
 }
 
+// Each figure's median over the rounds.
 Figures medians(const std::vector<Figures>& rounds) {
   Figures out;
   for (const Figures& f : rounds) {
     for (const auto& [k, v] : f) out[k] = 0;
   }
-  for (auto& [k, v] : out) v = median_of(rounds, k);
+  for (auto& [k, v] : out) {
+    v = bench::median_over<Figures>(rounds, [&k = k](const Figures& f) { return figure(f, k); });
+  }
   return out;
 }
 
@@ -320,12 +319,7 @@ int coordinator(int argc, char** argv) {
   // The median of the rounds' ratios of one figure, and their list.
   auto round_ratios = [&](const std::string& key, bool higher_is_better) {
     return rounds.speedups(
-        "ddprpc",
-        [key](const Figures& f) {
-          const auto it = f.find(key);
-          return it == f.end() ? 0.0 : it->second;
-        },
-        higher_is_better);
+        "ddprpc", [key](const Figures& f) { return figure(f, key); }, higher_is_better);
   };
 
   std::vector<std::string> columns = {"rpc_sync identity", "ddprpc p50", "ddprpc p90",

@@ -144,14 +144,14 @@ Fd accept_proved(int listener, int from, int to, const std::string& expected, ab
           // unread; with every place taken in this round, the newcomer
           // gives way.
           auto earlier = [round](const Pending& q) { return q.round < round; };
-          auto silent = std::find_if(pending.begin(), pending.end(), [&](const Pending& q) {
+          auto gives_way = std::find_if(pending.begin(), pending.end(), [&](const Pending& q) {
             return earlier(q) && q.hello.empty();
           });
-          if (silent == pending.end()) {
-            silent = std::find_if(pending.begin(), pending.end(), earlier);
+          if (gives_way == pending.end()) {
+            gives_way = std::find_if(pending.begin(), pending.end(), earlier);
           }
-          if (silent == pending.end()) continue;
-          pending.erase(silent);
+          if (gives_way == pending.end()) continue;
+          pending.erase(gives_way);
         }
         pending.push_back(std::move(p));
       }

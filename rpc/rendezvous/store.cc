@@ -13,7 +13,6 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "glog/logging.h"
 #include "rpc/core/errors.h"
@@ -401,13 +400,8 @@ rendezvous::StoreResponse call(const std::shared_ptr<grpc::Channel>& channel, co
                          ? ErrorCode::kTimeout
                          : ErrorCode::kUnavailable;
     // The key, or the first of several and how many more.
-    const std::string subject =
-        req.keys_size() == 0
-            ? absl::StrCat("'", req.key(), "'")
-            : absl::StrCat("'", req.keys(0), "'",
-                           req.keys_size() > 1 ? absl::StrCat(" and ", req.keys_size() - 1,
-                                                              " more")
-                                               : std::string());
+    std::string subject = absl::StrCat("'", req.keys_size() > 0 ? req.keys(0) : req.key(), "'");
+    if (req.keys_size() > 1) absl::StrAppend(&subject, " and ", req.keys_size() - 1, " more");
     throw RpcError(code, absl::StrCat("rendezvous store at ", address, ": ", what, " ", subject,
                                       " failed: ", status.error_message()));
   }
@@ -426,7 +420,8 @@ namespace {
 // has passed: look once) to its longest wait (an infinite timeout waits
 // that long per call).
 int64_t server_wait_ms(absl::Duration timeout) {
-  return std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 0, internal::StoreState::kMaxTimeoutMs);
+  return std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 0,
+                             internal::StoreState::kMaxTimeoutMs);
 }
 
 }  // namespace

@@ -37,16 +37,7 @@ bool ClaimTable::ready(const std::shared_ptr<Claim>& claim, at::Tensor tensor) {
   }
   claim->tensor = std::move(tensor);
   claim->made = absl::Now();
-  claim->ready = true;
   return true;
-}
-
-std::shared_ptr<ClaimTable::Claim> ClaimTable::add(int peer, uint64_t id, at::Tensor tensor,
-                                                   uint32_t ranges) {
-  const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
-  std::shared_ptr<Claim> claim = reserve(peer, id, nbytes, ranges);
-  if (claim == nullptr || !ready(claim, std::move(tensor))) return nullptr;
-  return claim;
 }
 
 void ClaimTable::erase_locked(const std::shared_ptr<Claim>& claim) {
@@ -66,7 +57,7 @@ absl::Status ClaimTable::begin_range(int peer, uint64_t id, uint64_t total, uint
   auto listed = [this, peer, id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (closed_) return true;
     const auto it = claims_.find({peer, id});
-    return it != claims_.end() && it->second->ready;
+    return it != claims_.end() && it->second->tensor.defined();
   };
   if (!mu_.AwaitWithTimeout(absl::Condition(&listed), wait)) {
     return absl::NotFoundError(absl::StrCat("no frame names pushed tensor ", id));

@@ -60,8 +60,6 @@ class ClaimTable {
   // claim's bytes): its ranges may start. False (the claim dropped) when
   // the sizes differ.
   bool ready(const std::shared_ptr<Claim>& claim, at::Tensor tensor);
-  // reserve(), then ready() with `tensor`.
-  std::shared_ptr<Claim> add(int peer, uint64_t id, at::Tensor tensor, uint32_t ranges);
 
   // A push connection's range: waits up to `wait` for the claim of (`peer`,
   // `id`), then checks the range against it. On success the bytes go to
@@ -104,8 +102,7 @@ struct ClaimTable::Claim {
   at::Tensor tensor;
   uint64_t nbytes = 0;
   uint32_t ranges = 0;
-  bool ready = false;  // the tensor is set: ranges may start
-  absl::Time made;     // when it became ready
+  absl::Time made;  // when its tensor was set (ranges may start from then)
   std::vector<bool> started;
   int active = 0;    // ranges being read now
   uint32_t done = 0;  // ranges read whole

@@ -24,6 +24,14 @@ struct Range {
   uint64_t length = 0;
 };
 
+// A claim made as a checked frame makes it: reserved, then given its tensor.
+std::shared_ptr<ClaimTable::Claim> add(ClaimTable* table, int peer, uint64_t id,
+                                       at::Tensor tensor, uint32_t ranges) {
+  auto claim = table->reserve(peer, id, tensor.nbytes(), ranges);
+  if (claim == nullptr || !table->ready(claim, std::move(tensor))) return nullptr;
+  return claim;
+}
+
 absl::Status begin(ClaimTable* table, int peer, uint64_t id, uint64_t total, uint32_t ranges,
                    uint32_t index, Range* out, absl::Duration wait = absl::Milliseconds(10)) {
   return table->begin_range(peer, id, total, ranges, index, wait, &out->claim, &out->dst,
@@ -34,7 +42,7 @@ TEST(BulkClaimsTest, RangesLandInTheirClaimAndCompleteIt) {
   ClaimTable table;
   const at::Tensor source = at::arange((1 << 18) + 3, at::kInt);  // not a multiple of the ranges
   const uint64_t total = source.nbytes();
-  auto claim = table.add(1, 7, at::zeros({source.numel()}, at::kInt), 3);
+  auto claim = add(&table, 1, 7, at::zeros({source.numel()}, at::kInt), 3);
   ASSERT_NE(claim, nullptr);
   for (uint32_t index : {2u, 0u, 1u}) {
     Range r;
@@ -52,7 +60,7 @@ TEST(BulkClaimsTest, RangesLandInTheirClaimAndCompleteIt) {
 
 TEST(BulkClaimsTest, RangesForAnotherWorkerOrAnUnknownTensorFindNoClaim) {
   ClaimTable table;
-  auto claim = table.add(1, 7, at::zeros({1024}, at::kByte), 1);
+  auto claim = add(&table, 1, 7, at::zeros({1024}, at::kByte), 1);
   ASSERT_NE(claim, nullptr);
   Range r;
   EXPECT_EQ(begin(&table, 2, 7, 1024, 1, 0, &r).code(), absl::StatusCode::kNotFound);
@@ -73,7 +81,7 @@ TEST(BulkClaimsTest, ARangeThatDoesNotMatchItsClaimFailsItAtOnce) {
                         Case{"a range past the last", 8192, 2, 2}}) {
     SCOPED_TRACE(c.what);
     ClaimTable table;
-    auto claim = table.add(1, 7, at::zeros({8192}, at::kByte), 2);
+    auto claim = add(&table, 1, 7, at::zeros({8192}, at::kByte), 2);
     ASSERT_NE(claim, nullptr);
     Range r;
     EXPECT_EQ(begin(&table, 1, 7, c.total, c.ranges, c.index, &r).code(),
@@ -83,7 +91,7 @@ TEST(BulkClaimsTest, ARangeThatDoesNotMatchItsClaimFailsItAtOnce) {
     EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // not after the start wait
   }
   ClaimTable table;
-  auto claim = table.add(1, 7, at::zeros({8192}, at::kByte), 2);
+  auto claim = add(&table, 1, 7, at::zeros({8192}, at::kByte), 2);
   Range first, again;
   ASSERT_TRUE(begin(&table, 1, 7, 8192, 2, 1, &first).ok());
   EXPECT_EQ(begin(&table, 1, 7, 8192, 2, 1, &again).code(), absl::StatusCode::kDataLoss)
@@ -94,7 +102,7 @@ TEST(BulkClaimsTest, ARangeThatDoesNotMatchItsClaimFailsItAtOnce) {
 
 TEST(BulkClaimsTest, AClaimWhoseRangesDoNotStartIsTakenOverOnlyOnceNoneIsBeingRead) {
   ClaimTable table;
-  auto claim = table.add(1, 7, at::zeros({8192}, at::kByte), 2);
+  auto claim = add(&table, 1, 7, at::zeros({8192}, at::kByte), 2);
   Range r;
   ASSERT_TRUE(begin(&table, 1, 7, 8192, 2, 0, &r).ok());  // range 1 never comes
   absl::Notification taken;
@@ -117,16 +125,16 @@ TEST(BulkClaimsTest, ClaimsPerPeerAreBoundedInCountAndBytes) {
   ClaimTable table(ClaimLimits{3, 10000});
   std::vector<std::shared_ptr<ClaimTable::Claim>> held;
   for (uint64_t id = 1; id <= 3; ++id) {
-    held.push_back(table.add(1, id, at::zeros({100}, at::kByte), 1));
+    held.push_back(add(&table, 1, id, at::zeros({100}, at::kByte), 1));
     ASSERT_NE(held.back(), nullptr);
   }
-  EXPECT_EQ(table.add(1, 4, at::zeros({100}, at::kByte), 1), nullptr) << "past the count";
-  EXPECT_EQ(table.add(1, 2, at::zeros({100}, at::kByte), 1), nullptr) << "an id held";
-  EXPECT_NE(table.add(2, 4, at::zeros({9000}, at::kByte), 1), nullptr) << "another peer";
-  EXPECT_EQ(table.add(2, 5, at::zeros({1001}, at::kByte), 1), nullptr) << "past the bytes";
-  EXPECT_EQ(table.add(3, 1, at::zeros({100}, at::kByte), kMaxPushRanges + 1), nullptr);
+  EXPECT_EQ(add(&table, 1, 4, at::zeros({100}, at::kByte), 1), nullptr) << "past the count";
+  EXPECT_EQ(add(&table, 1, 2, at::zeros({100}, at::kByte), 1), nullptr) << "an id held";
+  EXPECT_NE(add(&table, 2, 4, at::zeros({9000}, at::kByte), 1), nullptr) << "another peer";
+  EXPECT_EQ(add(&table, 2, 5, at::zeros({1001}, at::kByte), 1), nullptr) << "past the bytes";
+  EXPECT_EQ(add(&table, 3, 1, at::zeros({100}, at::kByte), kMaxPushRanges + 1), nullptr);
   table.drop(held[0]);
-  EXPECT_NE(table.add(1, 4, at::zeros({100}, at::kByte), 1), nullptr) << "a dropped claim";
+  EXPECT_NE(add(&table, 1, 4, at::zeros({100}, at::kByte), 1), nullptr) << "a dropped claim";
 }
 
 TEST(BulkClaimsTest, AReservationCountsBeforeItsTensorExistsAndTakesRangesOnceReady) {
