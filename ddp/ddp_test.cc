@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
+#include "rpc/rendezvous/launch.h"
 #include "rpc/rendezvous/store.h"
 #include "tests/multiprocess.h"
 
@@ -842,6 +843,45 @@ MULTIPROCESS_TEST(DdpTest, Bfloat16ModelGradientsAreAveraged, 2) {
   EXPECT_FALSE(at::allclose(local[0].to(at::kFloat), expected[0].to(at::kFloat), 1e-2, 1e-2));
 }
 
+
+// init_process_group hosts a store: off loopback, with no token or TLS, it
+// refuses to open one to anyone who can reach the port, unless told to.
+TEST(InitProcessGroupTest, OffLoopbackItNeedsTheJobsSecretOrAllowInsecure) {
+  if (mp::is_worker()) return;
+  for (const char* name : {ddprpc::rpc::kAuthTokenEnv, ddprpc::rpc::kAuthTokenFileEnv,
+                           ddprpc::rpc::kTlsCertEnv, ddprpc::rpc::kTlsKeyEnv,
+                           ddprpc::rpc::kTlsCaEnv}) {
+    ::unsetenv(name);
+  }
+  // 0.0.0.0: the store listens on every interface, and its clients reach
+  // it through this host's own.
+  const auto init = [] {
+    return absl::StrCat("tcp://0.0.0.0:", ddprpc::rpc::pick_free_port());
+  };
+  ddp::ProcessGroupOptions options = group_options();
+  options.timeout = absl::Seconds(20);
+  try {
+    ddp::init_process_group("gloo", init(), 0, 1, options);
+    ADD_FAILURE() << "a group served its store on every interface with no secret";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("rank 0 would serve the group's store at 0.0.0.0:"), std::string::npos)
+        << what;
+    EXPECT_NE(what.find("no authentication"), std::string::npos) << what;
+  }
+  for (const bool token : {true, false}) {
+    ddp::ProcessGroupOptions allowed = options;
+    if (token) {
+      allowed.security.token = ddprpc::rpc::Security::random_token();
+    } else {
+      allowed.allow_insecure = true;
+    }
+    auto pg = ddp::init_process_group("gloo", init(), 0, 1, allowed);
+    at::Tensor t = at::full({4}, 2.0);
+    pg->allreduce({t})->wait(absl::Seconds(20));
+    EXPECT_TRUE(at::allclose(t, at::full({4}, 2.0))) << "token " << token;
+  }
+}
 
 // A process that holds a rank's place in a Gloo pair without the job's
 // secret (as one that connects first to Gloo's listener while the group is

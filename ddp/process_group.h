@@ -14,6 +14,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "rpc/core/security.h"
 
 namespace ddprpc::rpc {
 class Store;
@@ -90,6 +91,16 @@ struct ProcessGroupOptions {
   // uses the fewest any rank asks for. 0: 3 where this process may use 8
   // CPUs or more, else 1 (more rings only take turns on fewer CPUs).
   int tcp_ring_streams = 0;
+
+  // For init_process_group, which hosts and reaches its own store: the
+  // job's secret and TLS material (what this leaves empty comes from the
+  // environment, rpc::Security::with_environment_defaults). The token also
+  // proves every Gloo pair and ring connection (docs/security.md).
+  rpc::Security security;
+  // init_process_group refuses to serve or reach its store, or listen, on
+  // an address other than loopback with neither a token nor TLS, unless
+  // this is set: anyone who can reach the port could then join the group.
+  bool allow_insecure = false;
 };
 
 // Gloo over TCP. Rendezvous through `store` under `prefix`, so several
@@ -111,7 +122,9 @@ int nccl_devices();
 
 // "gloo" or "nccl" with its own store: init_method "tcp://host:port" (rank 0 hosts the
 // store there) or "env://" (MASTER_ADDR, MASTER_PORT; rank/size < 0 read
-// RANK and WORLD_SIZE).
+// RANK and WORLD_SIZE). Throws std::invalid_argument for a bad argument,
+// or for a store or listen address off loopback with no token or TLS in
+// options.security or the environment (unless options.allow_insecure).
 std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
                                                  const std::string& init_method = "env://",
                                                  int rank = -1, int size = -1,

@@ -571,9 +571,19 @@ std::shared_ptr<ProcessGroup> init_process_group(const std::string& backend,
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string("init_process_group: ") + e.what());
   }
+  const rpc::Security security = options.security.with_environment_defaults();
+  if (!security.authenticated() && !security.encrypted() && !options.allow_insecure &&
+      !(rpc::loopback_address(host) && rpc::loopback_address(options.listen_address))) {
+    throw std::invalid_argument(absl::StrCat(
+        "init_process_group: rank ", rank, " would ", rank == 0 ? "serve" : "reach",
+        " the group's store at ", host, ":", port, " and listen on ", options.listen_address,
+        " with no authentication: set ", rpc::kAuthTokenEnv, " (or ", rpc::kAuthTokenFileEnv,
+        ", or ProcessGroupOptions::security) to the job's secret, and/or TLS; or set "
+        "ProcessGroupOptions::allow_insecure to let anyone who can reach these ports join"));
+  }
   std::unique_ptr<rpc::StoreServer> server;
-  if (rank == 0) server = rpc::StoreServer::start(host, port);
-  auto store = std::make_shared<rpc::Store>(host, port, options.timeout);
+  if (rank == 0) server = rpc::StoreServer::start(host, port, security);
+  auto store = std::make_shared<rpc::Store>(host, port, options.timeout, security);
   auto group = backend == "nccl" ? make_nccl_group(store, "pg/", rank, size, options)
                                  : make_gloo_group(store, "pg/", rank, size, options);
   return std::make_shared<OwningGroup>(std::move(server), std::move(group));

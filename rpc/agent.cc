@@ -106,10 +106,6 @@ constexpr char kPing[] = "__rpc.ping";
 int64_t ping() { return 0; }
 DDPRPC_REGISTER_FUNCTION_AS(rpc_ping, kPing, ping);
 
-bool loopback(const std::string& host) {
-  return absl::StartsWith(host, "127.") || host == "::1" || host == "[::1]" || host == "localhost";
-}
-
 RpcBackendOptions resolved(RpcBackendOptions options) {
   options.security = options.security.with_environment_defaults();
   return options;
@@ -144,7 +140,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   const int port = store_address.port;
   const Security& security = options_.security;
   if (!security.authenticated() && !security.encrypted() &&
-      !(loopback(options_.listen_address) && loopback(host))) {
+      !(loopback_address(options_.listen_address) && loopback_address(host))) {
     if (!options_.allow_insecure) {
       throw RpcError(ErrorCode::kInvalidArgument,
                      absl::StrCat("worker '", name, "' would listen on ", options_.listen_address,

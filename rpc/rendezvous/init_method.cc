@@ -47,6 +47,10 @@ StoreAddress parse_init_method(const std::string& init_method) {
   return {host, port_number};
 }
 
+bool loopback_address(const std::string& host) {
+  return absl::StartsWith(host, "127.") || host == "::1" || host == "[::1]" || host == "localhost";
+}
+
 RankAndSize rank_and_size(int rank, int world_size) {
   if (rank < 0 || world_size < 0) {
     const LaunchEnv env = launch_env();

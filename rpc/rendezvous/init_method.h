@@ -20,6 +20,10 @@ struct StoreAddress {
 
 StoreAddress parse_init_method(const std::string& init_method);
 
+// True for an address that does not leave this host (127.0.0.0/8, ::1,
+// localhost): a server there is reachable only from the host itself.
+bool loopback_address(const std::string& host);
+
 // This process's rank and world size: `rank` and `world_size` when they are
 // not negative, else the launcher's (launch_env.h). Throws
 // std::invalid_argument when neither gives one, or the rank is out of range.

@@ -4,14 +4,16 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
+#include <algorithm>
 #include <cstdlib>
-#include <deque>
+#include <limits>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -114,11 +116,14 @@ std::string signed_message(const ProofScope& scope, const std::string& ms,
                       scope.from, "|", scope.to, "|", ms, "|", nonce);
 }
 
-// The nonces of the proofs this process accepted (see AuthChecker).
+// The nonces of the proofs this process accepted (see AuthChecker), by
+// the time each proof names, oldest first.
 struct Nonces {
   absl::Mutex mu;
-  absl::flat_hash_set<std::string> seen ABSL_GUARDED_BY(mu);
-  std::deque<std::pair<absl::Time, std::string>> order ABSL_GUARDED_BY(mu);  // oldest first
+  std::set<std::pair<int64_t, std::string>> seen ABSL_GUARDED_BY(mu);
+  // Proofs naming this time (unix ms) or earlier are refused: a nonce of
+  // theirs may have been forgotten to keep `seen` within its bound.
+  int64_t floor_ms ABSL_GUARDED_BY(mu) = std::numeric_limits<int64_t>::min();
 };
 Nonces& process_nonces() {
   static auto* nonces = new Nonces();  // never destroyed: checkers may outlive main
@@ -161,17 +166,26 @@ grpc::Status AuthChecker::check_proof(absl::string_view proof, const ProofScope&
   if (CRYPTO_memcmp(expected.data(), parts[2].data(), expected.size()) != 0) {
     return refused("wrong job token");
   }
-  std::string nonce(parts[1]);
   Nonces& nonces = process_nonces();
   absl::MutexLock lock(&nonces.mu);
-  // Nonces past the window cannot come back (their time is refused).
-  while (!nonces.order.empty() && (nonces.order.front().first < now - 2 * kWindow ||
-                                   nonces.order.size() >= kMaxRemembered)) {
-    nonces.seen.erase(nonces.order.front().second);
-    nonces.order.pop_front();
+  // Proofs older than the window are refused above: their nonces can go.
+  const int64_t oldest_ms = absl::ToUnixMillis(now - kWindow);
+  while (!nonces.seen.empty() && nonces.seen.begin()->first < oldest_ms) {
+    nonces.seen.erase(nonces.seen.begin());
   }
-  if (!nonces.seen.insert(nonce).second) return refused("a proof of the job's token was replayed");
-  nonces.order.emplace_back(now, std::move(nonce));
+  if (ms <= nonces.floor_ms) {
+    return refused("the proof of the job's token is older than every one this process still "
+                   "remembers (over " + std::to_string(kMaxRemembered) +
+                   " proofs in its window): make a new one");
+  }
+  if (!nonces.seen.emplace(ms, std::string(parts[1])).second) {
+    return refused("a proof of the job's token was replayed");
+  }
+  // At the bound, forget the oldest and refuse every proof as old as it.
+  while (nonces.seen.size() > kMaxRemembered) {
+    nonces.floor_ms = std::max(nonces.floor_ms, nonces.seen.begin()->first);
+    nonces.seen.erase(nonces.seen.begin());
+  }
   return grpc::Status::OK;
 }
 

@@ -8,13 +8,11 @@
 #include <grpcpp/support/string_ref.h>
 
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -51,7 +49,10 @@ class AuthChecker {
   static constexpr absl::Duration kWindow = absl::Minutes(5);
   // Nonces remembered (each proof is accepted once), for the whole
   // process: every checker (each server of every transport, the store)
-  // shares one set, so a proof accepted by one is refused by all.
+  // shares one set, so a proof accepted by one is refused by all. When more
+  // proofs than this arrive within the window, the oldest are forgotten and
+  // every proof naming a time no later than theirs is refused from then on
+  // (a fresh proof still gets in), so that none of them can be replayed.
   static constexpr size_t kMaxRemembered = 1 << 16;
 
   explicit AuthChecker(std::string token) : token_(std::move(token)) {}
