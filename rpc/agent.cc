@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -230,8 +231,8 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
       [](int caller, const Frame& frame) { return check_request(caller, frame); },
       [this](std::shared_ptr<transport::Responder> responder, Frame frame) {
         if (!try_acquire_worker()) return offload(std::move(responder), std::move(frame));
+        absl::Cleanup release = [this] { release_worker(); };
         serve(responder, frame, absl::Now());
-        release_worker();
       },
       [this](std::shared_ptr<transport::Responder> responder, Frame frame) {
         offload(std::move(responder), std::move(frame));
@@ -706,8 +707,8 @@ void RpcAgent::offload(std::shared_ptr<transport::Responder> responder, Frame fr
   const bool queued = pool_->try_run(
       [this, task, received = absl::Now()] {
         acquire_worker();
+        absl::Cleanup release = [this] { release_worker(); };
         serve(task->first, task->second, received);
-        release_worker();
       },
       static_cast<size_t>(std::max(options_.max_queued_requests, 1)));
   if (queued) return;
@@ -733,9 +734,33 @@ void RpcAgent::serve(const std::shared_ptr<transport::Responder>& responder, Fra
     if (!serving_) return;  // stopped before it started: the stream closes
   }
   // The caller is the worker its stream belongs to (checked against every
-  // frame by the transport), never what a frame says.
-  callee_->serve(responder->caller(), request, received,
-                 [responder](Frame reply) { responder->send(std::move(reply)); });
+  // frame by the transport), never what a frame says. The callee turns a
+  // handler's failure into the call's error; whatever still escapes it
+  // fails this call here, not the thread.
+  const uint64_t id = request.header.id();
+  const bool one_way = request.header.kind() == wire::NOTICE;
+  std::string failure;
+  try {
+    internal::fault_point("agent.dispatch");
+    callee_->serve(responder->caller(), request, received,
+                   [responder](Frame reply) { responder->send(std::move(reply)); });
+    return;
+  } catch (const std::exception& e) {
+    failure = e.what();
+  } catch (...) {
+    failure = "an exception of unknown type";
+  }
+  const std::string function = request.header.function().substr(0, 256);
+  const std::string why = absl::StrCat("worker '", self().name, "' failed serving '", function,
+                                       "' from worker ", responder->caller(), ": ", failure);
+  LOG(ERROR) << "rpc: " << why;
+  if (one_way) return;
+  try {
+    responder->send(callee_->error_reply(id, ErrorCode::kInternal, why));
+  } catch (...) {
+    LOG(ERROR) << "rpc: the error reply to worker " << responder->caller() << " for '" << function
+               << "' could not be sent either";
+  }
 }
 
 int RpcAgent::busy_worker_threads() const { return callee_ ? callee_->executing() : 0; }

@@ -589,6 +589,13 @@ MULTIPROCESS_TEST(HostileInputTest, ExceptionsOnRuntimeThreadsFailOnlyTheirCall,
     arm_remote("agent.serve");
     fails_with(add_call, "injected fault at agent.serve");
     expect_serves("worker1");
+    // Past the callee, before the handler, more times than the worker has
+    // threads: each call fails, and no thread's slot is lost.
+    for (int i = 0; i < 20; ++i) {
+      arm_remote("agent.dispatch");
+      fails_with(add_call, "injected fault at agent.dispatch");
+    }
+    expect_serves("worker1");
     // The callee's transport thread reading the request.
     arm_remote("transport.server_read");
     fails_with(add_call, "injected fault at transport.server_read");
