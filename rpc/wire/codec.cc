@@ -3,6 +3,8 @@
 #include <ATen/ops/_sparse_coo_tensor_unsafe.h>
 #include <ATen/EmptyTensor.h>
 #include <c10/core/ScalarType.h>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
 
 #include <algorithm>
 #include <cstring>
@@ -146,6 +148,128 @@ void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const Codec
   }
 }
 
+// Headers up to this size are parsed without counting their fields: at a
+// byte or more each, they hold at most 65536.
+constexpr size_t kCountedHeaderBytes = 64 << 10;
+// Nesting of messages a header count follows (protobuf parses 100).
+constexpr int kMaxCountedDepth = 100;
+
+// The fields of `m` as kMaxHeaderFields counts them: one per field written
+// (each item of a repeated message field, each string of a repeated
+// string), its messages' fields, and one per element of a packed list.
+int64_t header_fields(const google::protobuf::Message& m) {
+  const google::protobuf::Reflection* r = m.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  r->ListFields(m, &fields);
+  int64_t n = 0;
+  for (const google::protobuf::FieldDescriptor* f : fields) {
+    const bool message = f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE;
+    if (!f->is_repeated()) {
+      n += 1 + (message ? header_fields(r->GetMessage(m, f)) : 0);
+    } else if (message) {
+      for (int i = 0; i < r->FieldSize(m, f); ++i) {
+        n += 1 + header_fields(r->GetRepeatedMessage(m, f, i));
+      }
+    } else {
+      n += r->FieldSize(m, f) + (f->is_packed() ? 1 : 0);
+    }
+  }
+  return n;
+}
+
+void encode_checked(const c10::IValue& value, wire::Value* out, Frame* frame,
+                    const CodecContext& ctx) {
+  encode_at(value, out, frame, ctx, 0);
+  if (frame->header.ByteSizeLong() > kCountedHeaderBytes) {
+    // One more for the more_in_flight flag the framing may append.
+    const int64_t fields = header_fields(frame->header) + 1;
+    if (fields > kMaxHeaderFields) {
+      throw TypeMismatch(absl::StrCat("a message may hold at most ", kMaxHeaderFields,
+                                      " values, tensor sizes and other fields; this one would "
+                                      "hold ", fields, " (send long lists as tensors)"));
+    }
+  }
+}
+
+bool read_varint(const uint8_t** p, const uint8_t* end, uint64_t* out) {
+  uint64_t v = 0;
+  for (int shift = 0; shift < 64 && *p < end; shift += 7) {
+    const uint8_t b = *(*p)++;
+    v |= static_cast<uint64_t>(b & 0x7f) << shift;
+    if ((b & 0x80) == 0) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
+}
+
+enum class Count { kOk, kMalformed, kTooMany };
+
+// Counts into `*fields`, as header_fields would count the message it
+// parses into, the fields of `type` encoded in [p, end), without parsing
+// them: fields unknown to `type` count one each (protobuf keeps them).
+Count count_fields(const uint8_t* p, const uint8_t* end,
+                   const google::protobuf::Descriptor* type, int depth, int64_t* fields) {
+  using google::protobuf::FieldDescriptor;
+  if (depth > kMaxCountedDepth) return Count::kMalformed;
+  while (p < end) {
+    uint64_t tag;
+    if (!read_varint(&p, end, &tag)) return Count::kMalformed;
+    const FieldDescriptor* field =
+        tag >> 3 <= 0x1fffffff ? type->FindFieldByNumber(static_cast<int>(tag >> 3)) : nullptr;
+    if (++*fields > kMaxHeaderFields) return Count::kTooMany;
+    switch (tag & 7) {
+      case 0: {
+        uint64_t ignored;
+        if (!read_varint(&p, end, &ignored)) return Count::kMalformed;
+        break;
+      }
+      case 1:
+        if (end - p < 8) return Count::kMalformed;
+        p += 8;
+        break;
+      case 5:
+        if (end - p < 4) return Count::kMalformed;
+        p += 4;
+        break;
+      case 2: {
+        uint64_t len;
+        if (!read_varint(&p, end, &len) || len > static_cast<uint64_t>(end - p)) {
+          return Count::kMalformed;
+        }
+        const uint8_t* body = p;
+        p += len;
+        if (field == nullptr) break;
+        if (field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+          const Count c = count_fields(body, p, field->message_type(), depth + 1, fields);
+          if (c != Count::kOk) return c;
+        } else if (field->is_repeated() && field->is_packable()) {
+          switch (field->type()) {
+            case FieldDescriptor::TYPE_DOUBLE:
+            case FieldDescriptor::TYPE_FIXED64:
+            case FieldDescriptor::TYPE_SFIXED64:
+              *fields += static_cast<int64_t>(len / 8);
+              break;
+            case FieldDescriptor::TYPE_FLOAT:
+            case FieldDescriptor::TYPE_FIXED32:
+            case FieldDescriptor::TYPE_SFIXED32:
+              *fields += static_cast<int64_t>(len / 4);
+              break;
+            default:  // varints: one per byte that ends one
+              for (const uint8_t* b = body; b < p; ++b) *fields += (*b & 0x80) == 0;
+          }
+          if (*fields > kMaxHeaderFields) return Count::kTooMany;
+        }
+        break;
+      }
+      default:  // groups: never sent
+        return Count::kMalformed;
+    }
+  }
+  return Count::kOk;
+}
+
 }  // namespace
 
 bool sendable_dtype(int32_t dtype) {
@@ -201,7 +325,7 @@ at::Tensor allocate_tensor(const wire::TensorMeta& meta, const EmptyTensor& empt
 }
 
 void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
-  encode_at(v, out, frame, ctx, 0);
+  encode_checked(v, out, frame, ctx);
 }
 
 namespace {
@@ -472,7 +596,25 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
                                             " bytes does not match the frame (", head.size() - 4,
                                             " bytes of header)"));
   }
-  if (!frame->header.ParseFromArray(head.data() + 4, static_cast<int>(header_size))) {
+  if (header_size > static_cast<uint32_t>(std::numeric_limits<int>::max())) {
+    return absl::DataLossError(absl::StrCat("frame header of ", header_size,
+                                            " bytes is larger than protobuf parses"));
+  }
+  const auto* header_bytes = reinterpret_cast<const uint8_t*>(head.data() + 4);
+  if (header_size > kCountedHeaderBytes) {
+    int64_t fields = 0;
+    switch (count_fields(header_bytes, header_bytes + header_size, wire::Header::descriptor(), 0,
+                         &fields)) {
+      case Count::kOk:
+        break;
+      case Count::kMalformed:
+        return absl::DataLossError("frame header does not parse");
+      case Count::kTooMany:
+        return absl::DataLossError(absl::StrCat("frame header holds more than ",
+                                                kMaxHeaderFields, " fields"));
+    }
+  }
+  if (!frame->header.ParseFromArray(header_bytes, static_cast<int>(header_size))) {
     return absl::DataLossError("frame header does not parse");
   }
   frame->more_in_flight = frame->header.more_in_flight();

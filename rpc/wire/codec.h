@@ -83,6 +83,13 @@ struct CodecContext {
 inline constexpr int kMaxValueDepth = 32;            // nested tuples and lists (protobuf parses 49)
 inline constexpr int kMaxTensorsPerFrame = 1 << 16;  // tensor entries of one frame
 inline constexpr int kMaxTensorDims = 64;
+// Fields a frame's header may hold, counting each value, tensor entry,
+// extension entry and scalar field, and each element of a packed list (a
+// tensor's sizes): a receiver counts them in a header of over 64 KiB
+// before protobuf parses it, so that a header's bytes cannot turn into
+// many times as many in memory. encode_value refuses a value that would
+// take its frame past it.
+inline constexpr int64_t kMaxHeaderFields = 1 << 22;
 
 // Whether tensors of `dtype` may cross the wire (the plain numeric types and
 // bool; not quantized or undefined ones).
@@ -91,7 +98,7 @@ bool sendable_dtype(int32_t dtype);
 // Encodes `value` into `out`, adding its tensors to `frame`. Throws
 // rpc::TypeMismatch for values that cannot cross the wire (dicts, objects,
 // sparse or quantized tensors, capsules without an ExtensionCodec, values
-// nested deeper than kMaxValueDepth, ...).
+// nested deeper than kMaxValueDepth, a header past kMaxHeaderFields, ...).
 void encode_value(const c10::IValue& value, wire::Value* out, Frame* frame,
                   const CodecContext& ctx = {});
 

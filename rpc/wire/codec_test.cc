@@ -326,6 +326,72 @@ TEST(CodecTest, ValuesThatCouldNotBeReceivedAreNotSent) {
   EXPECT_EQ(back.toInt(), 1);
 }
 
+// A header whose bytes would parse into many times as many in memory is
+// refused before protobuf parses it; one as large that stays within the
+// bound parses.
+TEST(CodecTest, HeadersPastTheFieldBoundAreRefusedBeforeTheyAreParsed) {
+  Frame frame;
+  // A tensor entry whose sizes (a packed list, a byte each) would take 8
+  // bytes each once parsed.
+  wire::Header packed = one_tensor(static_cast<int32_t>(at::kFloat), {}, 4);
+  for (int64_t i = 0; i < kMaxHeaderFields; ++i) packed.mutable_tensors(0)->add_sizes(1);
+  absl::Status s = parse_raw(raw_frame(packed, std::string(4, '\0')), &frame);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("more than 4194304 fields"), std::string::npos) << s;
+  // Empty tensor entries, two bytes each on the wire.
+  wire::Header entries;
+  for (int64_t i = 0; i <= kMaxHeaderFields; ++i) entries.add_tensors();
+  s = parse_raw(raw_frame(entries), &frame);
+  EXPECT_NE(s.message().find("more than 4194304 fields"), std::string::npos) << s;
+  // Header bytes behind their size prefix.
+  auto framed = [](const std::string& header) {
+    std::string out(4, '\0');
+    for (int i = 0; i < 4; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+    return out + header;
+  };
+  // Fields the receiver does not know count too (protobuf keeps them):
+  // field 99, varint 0, three bytes each.
+  std::string unknown;
+  for (int64_t i = 0; i <= kMaxHeaderFields; ++i) unknown += std::string("\x98\x06\x00", 3);
+  s = parse_raw(framed(unknown), &frame);
+  EXPECT_NE(s.message().find("more than 4194304 fields"), std::string::npos) << s;
+  // A field cut short inside a large header.
+  s = parse_raw(framed(packed.SerializeAsString().substr(0, 200000)), &frame);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(s.message().find("does not parse"), std::string::npos) << s;
+
+  // The sender refuses what a receiver would: a list past the bound (each
+  // int a value and its field)...
+  Frame out;
+  c10::List<int64_t> many(std::vector<int64_t>(kMaxHeaderFields, 7));
+  EXPECT_THROW(encode_value(c10::IValue(many), out.header.mutable_payload(), &out), TypeMismatch);
+  // ... and sends, and a receiver takes, one within it.
+  c10::List<int64_t> fewer(std::vector<int64_t>(kMaxHeaderFields / 4, 7));
+  c10::IValue back = round_trip(c10::IValue(fewer));
+  ASSERT_TRUE(back.isIntList());
+  EXPECT_EQ(back.toIntList().size(), fewer.size());
+  EXPECT_EQ(back.toIntList().get(12345), 7);
+  // At the bound, whatever the sender sends (the framing's flag included)
+  // the receiver takes, and the sender refuses the next size.
+  int sent = 0;
+  for (int64_t n = kMaxHeaderFields / 2 - 3; n <= kMaxHeaderFields / 2 + 1; ++n) {
+    Frame at_bound;
+    try {
+      encode_value(c10::IValue(c10::List<int64_t>(std::vector<int64_t>(n, 7))),
+                   at_bound.header.mutable_payload(), &at_bound);
+    } catch (const TypeMismatch&) {
+      continue;
+    }
+    ++sent;
+    at_bound.more_in_flight = true;
+    Frame in;
+    const absl::Status parsed = parse_frame(serialize_frame(at_bound), &in);
+    EXPECT_TRUE(parsed.ok()) << n << " ints: " << parsed;
+  }
+  EXPECT_GT(sent, 0);
+  EXPECT_LT(sent, 5);
+}
+
 // A sparse COO tensor from int64 indices [sparse dims, nnz] and values.
 at::Tensor coo(std::vector<int64_t> idx, int64_t sparse_dims, at::Tensor values,
                std::vector<int64_t> sizes) {
