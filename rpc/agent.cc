@@ -192,6 +192,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   limits.self = rank_;
   limits.max_message_bytes = options_.max_message_bytes;
   limits.max_pending_requests = options_.max_pending_requests_per_stream;
+  limits.max_pending_request_bytes = options_.max_pending_request_bytes_per_stream;
   limits.max_pending_reply_bytes = options_.max_pending_reply_bytes;
   limits.keepalive_interval = options_.keepalive_interval;
   limits.keepalive_timeout = options_.keepalive_timeout;

@@ -84,9 +84,12 @@ struct RpcBackendOptions {
   int64_t max_message_bytes = int64_t{1} << 31;
   // What one peer may make this worker hold (larger amounts pause reading
   // its stream, or are refused with kResourceExhausted): requests read and
-  // not yet answered, per stream; bytes of replies it has not read yet, per
-  // stream; requests waiting for a worker thread, all callers together.
+  // not yet answered, per stream, and their bytes (past them reading waits
+  // for answers; one request is always read whole); bytes of replies it
+  // has not read yet, per stream; requests waiting for a worker thread, all
+  // callers together.
   int max_pending_requests_per_stream = 1024;
+  int64_t max_pending_request_bytes_per_stream = int64_t{256} << 20;
   int64_t max_pending_reply_bytes = int64_t{64} << 20;
   int max_queued_requests = 1 << 16;
   // Who may connect (security.h): the job's token and TLS material; what

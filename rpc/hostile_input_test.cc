@@ -62,6 +62,13 @@ DDPRPC_REGISTER_FUNCTION(count_args);
 int64_t string_size(std::string s) { return static_cast<int64_t>(s.size()); }
 DDPRPC_REGISTER_FUNCTION(string_size);
 
+// Holds its argument for `ms`, then gives its size.
+int64_t hold_string(std::string s, int64_t ms) {
+  absl::SleepFor(absl::Milliseconds(ms));
+  return static_cast<int64_t>(s.size());
+}
+DDPRPC_REGISTER_FUNCTION(hold_string);
+
 // Completes from a thread outside any request (its reply goes out through
 // the agent's reply sender).
 rpc::Future<int64_t> later(int64_t ms) {
@@ -360,6 +367,47 @@ MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3)
       EXPECT_GE(answered, 16);
     }
     expect_serves("worker1");
+  }
+  rpc::shutdown();
+}
+
+// A caller whose large requests pile up behind a slow function has its
+// stream read only while they hold max_pending_request_bytes_per_stream:
+// the callee holds a few of them at a time, not all, and answers them all.
+MULTIPROCESS_TEST(HostileInputTest, PendingRequestBytesPauseTheStream, 3) {
+  rpc::RpcBackendOptions options = mp::backend_options();
+  options.num_worker_threads = 2;
+  options.max_pending_request_bytes_per_stream = 8 << 20;
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
+  auto* store = &rpc::current_agent()->store();
+  constexpr int kCalls = 96;
+  if (mp::rank() == 0) {
+    store->get("measured_before");
+    const std::string big(1 << 20, 'b');
+    std::vector<rpc::Future<int64_t>> calls;
+    for (int i = 0; i < kCalls; ++i) {
+      calls.push_back(rpc::rpc_async<int64_t>("worker1", "hold_string", big, int64_t{40}));
+    }
+    store->set("flooding", "1");
+    for (auto& f : calls) {
+      ASSERT_TRUE(f.wait_for(absl::Seconds(60)));
+      EXPECT_EQ(f.value(), int64_t{1} << 20);
+    }
+    store->set("flood_done", "1");
+  } else if (mp::rank() == 2) {
+    const int64_t before = rpc::rpc_sync<int64_t>("worker1", "resident_mib");
+    store->set("measured_before", "1");
+    store->get("flooding");
+    int64_t most = before;
+    for (int i = 0; i < 10 && !store->check({"flood_done"}); ++i) {
+      absl::SleepFor(absl::Milliseconds(100));
+      most = std::max(most, rpc::rpc_sync<int64_t>("worker1", "resident_mib"));
+    }
+    std::printf("resident memory of the called worker: %ld MiB before, at most %ld MiB during "
+                "%d calls of 1 MiB\n", static_cast<long>(before), static_cast<long>(most), kCalls);
+#if !defined(__SANITIZE_ADDRESS__)
+    EXPECT_LT(most - before, 48) << "MiB resident before " << before << ", during " << most;
+#endif
   }
   rpc::shutdown();
 }

@@ -119,6 +119,7 @@ class ServerStream {
 
   explicit ServerStream(const ServerLimits& limits)
       : max_pending_requests_(limits.max_pending_requests),
+        max_pending_request_bytes_(limits.max_pending_request_bytes),
         max_pending_reply_bytes_(limits.max_pending_reply_bytes),
         call_(std::make_unique<Call>()) {
     for (int i = 0; i < kNumOps; ++i) tags_[i] = Tag{this, static_cast<Op>(i)};
@@ -143,7 +144,7 @@ class ServerStream {
     {
       absl::MutexLock lock(&mu_);
       if (closed_ || read_posted_ || read_ended_ || finish_started_) return;
-      if (in_flight_ >= max_pending_requests_ || queued_bytes_ > max_pending_reply_bytes_) {
+      if (at_limit()) {
         throttled_ = true;
         return;
       }
@@ -187,15 +188,18 @@ class ServerStream {
     }
   }
 
-  void begin_request() {
+  // A request of `bytes` read, until its end_request.
+  void begin_request(int64_t bytes) {
     absl::MutexLock lock(&mu_);
     ++in_flight_;
+    request_bytes_ += bytes;
   }
-  void end_request() {
+  void end_request(int64_t bytes) {
     bool resume;
     {
       absl::MutexLock lock(&mu_);
       --in_flight_;
+      request_bytes_ -= bytes;
       resume = take_throttle();
       if (in_flight_ > 0 && !resume) return;
       if (in_flight_ == 0) {
@@ -334,12 +338,16 @@ class ServerStream {
     --posting_;
   }
 
+  // Whether the stream holds one of its limits of unanswered requests, their
+  // bytes, or unread replies: reading waits.
+  bool at_limit() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return in_flight_ >= max_pending_requests_ || request_bytes_ > max_pending_request_bytes_ ||
+           queued_bytes_ > max_pending_reply_bytes_;
+  }
+
   // True (clearing it) if reading paused at a limit and may resume now.
   bool take_throttle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!throttled_ || in_flight_ >= max_pending_requests_ ||
-        queued_bytes_ > max_pending_reply_bytes_) {
-      return false;
-    }
+    if (!throttled_ || at_limit()) return false;
     throttled_ = false;
     return true;
   }
@@ -381,6 +389,7 @@ class ServerStream {
     grpc::GenericServerAsyncReaderWriter rw{&ctx};
   };
   const int max_pending_requests_;
+  const int64_t max_pending_request_bytes_;
   const int64_t max_pending_reply_bytes_;
   std::unique_ptr<Call> call_;
   Tag tags_[kNumOps];
@@ -397,6 +406,7 @@ class ServerStream {
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool read_deferred_ ABSL_GUARDED_BY(mu_) = false;  // see defer_read()
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // requests not yet answered
+  int64_t request_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // their bytes
   std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of queue_
   bool throttled_ ABSL_GUARDED_BY(mu_) = false;    // a read waits for a limit to clear
@@ -410,22 +420,23 @@ class ServerStream {
   grpc::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
-GrpcResponder::GrpcResponder(std::shared_ptr<ServerStream> stream)
-    : stream_(std::move(stream)), caller_(stream_->caller()), address_(stream_->address()) {
-  stream_->begin_request();
+GrpcResponder::GrpcResponder(std::shared_ptr<ServerStream> stream, int64_t bytes)
+    : stream_(std::move(stream)), bytes_(bytes), caller_(stream_->caller()),
+      address_(stream_->address()) {
+  stream_->begin_request(bytes_);
 }
 
 bool GrpcResponder::answered() const { return answered_.load(std::memory_order_acquire); }
 
 GrpcResponder::~GrpcResponder() {
-  if (stream_) stream_->end_request();
+  if (stream_) stream_->end_request(bytes_);
 }
 
 void GrpcResponder::send(Frame reply) {
   if (!stream_) return;
   stream_->send(serialize_frame(reply));
   answered_.store(true, std::memory_order_release);
-  stream_->end_request();
+  stream_->end_request(bytes_);
   stream_.reset();
 }
 
@@ -728,7 +739,8 @@ class TransportServer::Service {
       reject(s, valid);
       return true;
     }
-    std::shared_ptr<transport::Responder> responder = std::make_shared<GrpcResponder>(self);
+    std::shared_ptr<transport::Responder> responder =
+        std::make_shared<GrpcResponder>(self, static_cast<int64_t>(buffer.Length()));
     uint64_t seq = 0;
     {
       absl::MutexLock lock(&mu_);

@@ -46,10 +46,11 @@ inline constexpr char kWorkerMetadataKey[] = "ddprpc-worker";
 using transport::PeerOptions;
 using transport::ServerLimits;
 
-// The Responder of a request read from a ServerStream.
+// The Responder of a request of `bytes` read from a ServerStream (counted
+// against the stream's limits until it is answered or dropped).
 class GrpcResponder : public transport::Responder {
  public:
-  explicit GrpcResponder(std::shared_ptr<ServerStream> stream);
+  GrpcResponder(std::shared_ptr<ServerStream> stream, int64_t bytes);
   ~GrpcResponder() override;
   GrpcResponder(const GrpcResponder&) = delete;
   GrpcResponder& operator=(const GrpcResponder&) = delete;
@@ -60,6 +61,7 @@ class GrpcResponder : public transport::Responder {
 
  private:
   std::shared_ptr<ServerStream> stream_;
+  const int64_t bytes_;
   const int caller_;
   const std::string address_;
   std::atomic<bool> answered_{false};

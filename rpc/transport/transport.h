@@ -60,6 +60,9 @@ struct ServerLimits {
   int64_t max_message_bytes = int64_t{1} << 31;
   // Per connection: requests read and not yet answered; reading pauses there.
   int max_pending_requests = 1024;
+  // Per connection: bytes of those requests (as on the wire, lent tensors
+  // not counted); reading pauses above it (a request is always read whole).
+  int64_t max_pending_request_bytes = int64_t{256} << 20;
   // Per connection: bytes of replies waiting for the caller to read them;
   // reading pauses above it. (The same-host transport lends reply tensors
   // by address up to this many bytes unacknowledged, one at least, and

@@ -72,13 +72,20 @@ struct ServerConn {
   absl::Mutex mu;
   // State below is protected by mu.
   int unanswered ABSL_GUARDED_BY(mu) = 0;
+  int64_t unanswered_bytes ABSL_GUARDED_BY(mu) = 0;  // of those requests
   bool paused ABSL_GUARDED_BY(mu) = false;  // not read until replies go out
   int64_t reader ABSL_GUARDED_BY(mu) = kHandshake;
 };
 
 class SameHostResponder : public Responder {
  public:
-  SameHostResponder(std::shared_ptr<ServerConn> conn) : conn_(std::move(conn)) {}
+  // Counts a request of `bytes` against `conn` until it is answered or dropped.
+  SameHostResponder(std::shared_ptr<ServerConn> conn, int64_t bytes)
+      : conn_(std::move(conn)), bytes_(bytes) {
+    absl::MutexLock lock(&conn_->mu);
+    ++conn_->unanswered;
+    conn_->unanswered_bytes += bytes_;
+  }
   ~SameHostResponder() override {
     if (!answered_.exchange(true)) done();
   }
@@ -98,11 +105,13 @@ class SameHostResponder : public Responder {
     {
       absl::MutexLock lock(&conn_->mu);
       --conn_->unanswered;
+      conn_->unanswered_bytes -= bytes_;
       wake = conn_->paused;
     }
     if (wake) conn_->conn->wake();
   }
   const std::shared_ptr<ServerConn> conn_;
+  const int64_t bytes_;
   std::atomic<bool> answered_{false};
 };
 
@@ -680,7 +689,8 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     const bool full = conn->queued_bytes() > limits_.max_pending_reply_bytes;
     {
       absl::MutexLock lock(&c->mu);
-      c->paused = full || c->unanswered >= limits_.max_pending_requests;
+      c->paused = full || c->unanswered >= limits_.max_pending_requests ||
+                  c->unanswered_bytes > limits_.max_pending_request_bytes;
       if (c->paused) {
         // Its replies going out poke it; room to write wakes it here.
         c->reader = kNobody;
@@ -769,11 +779,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
     if (p.num_remote > 0) c->conn->send_control(kAck, 0, p.seq);
     ok = check_(c->caller, frame);
     if (!ok.ok()) return ok;
-    auto responder = std::make_shared<SameHostResponder>(c);
-    {
-      absl::MutexLock lock(&c->mu);
-      ++c->unanswered;
-    }
+    auto responder = std::make_shared<SameHostResponder>(c, static_cast<int64_t>(frame.size()));
     bool run_here;
     {
       absl::MutexLock lock(&mu_);
