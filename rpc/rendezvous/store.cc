@@ -143,7 +143,7 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
    private:
     void run() {
       grpc::ByteBuffer response;
-      grpc::Status status = service_->handle(method_, ctx_, request_, &response);
+      grpc::Status status = service_->handle(method_, ctx_, &request_, &response);
       if (status.ok()) {
         response_ = std::move(response);
         StartWriteAndFinish(&response_, grpc::WriteOptions(), status);
@@ -240,7 +240,8 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
 
   // Runs one request; what it throws becomes its error status, and a
   // refused request is logged with the client's address.
-  grpc::Status handle(Method method, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& raw,
+  // `raw` is released once parsed (a blocked request holds only its parse).
+  grpc::Status handle(Method method, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* raw,
                       grpc::ByteBuffer* raw_resp) {
     static const char* const kOps[] = {"set", "get", "add", "wait", "check", "compare_set"};
     static_assert(sizeof(kOps) / sizeof(kOps[0]) == kUnknown);
@@ -249,9 +250,10 @@ class StoreServer::Service final : public grpc::CallbackGenericService {
       internal::fault_point("store.request");
       rendezvous::StoreRequest req;
       rendezvous::StoreResponse resp;
-      if (!parse(raw, &req)) {
+      if (!parse(*raw, &req)) {
         status = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "malformed store request");
       }
+      raw->Clear();
       if (status.ok()) {
         auto cancelled = [ctx] { return ctx->IsCancelled(); };
         switch (method) {

@@ -360,6 +360,63 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   EXPECT_EQ(unavailable.load(), kWaiters);
 }
 
+// Blocked requests wait for at most kMaxWaitingKeys keys all together; one
+// that would pass it is refused at once, and a waiter whose keys all come,
+// in any order, returns and makes room.
+TEST(StoreStateTest, KeysWaitedForAreBoundedAllTogether) {
+  using internal::StoreState;
+  StoreState state;
+  constexpr int kPerRequest = StoreState::kMaxKeysPerRequest;
+  constexpr int kFull = static_cast<int>(StoreState::kMaxWaitingKeys) / kPerRequest;
+  auto request = [](int waiter, int keys) {
+    rendezvous::StoreRequest r;
+    for (int k = 0; k < keys; ++k) r.add_keys(absl::StrCat("w", waiter, "/", k));
+    r.set_timeout_ms(600000);  // stop() ends them
+    return r;
+  };
+  std::vector<rendezvous::StoreRequest> requests;
+  for (int w = 0; w < kFull; ++w) requests.push_back(request(w, kPerRequest));
+  std::vector<grpc::StatusCode> codes(kFull, grpc::StatusCode::UNKNOWN);
+  std::vector<std::thread> waiters;
+  for (int w = 0; w < kFull; ++w) {
+    waiters.emplace_back([&, w] {
+      rendezvous::StoreResponse r;
+      codes[w] = state.wait(requests[w], &r, [] { return false; }).error_code();
+    });
+  }
+  rendezvous::StoreResponse resp;
+  const rendezvous::StoreRequest one_more = request(kFull, 1);
+  grpc::Status refused;
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  do {
+    absl::SleepFor(absl::Milliseconds(10));
+    refused = state.wait(one_more, &resp, [] { return false; });
+  } while (refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("wait for 65536 keys already"), std::string::npos)
+      << refused.error_message();
+  // Waiter 0's keys, last first: it returns OK, and the next one fits.
+  for (int k = kPerRequest - 1; k >= 0; --k) {
+    rendezvous::StoreRequest set;
+    set.set_key(absl::StrCat("w0/", k));
+    ASSERT_TRUE(state.set(set, &resp).ok());
+  }
+  waiters[0].join();
+  EXPECT_EQ(codes[0], grpc::StatusCode::OK);
+  std::thread next([&] {
+    rendezvous::StoreResponse r;
+    EXPECT_EQ(state.wait(one_more, &r, [] { return false; }).error_code(),
+              grpc::StatusCode::UNAVAILABLE);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  state.stop();
+  next.join();
+  for (int w = 1; w < kFull; ++w) {
+    waiters[w].join();
+    EXPECT_EQ(codes[w], grpc::StatusCode::UNAVAILABLE) << w;
+  }
+}
+
 // compare_set on the store's state: within its byte bound, and atomic
 // under more contention than clients over gRPC produce.
 TEST(StoreStateTest, CompareSetIsBoundedAndAtomic) {

@@ -112,7 +112,7 @@ grpc::Status StoreState::get(const rendezvous::StoreRequest& req, rendezvous::St
   if (ok.ok()) ok = check_timeout(req.timeout_ms());
   if (!ok.ok()) return ok;
   absl::MutexLock lock(&mu_);
-  ok = await_keys({req.key()}, req.timeout_ms(), cancelled);
+  ok = await_keys({&req.key()}, req.timeout_ms(), cancelled);
   if (!ok.ok()) return ok;
   resp->set_value(data_[req.key()]);
   return grpc::Status::OK;
@@ -149,7 +149,9 @@ grpc::Status StoreState::wait(const rendezvous::StoreRequest& req, rendezvous::S
     if (ok.ok()) ok = check_key(k);
   }
   if (!ok.ok()) return ok;
-  std::vector<std::string> keys(req.keys().begin(), req.keys().end());
+  std::vector<const std::string*> keys;
+  keys.reserve(static_cast<size_t>(req.keys_size()));
+  for (const std::string& k : req.keys()) keys.push_back(&k);
   absl::MutexLock lock(&mu_);
   return await_keys(keys, req.timeout_ms(), cancelled);
 }
@@ -171,13 +173,15 @@ void StoreState::stop() {
   stopping_ = true;
 }
 
-grpc::Status StoreState::await_keys(const std::vector<std::string>& keys, int64_t timeout_ms,
-                                    const std::function<bool()>& cancelled) {
+grpc::Status StoreState::await_keys(const std::vector<const std::string*>& keys,
+                                    int64_t timeout_ms, const std::function<bool()>& cancelled) {
+  // Keys are never removed: the keys before `found` exist, and each
+  // evaluation (on every change of the store while this waits) looks
+  // only past them.
+  size_t found = 0;
   auto present = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (const auto& k : keys) {
-      if (!data_.count(k)) return false;
-    }
-    return true;
+    while (found < keys.size() && data_.count(*keys[found])) ++found;
+    return found == keys.size();
   };
   if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the store is stopping");
   if (present()) return grpc::Status::OK;
@@ -185,7 +189,13 @@ grpc::Status StoreState::await_keys(const std::vector<std::string>& keys, int64_
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat(waiters_, " requests wait for keys already"));
   }
+  if (waiting_keys_ + keys.size() > kMaxWaitingKeys) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("requests wait for ", waiting_keys_, " keys already; ",
+                                     keys.size(), " more would pass ", kMaxWaitingKeys));
+  }
   ++waiters_;
+  waiting_keys_ += keys.size();
   const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || present(); };
   bool woken;
@@ -195,11 +205,12 @@ grpc::Status StoreState::await_keys(const std::vector<std::string>& keys, int64_
     if (cancelled() || absl::Now() >= deadline) break;
   }
   --waiters_;
+  waiting_keys_ -= keys.size();
   if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the store is stopping");
   if (!woken) {
     std::vector<std::string> missing;
-    for (const auto& k : keys) {
-      if (!data_.count(k) && missing.size() < 8) missing.push_back(shown(k));
+    for (size_t i = found; i < keys.size() && missing.size() < 8; ++i) {
+      if (!data_.count(*keys[i])) missing.push_back(shown(*keys[i]));
     }
     return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                         absl::StrCat("timed out waiting for key(s) ", absl::StrJoin(missing, ", ")));

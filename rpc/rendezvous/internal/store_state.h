@@ -27,6 +27,7 @@ class StoreState {
   static constexpr size_t kMaxKeys = 1 << 16;           // keys held
   static constexpr size_t kMaxBytes = size_t{64} << 20;  // keys and values held
   static constexpr int kMaxWaiters = 1024;               // get()/wait() blocked at once (default)
+  static constexpr size_t kMaxWaitingKeys = 1 << 16;     // the keys they wait for, all together
   static constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
   // Largest request worth reading (gRPC refuses larger ones).
   static constexpr int kMaxRequestBytes = kMaxValueBytes + kMaxKeysPerRequest * (kMaxKeyBytes + 8);
@@ -60,7 +61,8 @@ class StoreState {
  private:
   // Stores `value` at `key` within the bounds.
   grpc::Status put(const std::string& key, std::string value) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  grpc::Status await_keys(const std::vector<std::string>& keys, int64_t timeout_ms,
+  // Blocks until every key exists; `keys` point into the caller's request.
+  grpc::Status await_keys(const std::vector<const std::string*>& keys, int64_t timeout_ms,
                           const std::function<bool()>& cancelled)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -70,6 +72,7 @@ class StoreState {
   std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of keys and values in data_
   int waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t waiting_keys_ ABSL_GUARDED_BY(mu_) = 0;  // the keys of the waiters
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
