@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -111,6 +112,25 @@ int exit_code_of(int status) {
 void kill_all(std::vector<Child>& children, int sig) {
   for (auto& c : children) {
     if (!c.exited && c.pid > 0) ::kill(-c.pid, sig);  // its whole process group
+  }
+}
+
+// Ends a launch that could not start every rank: kills the ranks started,
+// reaps them, and closes their pipes and the `extra` descriptors.
+void abandon(std::vector<Child>& children, std::initializer_list<int> extra) {
+  kill_all(children, SIGKILL);
+  for (auto& c : children) {
+    if (c.pid > 0 && !c.exited) {
+      while (::waitpid(c.pid, &c.status, 0) < 0 && errno == EINTR) {
+      }
+      c.exited = true;
+    }
+    if (c.out >= 0) ::close(c.out);
+    if (c.err >= 0) ::close(c.err);
+    c.out = c.err = -1;
+  }
+  for (int fd : extra) {
+    if (fd >= 0) ::close(fd);
   }
 }
 
@@ -223,11 +243,12 @@ LaunchResult launch(const LaunchOptions& options) {
   ::fflush(stdout);
   ::fflush(stderr);
   for (int rank = 0; rank < options.nprocs; ++rank) {
-    int out_pipe[2], err_pipe[2];
+    int out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1};
     if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
-      kill_all(children, SIGKILL);
+      const int error = errno;
+      abandon(children, {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]});
       result.exit_code = 1;
-      result.message = "launch: pipe failed";
+      result.message = absl::StrCat("launch: no pipe for rank ", rank, ": ", std::strerror(error));
       return result;
     }
     const pid_t parent = ::getpid();
@@ -286,9 +307,10 @@ LaunchResult launch(const LaunchOptions& options) {
       ::_exit(127);
     }
     if (pid < 0) {
-      kill_all(children, SIGKILL);
+      const int error = errno;
+      abandon(children, {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]});
       result.exit_code = 1;
-      result.message = "launch: fork failed";
+      result.message = absl::StrCat("launch: cannot fork rank ", rank, ": ", std::strerror(error));
       return result;
     }
     ::setpgid(pid, pid);  // also here, so kill(-pid) works right away

@@ -1,9 +1,14 @@
 #include "rpc/rendezvous/launch.h"
 
+#include <dirent.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdio>
 #include <cstdlib>
@@ -51,6 +56,44 @@ TEST(LaunchTest, PickedPortsAreOutsideTheEphemeralRangeAndBindable) {
     EXPECT_EQ(::listen(fd, 1), 0) << port;
     ::close(fd);
   }
+}
+
+int open_fds() {
+  int n = 0;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  while (::readdir(dir) != nullptr) ++n;
+  ::closedir(dir);
+  return n - 3;  // ".", ".." and the directory's own descriptor
+}
+
+// A launch that runs out of descriptors part way fails at once, naming the
+// rank, and leaves nothing behind: no rank running or unreaped, no pipe
+// open. (In a child process of its own: the descriptor limit is the
+// process's.)
+TEST(LaunchTest, RunningOutOfDescriptorsPartWayLeavesNothingBehind) {
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int before = open_fds();
+    const rlimit low{static_cast<rlim_t>(before + 12), static_cast<rlim_t>(before + 12)};
+    if (before < 0 || ::setrlimit(RLIMIT_NOFILE, &low) != 0) ::_exit(10);
+    const absl::Time start = absl::Now();
+    LaunchResult r = launch(sh(20, "sleep 30"));
+    if (r.exit_code != 1) ::_exit(11);
+    if (r.message.find("no pipe for rank") == std::string::npos) ::_exit(12);
+    if (absl::Now() - start > absl::Seconds(10)) ::_exit(13);
+    if (open_fds() != before) ::_exit(14);
+    errno = 0;
+    if (::waitpid(-1, nullptr, WNOHANG) != -1 || errno != ECHILD) ::_exit(15);
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  // 11-13: the launch did not fail as it should; 14: descriptors left
+  // open; 15: a rank left running or unreaped.
+  EXPECT_EQ(WEXITSTATUS(status), 0);
 }
 
 TEST(LaunchTest, AllRanksSucceed) {
