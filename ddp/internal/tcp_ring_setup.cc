@@ -243,8 +243,16 @@ std::unique_ptr<TcpRing> TcpRing::connect(int rank, int size, const Allgather& a
   // fill the listener's backlog delay a connection only until that thread
   // accepts them. The door closes once the previous rank is in. Either side
   // failing cancels the other.
-  const std::string expected = proof(options, previous, rank, my_nonce);
-  const std::string mine = proof(options, rank, next, next_nonce);
+  // A proof that cannot be made (the signer throws) fails this rank here,
+  // and every rank at the agreement below, not this rank alone.
+  std::string expected, mine, sign_error;
+  try {
+    expected = proof(options, previous, rank, my_nonce);
+    mine = proof(options, rank, next, next_nonce);
+  } catch (const std::exception& e) {
+    sign_error = absl::StrCat("cannot make the ring's proofs: ", e.what());
+    listener.reset();
+  }
   std::string hello(kHelloMagic, 4);
   hello.resize(12);
   put_u32(hello.data() + 4, static_cast<uint32_t>(rank));
@@ -300,19 +308,23 @@ std::unique_ptr<TcpRing> TcpRing::connect(int rank, int size, const Allgather& a
       absl::SleepFor(absl::Milliseconds(20));
     }
   };
-  try {
-    std::thread acceptor(accept);
+  if (!sign_error.empty()) {
+    error = sign_error;
+  } else {
     try {
-      connect_next();
-    } catch (const std::exception& e) {
-      error = e.what();
+      std::thread acceptor(accept);
+      try {
+        connect_next();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+      if (!error.empty()) cancel.store(true);
+      acceptor.join();
+    } catch (const std::system_error& e) {  // no thread
+      error = absl::StrCat("cannot start the accepting thread: ", e.what());
     }
-    if (!error.empty()) cancel.store(true);
-    acceptor.join();
-  } catch (const std::system_error& e) {  // no thread
-    error = absl::StrCat("cannot start the accepting thread: ", e.what());
+    if (error.empty() || error == "cancelled") error = accept_error;
   }
-  if (error.empty() || error == "cancelled") error = accept_error;
   // Every rank gets a ring or none does: a rank whose neighbours both
   // connected must not go on with a ring its peers gave up on.
   const std::vector<int64_t> ok = allgather({error.empty() ? 1 : 0});

@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -63,7 +65,10 @@ class Exchange {
       arrived_ = 0;
     }
     auto done = [this, round] { return results_.size() > round; };
-    mu_.Await(absl::Condition(&done));
+    // As a group's allgather, which fails at its timeout.
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(20))) {
+      throw std::runtime_error(absl::StrCat("allgather round ", round, ": not every rank came"));
+    }
     return results_[round];
   }
 
@@ -420,6 +425,35 @@ TEST(TcpRingTest, EveryRankGetsARingOrNoneDoes) {
       << ranks.errors[1];
   EXPECT_NE(ranks.errors[0].find("no connection from rank 3 proved itself"), std::string::npos)
       << ranks.errors[0];
+}
+
+// A rank whose signer fails once the ring is being built (after the check
+// every rank makes before) fails with it, and so does every other rank,
+// within the ring's timeout: it still takes part in the ranks' agreement.
+TEST(TcpRingTest, ASignerThatFailsPartWayFailsEveryRankWithinTheTimeout) {
+  constexpr int kSize = 3;
+  Exchange exchange(kSize);
+  const absl::Time start = absl::Now();
+  Ranks ranks = build(kSize, exchange, [](int r, TcpRing::Options& o) {
+    o.timeout = absl::Seconds(2);
+    if (r != 1) {
+      o.sign = signer("job");
+      return;
+    }
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    o.sign = [calls, good = signer("job")](absl::string_view message) {
+      if (calls->fetch_add(1) > 0) throw std::runtime_error("no randomness left");
+      return good(message);
+    };
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+  for (int r = 0; r < kSize; ++r) {
+    EXPECT_EQ(ranks.rings[r], nullptr) << r;
+    EXPECT_NE(ranks.errors[r], "") << r;
+  }
+  EXPECT_NE(ranks.errors[1].find("cannot make the ring's proofs: no randomness left"),
+            std::string::npos)
+      << ranks.errors[1];
 }
 
 TEST(TcpRingTest, NoRankBuildsARingWhenOneDoesNotTakePart) {
