@@ -90,6 +90,17 @@ DDPRPC_REGISTER_FUNCTION(arm_fault);
 int64_t fault_count(std::string point) { return rpc::internal::fault_count(point); }
 DDPRPC_REGISTER_FUNCTION(fault_count);
 
+// A registered class, and a function using an RRef of it on its owner.
+struct Box {
+  explicit Box(int64_t n) : n(n) {}
+  int64_t size() { return n; }
+  int64_t n;
+};
+static auto box_registration =
+    rpc::register_class<Box>("Box").constructor<int64_t>().method("size", &Box::size);
+int64_t box_size(rpc::RRef<Box> box) { return box.local_value()->n; }
+DDPRPC_REGISTER_FUNCTION(box_size);
+
 std::string address_of(const std::string& worker) { return rpc::get_worker_info(worker).address; }
 // The worker these tests attack.
 int victim_id() { return rpc::get_worker_info("worker1").id; }
@@ -462,6 +473,33 @@ MULTIPROCESS_TEST(HostileInputTest, ForgedRRefMessagesAreRefused, 3) {
     // the call forever.
     expect_refused(call("__rref.fetch", {int64_t{9}, int64_t{1}}), rpc::ErrorCode::kInvalidArgument,
                    "not one of the 3 workers");
+    // An RRef made by a method of itself.
+    expect_refused(call("__rref.create", {int64_t{0}, int64_t{1000}, int64_t{0}, int64_t{1000},
+                                          std::string("method"), std::string("size"), int64_t{0},
+                                          int64_t{1000}, c10::IValue(c10::ivalue::Tuple::create({}))}),
+                   rpc::ErrorCode::kInvalidArgument, "would wait for its own");
+    // The tensor RRef sent back to its owner claiming to be a Box: the
+    // owner goes by what it holds.
+    {
+      rpc::internal::Frame forged = rpc::testing::request_frame(0, 7, "box_size", {});
+      auto* ext = forged.header.mutable_payload()->mutable_tuple()->add_items()->mutable_ext();
+      ext->set_type("rref");
+      ext->set_data(absl::StrCat(w, " ", l, " 0 4242 1 Box"));
+      RawStream stream(victim, victim_id(), 0);
+      ASSERT_TRUE(stream.write_bytes(rpc::testing::frame_bytes(forged)));
+      auto reply = stream.read();
+      ASSERT_TRUE(reply.has_value());
+      expect_refused(*reply, rpc::ErrorCode::kInvalidArgument, "not an object of class 'Box'");
+      // Nor a huge one, split before it is checked.
+      rpc::internal::Frame huge = rpc::testing::request_frame(0, 8, "box_size", {});
+      auto* big = huge.header.mutable_payload()->mutable_tuple()->add_items()->mutable_ext();
+      big->set_type("rref");
+      big->set_data(std::string(8 << 20, ' '));
+      ASSERT_TRUE(stream.write_bytes(rpc::testing::frame_bytes(huge)));
+      reply = stream.read();
+      ASSERT_TRUE(reply.has_value());
+      expect_refused(*reply, rpc::ErrorCode::kMalformedMessage, "bytes on the wire");
+    }
     absl::Time start = absl::Now();
     expect_refused(call("__rref.fetch", {int64_t{2}, int64_t{123456}}),
                    rpc::ErrorCode::kInvalidArgument, "never created");

@@ -173,6 +173,35 @@ MULTIPROCESS_TEST(RRefTest, LocalValueOfARemoteToSelfWaitsForCreation, 2) {
   rpc::shutdown();
 }
 
+// A peer may name an id of this worker before this worker has made it (a
+// fetch of the next id, here): the RRef then made under that id answers
+// it, instead of leaving it waiting and its placeholder counted forever.
+MULTIPROCESS_TEST(RRefTest, ALocalRRefTakesOverThePlaceholderOfItsId, 2) {
+  init(2);
+  auto* store = &rpc::current_agent()->store();
+  auto owned = [] { return std::stoll(rpc::get_debug_info()["rref.owned"]); };
+  if (mp::rank() == 0) {
+    rpc::RRef<int64_t> first(int64_t{1});
+    const int64_t next = first.state().id.local + 1;
+    const int64_t before = owned();
+    store->set("next", std::to_string(next));
+    // Worker1's fetch of (0, next) has made a placeholder here.
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (owned() == before && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    ASSERT_EQ(owned(), before + 1);
+    rpc::RRef<int64_t> second(int64_t{42});
+    ASSERT_EQ(second.state().id.local, next);
+    store->get("fetched");
+  } else {
+    const int64_t next = std::stoll(store->get("next"));
+    rpc::Future<int64_t> fetch = rpc::rpc_async<int64_t>(
+        rpc::CallOptions{absl::Seconds(30)}, "worker0", "__rref.fetch", int64_t{0}, next);
+    EXPECT_EQ(fetch.value(), 42);
+    store->set("fetched", "1");
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(RRefTest, CreationErrorSurfacesAtUse, 2) {
   init(2);
   if (mp::rank() == 0) {

@@ -284,16 +284,25 @@ std::shared_ptr<RRefState> RRefContext::create_local_entry(c10::IValue value,
                                                            std::shared_ptr<void> object,
                                                            std::string type) {
   const RRefId id = next_id();
+  Future<c10::IValue> ready;
   {
     absl::MutexLock lock(&mu_);
-    auto entry = std::make_shared<OwnerEntry>();
-    entry->initialized = true;
-    entry->type = type;
-    entry->object = std::move(object);
-    entry->ready.set_result(std::move(value));
-    entry->local_handles = 1;
-    owned_[id] = std::move(entry);
+    // A peer may have named this id before it existed (its messages made a
+    // placeholder): the placeholder becomes the entry, and what waits on it
+    // gets the value.
+    auto& slot = owned_[id];
+    if (slot && !slot->initialized) {
+      --placeholders_;
+    } else {
+      slot = std::make_shared<OwnerEntry>();
+    }
+    slot->initialized = true;
+    slot->type = type;
+    slot->object = std::move(object);
+    slot->local_handles = 1;
+    ready = slot->ready;
   }
+  ready.set_result(std::move(value));
   auto state = make_state(id, RRefId{}, self_id_, std::move(type));
   state->created.set_result();
   return state;
@@ -454,6 +463,23 @@ Future<c10::IValue> RRefContext::serve_create(int from, RRefId id, RRefId fork,
   std::shared_ptr<OwnerEntry> entry;
   {
     absl::MutexLock lock(&mu_);
+    if (kind == "method") {
+      // Its value would wait for itself: along the RRefs made by methods of
+      // others, the target must not lead back to it (nor too far to tell).
+      RRefId at = target;
+      for (int steps = 0;; ++steps) {
+        if (at == id || steps >= kMaxMethodChain) {
+          throw RpcError(ErrorCode::kInvalidArgument,
+                         absl::StrCat("rref: RRef (", id.worker, ", ", id.local,
+                                      ") cannot be made by a method of RRef (", target.worker,
+                                      ", ", target.local, "), whose value ",
+                                      at == id ? "would wait for its own" : "waits too far down"));
+        }
+        auto it = owned_.find(at);
+        if (it == owned_.end() || !it->second->has_target || it->second->ready.completed()) break;
+        at = it->second->target;
+      }
+    }
     auto& slot = owned_[id];
     if (!slot) {
       slot = std::make_shared<OwnerEntry>();
@@ -464,6 +490,8 @@ Future<c10::IValue> RRefContext::serve_create(int from, RRefId id, RRefId fork,
     if (entry->initialized) return entry->ready;  // a repeated create
     entry->initialized = true;
     entry->type = kind == "object" ? name : "";
+    entry->has_target = kind == "method";
+    entry->target = target;
     auto early = entry->early_deletes.find(fork);
     if (early != entry->early_deletes.end() && early->second == from) {
       entry->early_deletes.erase(early);
@@ -613,13 +641,48 @@ Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
     f.set_error(RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker"));
     return f;
   }
-  return entry->ready;
+  // The entry's own kind decides, not what the handle claims (a peer
+  // names the type of an RRef it sends).
+  auto not_a_value = [this, id = rref.id](const std::string& type) {
+    return RpcError(ErrorCode::kInvalidArgument,
+                    absl::StrCat("RRef (", id.worker, ", ", id.local, ") on worker ", self_id_,
+                                 " holds an object of class '", type.substr(0, 64),
+                                 "', not a value"));
+  };
+  bool initialized;
+  std::string type;
+  {
+    absl::MutexLock lock(&mu_);
+    initialized = entry->initialized;
+    type = entry->type;
+  }
+  if (initialized) {
+    if (type.empty()) return entry->ready;
+    Future<c10::IValue> f;
+    f.set_error(not_a_value(type));
+    return f;
+  }
+  // A placeholder: its creation decides.
+  return entry->ready.then([entry, not_a_value](const Future<c10::IValue>& f) -> c10::IValue {
+    if (!entry->type.empty()) throw not_a_value(entry->type);
+    return f.value();
+  });
 }
 
 std::shared_ptr<void> RRefContext::local_object(const RRefState& rref) {
   std::shared_ptr<OwnerEntry> entry = find_owned(rref);
   if (!entry) throw RpcError(ErrorCode::kInvalidArgument, "RRef is not owned by this worker");
   entry->ready.value();  // throws if the creation failed or never came
+  // The handle's class (which the caller's type matched) must be the
+  // entry's: a peer names the class of an RRef it sends.
+  if (!entry->object || entry->type != rref.type) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("RRef (", rref.id.worker, ", ", rref.id.local, ") on worker ",
+                                self_id_, " holds ",
+                                entry->object ? "an object of class '" + entry->type.substr(0, 64) + "'"
+                                              : std::string("a value"),
+                                ", not an object of class '", rref.type.substr(0, 64), "'"));
+  }
   return entry->object;
 }
 
@@ -673,8 +736,15 @@ c10::IValue RRefContext::decode(const wire::Extension& ext, int src) {
   if (ext.type() != kRRefExtension) {
     throw std::invalid_argument("unknown extension value '" + ext.type().substr(0, 64) + "'");
   }
-  // "<id worker> <id local> <fork worker> <fork local> <owner> [<class>]"
-  std::vector<absl::string_view> fields = absl::StrSplit(ext.data(), ' ');
+  // "<id worker> <id local> <fork worker> <fork local> <owner> [<class>]":
+  // five numbers and a class name (a C++ type's for "~" ones), checked for
+  // size before it is split.
+  constexpr size_t kMaxWireBytes = 4096;
+  if (ext.data().size() > kMaxWireBytes) {
+    throw std::invalid_argument(absl::StrCat("RRef of ", ext.data().size(),
+                                             " bytes on the wire (at most ", kMaxWireBytes, ")"));
+  }
+  std::vector<absl::string_view> fields = absl::StrSplit(ext.data(), absl::MaxSplits(' ', 5));
   int64_t id_w, id_l, fork_w, fork_l, owner;
   if (fields.size() != 6 || !absl::SimpleAtoi(fields[0], &id_w) ||
       !absl::SimpleAtoi(fields[1], &id_l) || !absl::SimpleAtoi(fields[2], &fork_w) ||

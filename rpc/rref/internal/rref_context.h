@@ -57,6 +57,9 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   static constexpr char kFunctionPrefix[] = "__rref.";
   // Bounds on what other workers' messages can make this worker hold.
   static constexpr size_t kMaxPlaceholders = 1 << 16;
+  // RRefs made by methods of RRefs made by methods ..., still waiting, that
+  // a new one may follow.
+  static constexpr int kMaxMethodChain = 1024;
   static constexpr size_t kMaxForksPerRRef = 1 << 16;
 
   // `agent` may be null (nothing is sent; e.g. to serve requests in tests).
@@ -125,6 +128,10 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
     int local_handles = 0;
     // False for a placeholder made by a message that overtook the creation.
     bool initialized = false;
+    // Made by a method of the RRef `target` (valid with `has_target`),
+    // whose value it waits for.
+    bool has_target = false;
+    RRefId target;
   };
 
   RRefId next_id();
