@@ -58,6 +58,7 @@ thread_local ContextId t_current = -1;
 // Bounds on what other workers' messages can make this worker hold.
 constexpr size_t kMaxRemoteContexts = 1 << 16;    // contexts created by messages
 constexpr size_t kMaxRecvsPerContext = 1 << 18;   // recv functions of one context
+constexpr size_t kMaxSendsPerContext = 1 << 18;   // send functions of one context
 std::atomic<int64_t> g_idle_timeout_ns{absl::ToInt64Nanoseconds(absl::Minutes(10))};
 
 // The worker that created context `id` (see global_id).
@@ -369,6 +370,11 @@ void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::
   absl::MutexLock lock(&ctx->mu);
   ctx->workers.insert(dest);
   if (tensors.empty()) return;
+  if (ctx->sends.size() >= kMaxSendsPerContext) {
+    throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
+                        absl::StrCat("dist_autograd: context ", ctx->id, " has ", ctx->sends.size(),
+                                     " sent messages already"));
+  }
   auto send = make_node<SendRpcBackward>();
   send->set_next_edges(torch::autograd::collect_next_edges(tensors));
   for (const auto& t : tensors) send->add_input_metadata(t);
@@ -379,7 +385,7 @@ void attach_send(const std::shared_ptr<ContextState>& ctx, int dest, const c10::
 
 // Receiver: the received tensors get a recv function as grad_fn.
 std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
-                                          const rpc::MessageExt& ext) {
+                                          const rpc::MessageExt& ext, bool request) {
   auto it = ext.find(kContextKey);
   if (it == ext.end()) return nullptr;
   ContextId id;
@@ -390,6 +396,13 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
   if (!ctx) return nullptr;
   ctx->touch();
   absl::MutexLock lock(&ctx->mu);
+  // A request's reply may record a send function: a context at that bound
+  // takes no more requests (refused before they run).
+  if (request && ctx->sends.size() >= kMaxSendsPerContext) {
+    throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
+                        absl::StrCat("dist_autograd: context ", id, " has ", ctx->sends.size(),
+                                     " sent messages already"));
+  }
   ctx->workers.insert(src);
   auto msg = ext.find(kMessageKey);
   if (msg == ext.end()) return ctx;
@@ -587,7 +600,7 @@ class DistAutogradHook : public rpc::RpcHook {
   std::shared_ptr<void> incoming_request(int src, const c10::IValue& args,
                                          const rpc::MessageExt& ext) override {
     release_attached(src, ext);
-    return attach_recv(src, args, ext);
+    return attach_recv(src, args, ext, /*request=*/true);
   }
   std::shared_ptr<void> enter(const std::shared_ptr<void>& state) override {
     if (!state) return nullptr;
@@ -604,7 +617,7 @@ class DistAutogradHook : public rpc::RpcHook {
     if (state) attach_send(std::static_pointer_cast<ContextState>(state), dest, result, ext);
   }
   void incoming_response(int src, const c10::IValue& result, const rpc::MessageExt& ext) override {
-    attach_recv(src, result, ext);
+    attach_recv(src, result, ext, /*request=*/false);
   }
 };
 
