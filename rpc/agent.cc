@@ -72,9 +72,18 @@ std::vector<std::pair<std::string, AgentExtensionFactory>> registered_extensions
   return extension_factories();
 }
 
+// Never throws: a hook that does is logged, and the call completes anyway.
 void end_hooks(const std::vector<std::pair<RpcHook*, std::shared_ptr<void>>>& hooks,
                const MessageExt* reply) {
-  for (const auto& [hook, state] : hooks) hook->end_call(state, reply);
+  for (const auto& [hook, state] : hooks) {
+    try {
+      hook->end_call(state, reply);
+    } catch (const std::exception& e) {
+      LOG(ERROR) << "rpc: a hook's end_call threw (ignored): " << e.what();
+    } catch (...) {
+      LOG(ERROR) << "rpc: a hook's end_call threw an exception of unknown type (ignored)";
+    }
+  }
 }
 
 }  // namespace

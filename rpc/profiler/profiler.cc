@@ -23,6 +23,7 @@
 #include "rpc/hooks.h"
 #include "rpc/profiler/profiler.pb.h"
 #include "rpc/rpc.h"
+#include "rpc/wire/codec.h"
 
 namespace ddprpc::rpc::profiler {
 
@@ -300,6 +301,9 @@ struct RequestState {
 
 class ProfilerHook : public RpcHook {
  public:
+  // Fields of the events a callee ships back with one reply.
+  static constexpr int64_t kMaxShippedFields = 1 << 20;
+
   std::shared_ptr<void> start_call(const OutgoingCall& call, MessageExt* ext) override {
     if (g_recording_threads.load(std::memory_order_relaxed) == 0) return nullptr;
     const std::shared_ptr<Recorder>& recorder = t_state.top;
@@ -332,9 +336,17 @@ class ProfilerHook : public RpcHook {
     if (!reply) return;
     auto it = reply->find(kEventsKey);
     if (it == reply->end()) return;
+    // Counted before parsing: empty events take two bytes each on the wire
+    // and a hundred times that once parsed.
+    const int64_t fields = internal::count_message_fields(
+        it->second, ::ddprpc::profiling::ProfiledRequest::descriptor(), kMaxShippedFields);
     ::ddprpc::profiling::ProfiledRequest shipped;
-    if (!shipped.ParseFromString(it->second)) {
-      LOG(WARNING) << "profiler: malformed remote events in the reply to " << state->name;
+    if (fields < 0 || !shipped.ParseFromString(it->second)) {
+      LOG(WARNING) << "profiler: remote events in the reply to " << state->name
+                   << (fields < 0 ? " are malformed or hold more than " +
+                                        std::to_string(kMaxShippedFields) + " fields"
+                                  : std::string(" are malformed"))
+                   << "; dropped";
       return;
     }
     // The callee's clock is unknown: center its span in the round trip.

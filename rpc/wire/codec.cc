@@ -210,7 +210,8 @@ enum class Count { kOk, kMalformed, kTooMany };
 // parses into, the fields of `type` encoded in [p, end), without parsing
 // them: fields unknown to `type` count one each (protobuf keeps them).
 Count count_fields(const uint8_t* p, const uint8_t* end,
-                   const google::protobuf::Descriptor* type, int depth, int64_t* fields) {
+                   const google::protobuf::Descriptor* type, int depth, int64_t limit,
+                   int64_t* fields) {
   using google::protobuf::FieldDescriptor;
   if (depth > kMaxCountedDepth) return Count::kMalformed;
   while (p < end) {
@@ -218,7 +219,7 @@ Count count_fields(const uint8_t* p, const uint8_t* end,
     if (!read_varint(&p, end, &tag)) return Count::kMalformed;
     const FieldDescriptor* field =
         tag >> 3 <= 0x1fffffff ? type->FindFieldByNumber(static_cast<int>(tag >> 3)) : nullptr;
-    if (++*fields > kMaxHeaderFields) return Count::kTooMany;
+    if (++*fields > limit) return Count::kTooMany;
     switch (tag & 7) {
       case 0: {
         uint64_t ignored;
@@ -242,7 +243,7 @@ Count count_fields(const uint8_t* p, const uint8_t* end,
         p += len;
         if (field == nullptr) break;
         if (field->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
-          const Count c = count_fields(body, p, field->message_type(), depth + 1, fields);
+          const Count c = count_fields(body, p, field->message_type(), depth + 1, limit, fields);
           if (c != Count::kOk) return c;
         } else if (field->is_repeated() && field->is_packable()) {
           switch (field->type()) {
@@ -259,7 +260,7 @@ Count count_fields(const uint8_t* p, const uint8_t* end,
             default:  // varints: one per byte that ends one
               for (const uint8_t* b = body; b < p; ++b) *fields += (*b & 0x80) == 0;
           }
-          if (*fields > kMaxHeaderFields) return Count::kTooMany;
+          if (*fields > limit) return Count::kTooMany;
         }
         break;
       }
@@ -271,6 +272,13 @@ Count count_fields(const uint8_t* p, const uint8_t* end,
 }
 
 }  // namespace
+
+int64_t count_message_fields(absl::string_view bytes, const google::protobuf::Descriptor* type,
+                             int64_t limit) {
+  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+  int64_t fields = 0;
+  return count_fields(p, p + bytes.size(), type, 0, limit, &fields) == Count::kOk ? fields : -1;
+}
 
 bool sendable_dtype(int32_t dtype) {
   // ScalarType is 8 bits wide: range-check before the cast.
@@ -604,7 +612,7 @@ absl::Status parse_parts(absl::string_view head, uint64_t tensor_bytes, const Te
   if (header_size > kCountedHeaderBytes) {
     int64_t fields = 0;
     switch (count_fields(header_bytes, header_bytes + header_size, wire::Header::descriptor(), 0,
-                         &fields)) {
+                         kMaxHeaderFields, &fields)) {
       case Count::kOk:
         break;
       case Count::kMalformed:

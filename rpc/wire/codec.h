@@ -28,6 +28,10 @@
 #include "absl/strings/string_view.h"
 #include "rpc/wire/wire.pb.h"
 
+namespace google::protobuf {
+class Descriptor;
+}
+
 namespace ddprpc::rpc::internal {
 
 struct Frame {
@@ -90,6 +94,13 @@ inline constexpr int kMaxTensorDims = 64;
 // many times as many in memory. encode_value refuses a value that would
 // take its frame past it.
 inline constexpr int64_t kMaxHeaderFields = 1 << 22;
+
+// The fields of a `type` message encoded in `bytes`, counted as
+// kMaxHeaderFields counts a header's, without parsing it: for another
+// message a peer sends inside a frame (e.g. an extension's bytes). -1 when
+// the bytes are malformed or hold more than `limit`.
+int64_t count_message_fields(absl::string_view bytes, const google::protobuf::Descriptor* type,
+                             int64_t limit);
 
 // Whether tensors of `dtype` may cross the wire (the plain numeric types and
 // bool; not quantized or undefined ones).
