@@ -665,6 +665,33 @@ TEST(SameHostTransportTest, AFrameLeftHalfwayDoesNotStopTheOthers) {
   ::close(fd);
 }
 
+// A live caller that stops in the middle of a frame loses its connection
+// once it has been silent for keepalive_timeout: the thread reading it is
+// not held for good.
+TEST(SameHostTransportTest, AFrameLeftHalfwayEndsItsConnectionAfterTheSilenceLimit) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Milliseconds(10);
+  limits.keepalive_interval = absl::Milliseconds(100);
+  limits.keepalive_timeout = absl::Milliseconds(500);
+  Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
+  int fd = raw_connect(server.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 3);
+  const std::string half = raw_request(at::arange(64, at::kFloat), 1, /*with_tensor=*/false);
+  const absl::Time start = absl::Now();
+  send_all(fd, half.data(), half.size());  // and none of its tensor bytes
+  // The server's end: whatever it says, then end of stream.
+  timeval tv{10, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  char buf[4096];
+  ssize_t got;
+  while ((got = ::recv(fd, buf, sizeof(buf), 0)) > 0) {
+  }
+  EXPECT_EQ(got, 0) << "the connection is still open after " << absl::Now() - start;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ::close(fd);
+}
+
 // A caller that keeps its connection full of requests does not starve
 // another: the server serves a share of one connection, then the others
 // that have bytes, in turn.

@@ -35,10 +35,15 @@ std::shared_ptr<SameHostChannel> SameHostChannel::open(const std::shared_ptr<Rea
   }
   uid_t uid;
   const pid_t pid = peer_pid_of(fd, &uid);
+  // Request tensors lent to the callee by address stay held until it
+  // acknowledges them: past this many bytes unacknowledged they go inline,
+  // so that a callee that never acknowledges cannot make this process hold
+  // everything it sends.
+  constexpr int64_t kMaxLentRequestBytes = int64_t{1} << 30;
   auto ch = std::shared_ptr<SameHostChannel>(new SameHostChannel(
       gate,
       std::make_unique<Conn>(fd, pid, options.max_message_bytes, options.keepalive_interval,
-                             options.keepalive_timeout),
+                             options.keepalive_timeout, nullptr, kMaxLentRequestBytes),
       std::move(on_frame), std::move(on_close)));
   HelloBody hello;
   hello.worker = options.self;

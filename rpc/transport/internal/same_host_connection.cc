@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "rpc/transport/internal/cross_memory.h"
 #include "rpc/transport/internal/frame_capture.h"
 #include "rpc/transport/internal/same_host_process.h"
@@ -234,6 +235,10 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof,
   auto* out = static_cast<char*>(dst);
   size_t done = 0;
   if (eof) *eof = false;
+  // The bytes of a message come without a pause of keepalive_timeout: a
+  // live peer that stops part way ends the connection instead of holding
+  // its reader (a stopped or dead one is found sooner, by check_peer).
+  absl::Time silent_until = absl::Now() + keepalive_timeout_;
   while (done < n) {
     if (ahead_pos_ < ahead_end_) {
       const size_t take = std::min(ahead_end_ - ahead_pos_, n - done);
@@ -247,6 +252,7 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof,
     ssize_t got = ahead ? recv(fd_, ahead_.get(), kReadAhead, MSG_DONTWAIT)
                         : recv(fd_, out + done, n - done, MSG_DONTWAIT);
     if (got > 0) {
+      silent_until = absl::Now() + keepalive_timeout_;
       if (ahead) {
         ahead_pos_ = 0;
         ahead_end_ = static_cast<size_t>(got);
@@ -266,7 +272,13 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof,
       return absl::UnavailableError(absl::StrCat("reading the connection failed: ",
                                                  std::strerror(errno)));
     }
-    absl::Status ready = wait_readable(deadline);
+    const absl::Time until = std::min(deadline, silent_until);
+    absl::Status ready = wait_readable(until);
+    if (absl::IsDeadlineExceeded(ready) && until < deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "the peer sent part of a message, then nothing for ",
+          absl::FormatDuration(keepalive_timeout_)));
+    }
     if (!ready.ok()) return ready;
   }
   return absl::OkStatus();

@@ -481,7 +481,9 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
       epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, replaced->conn->fd(), nullptr);
       replaced->conn->send_control(kGoodbye, 0, 0,
                                    "replaced by a newer connection of the same worker");
-      replaced->conn->shutdown_after_flush(absl::Milliseconds(100));
+      // On the acceptor, which must not wait on a connection its peer does
+      // not read: what goes out at once goes, the rest is dropped.
+      replaced->conn->shutdown_after_flush(absl::ZeroDuration());
     }
     WelcomeBody welcome;
     welcome.code = static_cast<int32_t>(verdict.code());
@@ -632,6 +634,10 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
 
   // Looks at the process behind every connection nobody reads (a caller
   // that stopped or died while idle, or while its connection is paused).
+  // The live ones go back through the queue, not straight back to idle: an
+  // event that came while this thread held one was taken off the queue
+  // without anyone reading it (take_ready skips a connection that has a
+  // reader), and its one-shot arming is spent.
   void check_peers(int64_t me) {
     std::vector<std::shared_ptr<ServerConn>> idle;
     {
@@ -643,6 +649,7 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
         idle.push_back(c);
       }
     }
+    bool requeued = false;
     for (auto& c : idle) {
       absl::Status alive = c->conn->check_peer_alive();
       if (!alive.ok()) {
@@ -651,9 +658,16 @@ class SameHostServer : public Listener, public std::enable_shared_from_this<Same
         clear_busy(me);
         continue;
       }
-      absl::MutexLock lock(&c->mu);
-      c->reader = kNobody;  // its arming is as it was
+      requeue(c, me, /*wake=*/false);
+      requeued = true;
     }
+    if (!requeued) return;
+    bool holder;
+    {
+      absl::MutexLock lock(&mu_);
+      holder = role_.held_by(me);
+    }
+    if (!holder) poke();  // the role moved on while a dead peer was ended
   }
 
   // Serves `c` (read by `me`) until it has no message, is paused, ended or
