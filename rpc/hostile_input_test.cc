@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "rpc/core/internal/fault.h"
+#include "rpc/profiler/profiler.h"
 #include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
@@ -555,6 +556,17 @@ std::string bad_reply(const rpc::internal::Frame& request) {
     h.mutable_payload()->set_tensor(3);
     return rpc::testing::raw_frame(h);
   }
+  if (what == "events") {
+    // A good result, and for the caller's profiler more than a million
+    // empty remote events (two bytes each: field 2, length 0).
+    h.mutable_payload()->set_i(42);
+    auto* ext = h.add_ext();
+    ext->set_key("profiler.events");
+    std::string blob;
+    for (int i = 0; i <= (1 << 20); ++i) blob.append("\x12\x00", 2);
+    ext->set_value(std::move(blob));
+    return rpc::testing::raw_frame(h);
+  }
   h.mutable_payload()->set_i(42);  // "good"
   return rpc::testing::raw_frame(h);
 }
@@ -646,6 +658,19 @@ MULTIPROCESS_TEST(HostileInputTest, BadRepliesFailTheirCallsNotTheCaller, 2) {
   expect_failed("src", rpc::ErrorCode::kUnavailable, "claims to come from worker 0");
   expect_failed("code", rpc::ErrorCode::kMalformedMessage, "unknown error code 12345");
   expect_failed("index", rpc::ErrorCode::kMalformedMessage, "tensor index 3 out of range");
+  {
+    // Remote events past the profiler's bound are dropped, not parsed into
+    // a hundred times their bytes; the call itself succeeds.
+    rpc::profiler::Profile profile;
+    const int64_t before = rpc::testing::resident_bytes() >> 20;
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "events"), 42);
+    const int64_t after = rpc::testing::resident_bytes() >> 20;
+    std::printf("caller's resident memory around a reply with 2 MiB of empty remote events: "
+                "%ld MiB, then %ld MiB\n", static_cast<long>(before), static_cast<long>(after));
+#if !defined(__SANITIZE_ADDRESS__)
+    EXPECT_LT(after - before, 64) << "MiB resident before " << before << ", after " << after;
+#endif
+  }
   rpc::current_agent()->store().set("fake/done", "1");
   rpc::shutdown();
 }
