@@ -102,6 +102,9 @@ static auto box_registration =
 int64_t box_size(rpc::RRef<Box> box) { return box.local_value()->n; }
 DDPRPC_REGISTER_FUNCTION(box_size);
 
+int64_t owned_rrefs() { return std::stoll(rpc::get_debug_info()["rref.owned"]); }
+DDPRPC_REGISTER_FUNCTION(owned_rrefs);
+
 std::string address_of(const std::string& worker) { return rpc::get_worker_info(worker).address; }
 // The worker these tests attack.
 int victim_id() { return rpc::get_worker_info("worker1").id; }
@@ -430,15 +433,18 @@ MULTIPROCESS_TEST(HostileInputTest, ForgedRRefMessagesAreRefused, 3) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
   auto store = [] { return &rpc::current_agent()->store(); };
   if (mp::rank() == 2) {
-    // The RRef lives on worker1; worker2 holds its creator's fork.
-    auto rref = rpc::remote<at::Tensor>("worker1", "add", at::ones({2}), at::ones({2}));
-    EXPECT_TRUE(at::equal(rref.to_here(), at::full({2}, 2.0)));
-    const auto& s = rref.state();
-    store()->set("rref", absl::StrCat(s.id.worker, " ", s.id.local));
-    store()->get("attacked");
-    // The forged delete of our fork did not take the value away.
-    EXPECT_TRUE(at::equal(rref.to_here(), at::full({2}, 2.0)));
-    store()->set("checked", "1");
+    {
+      // The RRef lives on worker1; worker2 holds its creator's fork.
+      auto rref = rpc::remote<at::Tensor>("worker1", "add", at::ones({2}), at::ones({2}));
+      EXPECT_TRUE(at::equal(rref.to_here(), at::full({2}, 2.0)));
+      const auto& s = rref.state();
+      store()->set("rref", absl::StrCat(s.id.worker, " ", s.id.local));
+      store()->get("attacked");
+      // The forged delete of our fork did not take the value away.
+      EXPECT_TRUE(at::equal(rref.to_here(), at::full({2}, 2.0)));
+      store()->set("checked", "1");
+    }
+    store()->set("dropped", "1");
   }
   if (mp::rank() == 0) {
     const std::string victim = address_of("worker1");
@@ -505,9 +511,22 @@ MULTIPROCESS_TEST(HostileInputTest, ForgedRRefMessagesAreRefused, 3) {
     expect_refused(call("__rref.fetch", {int64_t{2}, int64_t{123456}}),
                    rpc::ErrorCode::kInvalidArgument, "never created");
     EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+    // A delete of a fork nobody added (as if it overtook the add): taken,
+    // and forgotten after the RPC timeout when no add comes.
+    const rpc::internal::Frame early =
+        call("__rref.del_fork", {w, l, int64_t{0}, int64_t{777}});
+    EXPECT_NE(early.header.kind(), wire::ERROR) << early.header.error();
     store()->set("attacked", "1");
     store()->get("checked");
     expect_serves("worker1");
+    // Once worker2 has dropped its handle, nothing pins the value.
+    store()->get("dropped");
+    int64_t owned = -1;
+    const absl::Time until = absl::Now() + absl::Seconds(15);
+    while ((owned = rpc::rpc_sync<int64_t>("worker1", "owned_rrefs")) != 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    EXPECT_EQ(owned, 0) << "RRefs still owned by worker1";
   }
   rpc::shutdown();
 }

@@ -415,19 +415,23 @@ std::shared_ptr<RRefContext::OwnerEntry> RRefContext::entry_or_placeholder(RRefI
   return entry;
 }
 
-void RRefContext::schedule_expiry(RRefId id) {
-  // A creation normally follows its overtaking messages within a message's
-  // time; failing their waiters after the RPC timeout bounds how long a
-  // bogus id pins them.
+void RRefContext::after_rpc_timeout(std::function<void()> fn) {
   RpcAgent* agent = acquire_agent();
   if (!agent) return;
   absl::Duration wait = agent->rpc_timeout();
   if (wait <= absl::ZeroDuration() || wait == absl::InfiniteDuration()) wait = absl::Seconds(60);
+  agent->run_at(absl::Now() + wait, std::move(fn));
+  release_agent();
+}
+
+void RRefContext::schedule_expiry(RRefId id) {
+  // A creation normally follows its overtaking messages within a message's
+  // time; failing their waiters after the RPC timeout bounds how long a
+  // bogus id pins them.
   std::weak_ptr<RRefContext> weak = weak_from_this();
-  agent->run_at(absl::Now() + wait, [weak, id] {
+  after_rpc_timeout([weak, id] {
     if (auto self = weak.lock()) self->expire_placeholder(id);
   });
-  release_agent();
 }
 
 void RRefContext::expire_placeholder(RRefId id) {
@@ -568,6 +572,7 @@ void RRefContext::add_fork(RRefId id, RRefId fork, int holder) {
 void RRefContext::del_fork(RRefId id, RRefId fork, int from) {
   std::shared_ptr<OwnerEntry> doomed;
   bool placeholder = false;
+  bool early = false;
   {
     absl::MutexLock lock(&mu_);
     const size_t before = placeholders_;
@@ -591,10 +596,28 @@ void RRefContext::del_fork(RRefId id, RRefId fork, int from) {
                                     entry->early_deletes.size(), " unmatched deletes already"));
       }
       entry->early_deletes[fork] = from;
+      early = true;
     }
     doomed = maybe_erase(id);
   }
   if (placeholder) schedule_expiry(id);
+  // The add it overtook comes within a message's time; one that never
+  // comes (its sender died, or the delete was bogus) must not pin the
+  // value for good.
+  if (early) {
+    std::weak_ptr<RRefContext> weak = weak_from_this();
+    after_rpc_timeout([weak, id, fork] {
+      if (auto self = weak.lock()) self->expire_early_delete(id, fork);
+    });
+  }
+}
+
+void RRefContext::expire_early_delete(RRefId id, RRefId fork) {
+  std::shared_ptr<OwnerEntry> doomed;
+  absl::MutexLock lock(&mu_);
+  auto it = owned_.find(id);
+  if (it == owned_.end() || it->second->early_deletes.erase(fork) == 0) return;
+  doomed = maybe_erase(id);
 }
 
 void RRefContext::release_local(RRefId id) {

@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -163,6 +164,11 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
   // Fails and drops the placeholder of `id` if its creation has not come.
   void expire_placeholder(RRefId id);
   void schedule_expiry(RRefId id);
+  // Forgets the delete of `fork` that came before its add, if the add has
+  // not come since (it then never will).
+  void expire_early_delete(RRefId id, RRefId fork);
+  // Runs `fn` on the agent's timer after its RPC timeout (60 s if none).
+  void after_rpc_timeout(std::function<void()> fn);
   Future<c10::IValue> serve_create(int from, RRefId id, RRefId fork, const std::string& kind,
                                    const std::string& name, RRefId target,
                                    std::vector<c10::IValue> args);
