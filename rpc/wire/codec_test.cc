@@ -363,7 +363,7 @@ TEST(CodecTest, HeadersPastTheFieldBoundAreRefusedBeforeTheyAreParsed) {
   // The sender refuses what a receiver would: a list past the bound (each
   // int a value and its field)...
   Frame out;
-  c10::List<int64_t> many(std::vector<int64_t>(kMaxHeaderFields, 7));
+  c10::List<int64_t> many(std::vector<int64_t>(kMaxHeaderFields / 2, 7));
   EXPECT_THROW(encode_value(c10::IValue(many), out.header.mutable_payload(), &out), TypeMismatch);
   // ... and sends, and a receiver takes, one within it.
   c10::List<int64_t> fewer(std::vector<int64_t>(kMaxHeaderFields / 4, 7));
@@ -374,7 +374,7 @@ TEST(CodecTest, HeadersPastTheFieldBoundAreRefusedBeforeTheyAreParsed) {
   // At the bound, whatever the sender sends (the framing's flag included)
   // the receiver takes, and the sender refuses the next size.
   int sent = 0;
-  for (int64_t n = kMaxHeaderFields / 2 - 3; n <= kMaxHeaderFields / 2 + 1; ++n) {
+  for (int64_t n = kMaxHeaderFields / 2 - 3; n < kMaxHeaderFields / 2; ++n) {
     Frame at_bound;
     try {
       encode_value(c10::IValue(c10::List<int64_t>(std::vector<int64_t>(n, 7))),
@@ -389,7 +389,7 @@ TEST(CodecTest, HeadersPastTheFieldBoundAreRefusedBeforeTheyAreParsed) {
     EXPECT_TRUE(parsed.ok()) << n << " ints: " << parsed;
   }
   EXPECT_GT(sent, 0);
-  EXPECT_LT(sent, 5);
+  EXPECT_LT(sent, 3);
 }
 
 // A sparse COO tensor from int64 indices [sparse dims, nnz] and values.
