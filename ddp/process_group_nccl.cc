@@ -190,6 +190,8 @@ class ProcessGroupNccl : public ProcessGroup {
   // the group's device; otherwise copies `t` there and back.
   template <typename F>
   void staged(at::Tensor& t, F op) {
+    // ncclCommAbort freed the communicator: nothing may use it again.
+    if (aborted_) throw_aborted();
     check(cudaSetDevice(device_), "cudaSetDevice");
     if (t.is_cuda()) {
       if (t.device().index() != device_) {
@@ -260,8 +262,12 @@ class ProcessGroupNccl : public ProcessGroup {
   // on a peer that died or stopped, so past the timeout (or on NCCL's own
   // asynchronous error) the communicator is aborted and the operation, and
   // every later one, fails.
+  [[noreturn]] static void throw_aborted() {
+    throw std::runtime_error("the NCCL communicator was aborted after an earlier failure");
+  }
+
   void synchronize() {
-    if (aborted_) throw std::runtime_error("the NCCL communicator was aborted after an earlier failure");
+    if (aborted_) throw_aborted();
     const absl::Time deadline = deadline_after(timeout_);
     absl::Duration pause = absl::Microseconds(10);
     while (true) {
