@@ -559,6 +559,26 @@ std::shared_ptr<ddp::ProcessGroup> group_after_one_allreduce(absl::Duration time
   return pg;
 }
 
+// Ranks whose same-host allreduces differ (here in size) fail together,
+// naming the rank that differs, instead of returning a mix: through shared
+// memory, and through cross-process reads (before any rank reads another's
+// memory).
+MULTIPROCESS_TEST(ProcessGroupTest, SameHostAllreducesThatDifferFailOnEveryRank, 3) {
+  if (mp::network_paths_only()) GTEST_SKIP() << "same-host paths off";
+  at::Tensor t;
+  auto pg = group_after_one_allreduce(absl::Seconds(20), t);
+  at::Tensor big = at::ones({(int64_t{8} << 20) / 4 + (mp::rank() == 1 ? 64 : 0)});
+  std::string why = failed_allreduce(*pg, big);
+  EXPECT_NE(why.find("every rank must make the same call"), std::string::npos) << why;
+  EXPECT_NE(why.find(mp::rank() == 1 ? "rank 0 allreduces" : "rank 1 allreduces"),
+            std::string::npos) << why;
+  at::Tensor small = at::ones({mp::rank() == 2 ? 999 : 1000});
+  why = failed_allreduce(*pg, small);
+  EXPECT_NE(why.find("every rank must make the same call"), std::string::npos) << why;
+  EXPECT_NE(why.find(mp::rank() == 2 ? "rank 0 makes call" : "rank 2 makes call"),
+            std::string::npos) << why;
+}
+
 // A rank that stays alive but never comes fails the others' shared-memory
 // allreduce when the group's timeout passes, naming it.
 MULTIPROCESS_TEST(ProcessGroupTest, SharedMemoryAllreduceNamesTheRankItWaitsFor, 3) {
@@ -672,6 +692,34 @@ struct ThrowInBackward : public torch::autograd::Function<ThrowInBackward> {
 
 // A backward pass that throws partway must not leave DDP thinking a pass is
 // still under way: the next pass is averaged as usual.
+// Replicas that are not the same model are refused on every rank, naming
+// the difference, before anything is broadcast (a broadcast of buffers of
+// different sizes ends the process in Gloo's own thread); the group stays
+// usable.
+MULTIPROCESS_TEST(DdpTest, ReplicasOfDifferentModelsAreRefusedOnEveryRank, 2) {
+  auto pg = group();
+  for (const bool same_count : {true, false}) {
+    torch::nn::Sequential model;
+    if (same_count) {
+      model->push_back(torch::nn::Linear(6, mp::rank() == 0 ? 16 : 32));
+    } else {
+      model->push_back(torch::nn::Linear(6, 16));
+      if (mp::rank() == 1) model->push_back(torch::nn::Linear(16, 3));
+    }
+    try {
+      ddp::DistributedDataParallel ddp_model(model.ptr(), pg);
+      ADD_FAILURE() << "replicas of different models were taken";
+    } catch (const std::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 1's model has"), std::string::npos) << what;
+      EXPECT_EQ(what.find("other dtypes or shapes") != std::string::npos, same_count) << what;
+    }
+  }
+  at::Tensor t = at::full({4}, 1.0);
+  pg->allreduce({t})->wait(absl::Seconds(30));
+  EXPECT_TRUE(at::allclose(t, at::full({4}, 2.0)));
+}
+
 MULTIPROCESS_TEST(DdpTest, PassAfterAFailedBackwardIsStillAveraged, 2) {
   auto pg = group();
   torch::nn::Linear first(6, 16), last(16, 3);

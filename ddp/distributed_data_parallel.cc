@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/engine.h>
 
@@ -256,6 +257,10 @@ class DistributedDataParallel::Reducer {
       in_pass_ = true;
       for (Bucket& b : buckets_) {
         b.pending = b.params.size();
+        // An allreduce of a pass that failed before waiting for it may
+        // still run on this bucket and write its result back: it keeps its
+        // buffer, and this pass takes a new one.
+        if (b.work && !b.work->completed()) b.flat = at::empty_like(b.flat);
         b.work = nullptr;
       }
       next_launch_ = 0;
@@ -349,6 +354,55 @@ class DistributedDataParallel::Reducer {
   dist_autograd::GradientHookHandle dist_autograd_hook_;
 };
 
+namespace {
+
+// FNV-1a over the count, dtypes and shapes of `state`.
+int64_t fingerprint(const std::vector<at::Tensor>& state) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(static_cast<int64_t>(state.size()));
+  for (const at::Tensor& t : state) {
+    mix(static_cast<int64_t>(t.scalar_type()));
+    mix(t.dim());
+    for (int64_t s : t.sizes()) mix(s);
+  }
+  return static_cast<int64_t>(h);
+}
+
+}  // namespace
+
+// Replicas whose parameters and buffers differ in number, dtype or shape
+// would broadcast and allreduce buffers of different sizes: Gloo's threads
+// end the process on such a message, or the ranks go on apart. Every rank
+// checks first, with an allgather of fixed size.
+void DistributedDataParallel::check_replicas_match(const std::vector<at::Tensor>& state,
+                                                   absl::Duration timeout) {
+  const int n = group_->size();
+  if (n < 2) return;
+  at::Tensor mine = at::empty({2}, at::kLong);
+  mine[0] = static_cast<int64_t>(state.size());
+  mine[1] = fingerprint(state);
+  std::vector<at::Tensor> all;
+  for (int r = 0; r < n; ++r) all.push_back(at::empty({2}, at::kLong));
+  group_->allgather(all, mine)->wait(timeout);
+  for (int r = 0; r < n; ++r) {
+    if (at::equal(all[r], all[0])) continue;
+    throw std::invalid_argument(absl::StrCat(
+        "DistributedDataParallel (rank ", group_->rank(), " of ", n, "): rank ", r,
+        "'s model has ", all[r][0].item<int64_t>(), " parameters and buffers, rank 0's ",
+        all[0][0].item<int64_t>(),
+        all[r][0].item<int64_t>() == all[0][0].item<int64_t>()
+            ? ", with other dtypes or shapes"
+            : "",
+        ": every replica must be the same model (and broadcast_buffers the same)"));
+  }
+}
+
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                  std::shared_ptr<ProcessGroup> group,
                                                  DdpOptions options)
@@ -362,6 +416,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       for (const auto& b : module_->buffers()) state.push_back(b);
     }
   }
+  check_replicas_match(state, options.timeout);
   if (!state.empty()) group_->broadcast(state, 0)->wait(options.timeout);
   reducer_ = std::make_unique<Reducer>(module_->parameters(), group_, options);
 }

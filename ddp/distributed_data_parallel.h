@@ -102,6 +102,9 @@ class DistributedDataParallel {
   class Reducer;
 
  private:
+  // Throws std::invalid_argument, on every rank, when the ranks' parameters
+  // and buffers differ in number, dtype or shape.
+  void check_replicas_match(const std::vector<at::Tensor>& state, absl::Duration timeout);
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<ProcessGroup> group_;
   std::unique_ptr<Reducer> reducer_;

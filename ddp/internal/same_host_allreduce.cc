@@ -87,8 +87,25 @@ void SameHostAllreduce::barrier() const {
 void SameHostAllreduce::run(at::Tensor& flat, Reduction op) {
   const int n = context_->size, me = context_->rank;
   const int64_t numel = flat.numel(), item = flat.element_size();
-  const std::vector<int64_t> addresses =
-      allgather(context_, {static_cast<int64_t>(reinterpret_cast<uintptr_t>(flat.data_ptr()))});
+  // Each rank's buffer, and what it is calling: ranks that disagree (a
+  // different size, dtype or reduction) fail together here, before any
+  // rank reads another's memory.
+  constexpr size_t kFields = 4;
+  const std::vector<int64_t> all = allgather(
+      context_, {static_cast<int64_t>(reinterpret_cast<uintptr_t>(flat.data_ptr())), numel,
+                 static_cast<int64_t>(flat.scalar_type()), static_cast<int64_t>(op)});
+  std::vector<int64_t> addresses(n);
+  for (int r = 0; r < n; ++r) {
+    addresses[r] = all[r * kFields];
+    if (all[r * kFields + 1] != numel || all[r * kFields + 2] != all[me * kFields + 2] ||
+        all[r * kFields + 3] != all[me * kFields + 3]) {
+      throw std::runtime_error(absl::StrCat(
+          "same-host allreduce: rank ", r, " allreduces ", all[r * kFields + 1],
+          " elements (dtype ", all[r * kFields + 2], ", reduction ", all[r * kFields + 3],
+          "), rank ", me, " ", numel, " (dtype ", all[me * kFields + 2], ", reduction ",
+          all[me * kFields + 3], "): every rank must make the same call"));
+    }
+  }
   const ReduceFn reduce = reduce_fn(flat.scalar_type(), op);
   auto begin = [&](int r) { return numel * r / n; };
   // 1. This rank's part: every peer's copy reduced into its own. Peers

@@ -38,6 +38,15 @@ struct Header {
   alignas(64) std::atomic<uint32_t> left;
   // Barriers each rank has entered (for naming the ranks a wait is missing).
   alignas(64) std::atomic<uint64_t> entered[ShmAllreduce::kMaxRanks];
+  // What each rank calls, written before the call's first barrier and
+  // compared after it: ranks that disagree fail instead of mixing data.
+  struct Call {
+    uint64_t seq;
+    int64_t numel;
+    int32_t dtype;
+    int32_t op;  // Reduction, + 16 when averaged
+  };
+  alignas(64) Call calls[ShmAllreduce::kMaxRanks];
 };
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free &&
@@ -130,43 +139,63 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::connect(const std::shared_ptr<gloo::
   const uint64_t nonce[2] = {word(), word() ^ static_cast<uint64_t>(::getpid())};
   const int64_t a = static_cast<int64_t>(word()), b = static_cast<int64_t>(word());
   void* base = nullptr;
+  const std::string created = segment_name(a, b);
   if (me == 0 && n <= kMaxRanks && willing) {
-    base = map_segment(segment_name(a, b), bytes, /*create=*/true, nonce);
+    base = map_segment(created, bytes, /*create=*/true, nonce);
   }
-  const std::vector<int64_t> offer =
-      allgather(context, {base != nullptr ? 1 : 0, a, b, static_cast<int64_t>(nonce[0]),
-                          static_cast<int64_t>(nonce[1])});
-  const std::string name = segment_name(offer[1], offer[2]);
-  if (offer[0] == 0) return nullptr;  // the same answer on every rank
-  if (me != 0 && willing) {
-    const uint64_t expected[2] = {static_cast<uint64_t>(offer[3]), static_cast<uint64_t>(offer[4])};
-    base = map_segment(name, bytes, /*create=*/false, expected);
-  }
-  const std::vector<int64_t> mapped = allgather(context, {base != nullptr ? 1 : 0, ::getpid()});
-  if (me == 0) ::shm_unlink(name.c_str());  // every rank has opened it or given up
-  // Every peer's pid must be one this process can watch (same host, same
-  // pid namespace).
-  std::vector<int64_t> pids(n);
+  // Until the segment goes to the new object, a failure (a peer that dies
+  // or stalls in an allgather) unlinks it, unmaps it and closes what was
+  // opened: nothing stays in /dev/shm or in this process.
+  bool linked = base != nullptr;  // rank 0's segment still has its name
   std::vector<int> pidfds(n, -1);
-  bool ok = base != nullptr;
-  for (int r = 0; r < n; ++r) {
-    pids[r] = mapped[2 * r + 1];
-    if (r == me || !ok) continue;
-    pidfds[r] = pidfd_open(pids[r]);
-    ok = pidfds[r] >= 0;
-  }
-  const std::vector<int64_t> oks = allgather(context, {ok ? 1 : 0});
-  bool all = true;
-  for (int r = 0; r < n; ++r) all = all && mapped[2 * r] == 1 && oks[r] == 1;
-  if (!all) {
-    for (int fd : pidfds) {
+  auto undo = [&] {
+    if (linked) ::shm_unlink(created.c_str());
+    for (int& fd : pidfds) {
       if (fd >= 0) ::close(fd);
+      fd = -1;
     }
     if (base != nullptr) ::munmap(base, bytes);
-    return nullptr;
+    base = nullptr;
+  };
+  try {
+    const std::vector<int64_t> offer =
+        allgather(context, {base != nullptr ? 1 : 0, a, b, static_cast<int64_t>(nonce[0]),
+                            static_cast<int64_t>(nonce[1])});
+    const std::string name = segment_name(offer[1], offer[2]);
+    if (offer[0] == 0) return nullptr;  // the same answer on every rank
+    if (me != 0 && willing) {
+      const uint64_t expected[2] = {static_cast<uint64_t>(offer[3]), static_cast<uint64_t>(offer[4])};
+      base = map_segment(name, bytes, /*create=*/false, expected);
+    }
+    const std::vector<int64_t> mapped = allgather(context, {base != nullptr ? 1 : 0, ::getpid()});
+    if (me == 0) ::shm_unlink(name.c_str());  // every rank has opened it or given up
+    linked = false;
+    // Every peer's pid must be one this process can watch (same host, same
+    // pid namespace).
+    std::vector<int64_t> pids(n);
+    bool ok = base != nullptr;
+    for (int r = 0; r < n; ++r) {
+      pids[r] = mapped[2 * r + 1];
+      if (r == me || !ok) continue;
+      pidfds[r] = pidfd_open(pids[r]);
+      ok = pidfds[r] >= 0;
+    }
+    const std::vector<int64_t> oks = allgather(context, {ok ? 1 : 0});
+    bool all = true;
+    for (int r = 0; r < n; ++r) all = all && mapped[2 * r] == 1 && oks[r] == 1;
+    if (!all) {
+      undo();
+      return nullptr;
+    }
+    auto made = std::unique_ptr<ShmAllreduce>(
+        new ShmAllreduce(me, n, base, bytes, std::move(pids), pidfds, timeout, max_spin));
+    pidfds.assign(n, -1);  // the object owns them, and the mapping
+    base = nullptr;
+    return made;
+  } catch (...) {
+    undo();
+    throw;
   }
-  return std::unique_ptr<ShmAllreduce>(
-      new ShmAllreduce(me, n, base, bytes, std::move(pids), std::move(pidfds), timeout, max_spin));
 }
 
 ShmAllreduce::ShmAllreduce(int rank, int size, void* base, size_t bytes, std::vector<int64_t> pids,
@@ -255,6 +284,8 @@ void ShmAllreduce::await(uint32_t generation) {
     const timespec slice{0, kSleepSliceNs};
     futex(&h->generation, FUTEX_WAIT, generation, &slice);  // returns at once if it moved
     if (moved()) return;
+    // Each failure below looks again first: the barrier may have completed
+    // since (and a peer then exited or left, as at the end of a job).
     std::vector<pollfd> watch;
     for (int fd : pidfds_) {
       if (fd >= 0) watch.push_back({fd, POLLIN, 0});
@@ -266,15 +297,23 @@ void ShmAllreduce::await(uint32_t generation) {
         pollfd one{pidfds_[r], POLLIN, 0};
         if (::poll(&one, 1, 0) > 0) gone.push_back(absl::StrCat(r, " (pid ", pids_[r], ")"));
       }
+      if (moved()) return;
       fail(absl::StrCat("rank ", absl::StrJoin(gone, ", rank "), " exited; waiting for rank ",
                         missing()));
     }
     if (const uint32_t gone = h->left.load(std::memory_order_acquire); gone != 0) {
-      const int r = static_cast<int>(gone) - 1;
+      if (moved()) return;
+      // Written by a peer: an index only once checked.
+      const int64_t r = static_cast<int64_t>(gone) - 1;
+      if (r < 0 || r >= size_ || r == rank_) {
+        fail(absl::StrCat("the segment's header names rank ", r,
+                          " as gone, not a peer of this group (corrupt segment)"));
+      }
       fail(absl::StrCat("rank ", r, " (pid ", pids_[r], ") left the group (its process group ",
                         "was destroyed); waiting for rank ", missing()));
     }
     if (absl::Now() > deadline) {
+      if (moved()) return;
       fail(absl::StrCat("rank ", missing(), " did not arrive within ",
                         absl::FormatDuration(timeout_)));
     }
@@ -301,14 +340,31 @@ void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op, boo
     throw std::invalid_argument(absl::StrCat("same-host allreduce: ", numel * item,
                                              " bytes, more than its ", kMaxBytes));
   }
-  const int set = static_cast<int>(calls_++ & 1);
+  const uint64_t seq = calls_++;
+  const int set = static_cast<int>(seq & 1);
   char* const mine = slot(set, rank_);
   int64_t offset = 0;
   for (const auto& t : tensors) {
     std::memcpy(mine + offset, t.data_ptr(), t.numel() * item);
     offset += t.numel() * item;
   }
+  auto* h = static_cast<Header*>(base_);
+  const Header::Call call{seq, numel, static_cast<int32_t>(type),
+                          static_cast<int32_t>(op) + (average ? 16 : 0)};
+  h->calls[rank_] = call;
   barrier();
+  // Written before the barrier by every rank, read after it (the barrier's
+  // atomics order them); every rank compares the same records.
+  for (int r = 0; r < size_; ++r) {
+    const Header::Call theirs = h->calls[r];
+    if (theirs.seq != call.seq || theirs.numel != call.numel || theirs.dtype != call.dtype ||
+        theirs.op != call.op) {
+      fail(absl::StrCat("rank ", r, " makes call ", theirs.seq, " of ", theirs.numel,
+                        " elements (dtype ", theirs.dtype, ", reduction ", theirs.op, "), rank ",
+                        rank_, " call ", call.seq, " of ", call.numel, " (dtype ", call.dtype,
+                        ", reduction ", call.op, "): every rank must make the same call"));
+    }
+  }
   // This rank's part, folded over the ranks in order: slot 0 op slot 1 op ...
   auto begin = [&](int r) { return numel * r / size_; };
   const int64_t step = kBlockBytes / item;
