@@ -1,12 +1,14 @@
 #include "elastic/membership_watch.h"
 
+#include <algorithm>
 #include <deque>
-#include <set>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "glog/logging.h"
 #include "rpc/hooks.h"
 #include "rpc/rendezvous/store.h"
@@ -41,15 +43,11 @@ class MembershipWatch::State {
   }
 
   // From the hook, on an RPC thread: queues, never blocks on the store.
+  // A worker removed before may have joined again since: it is removed
+  // again (removing a worker that is out changes nothing).
   void lost(const std::string& worker) {
     absl::MutexLock lock(&mu_);
-    // At most one entry per worker of the job, and none for a worker this
-    // watch removed already: the queue stays bounded.
-    if (removed_.count(worker) > 0 || worker == removing_now_) return;
-    for (const std::string& w : queue_) {
-      if (w == worker) return;
-    }
-    if (queue_.size() < rpc::Membership::kMaxWorkers) queue_.push_back(worker);
+    queue_locked(worker);
   }
 
   std::vector<std::string> removals() {
@@ -58,6 +56,15 @@ class MembershipWatch::State {
   }
 
  private:
+  // At most one entry per worker of the job: the queue stays bounded.
+  void queue_locked(const std::string& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (worker == removing_now_) return;
+    for (const std::string& w : queue_) {
+      if (w == worker) return;
+    }
+    if (queue_.size() < rpc::Membership::kMaxWorkers) queue_.push_back(worker);
+  }
+
   void run() {
     for (;;) {
       std::string worker;
@@ -75,17 +82,26 @@ class MembershipWatch::State {
       absl::MutexLock lock(&mu_);
       removing_now_.clear();
       if (m.ok()) {
-        if (removed_.size() < rpc::Membership::kMaxWorkers) removed_.insert(worker);
+        backoff_ = kFirstBackoff;
         LOG(WARNING) << "membership: worker '" << worker << "' is out; epoch " << m->epoch;
       } else {
         LOG(WARNING) << "membership: could not remove worker '" << worker
-                     << "': " << m.status().message();
+                     << "': " << m.status().message() << "; trying again in "
+                     << absl::FormatDuration(backoff_);
         outcome = absl::StrCat(worker, " (", m.status().message(), ")");
+        // Its loss is not reported again (the hook fires once): tried
+        // again, after a pause that grows while the store does not answer.
+        mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff_);
+        backoff_ = std::min(backoff_ * 2, kLastBackoff);
+        if (!stopping_) queue_locked(worker);
       }
       // Bounded: failed removals may come back.
       if (done_.size() < 4 * rpc::Membership::kMaxWorkers) done_.push_back(std::move(outcome));
     }
   }
+
+  static constexpr absl::Duration kFirstBackoff = absl::Milliseconds(200);
+  static constexpr absl::Duration kLastBackoff = absl::Seconds(10);
 
   const std::shared_ptr<rpc::Store> store_;
   const rpc::MembershipClient::Options options_;
@@ -96,23 +112,49 @@ class MembershipWatch::State {
   // State below is protected by mu_.
   std::deque<std::string> queue_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> done_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> removed_ ABSL_GUARDED_BY(mu_);
   std::string removing_now_ ABSL_GUARDED_BY(mu_);
+  absl::Duration backoff_ ABSL_GUARDED_BY(mu_) = kFirstBackoff;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 namespace {
 
+// One hook for the process (hooks stay for its life, and every call walks
+// them): it tells the watches alive now.
 class LostWorkerHook final : public rpc::RpcHook {
  public:
-  explicit LostWorkerHook(std::weak_ptr<MembershipWatch::State> state) : state_(std::move(state)) {}
+  void add(std::weak_ptr<MembershipWatch::State> state) {
+    absl::MutexLock lock(&mu_);
+    states_.erase(std::remove_if(states_.begin(), states_.end(),
+                                 [](const auto& s) { return s.expired(); }),
+                  states_.end());
+    states_.push_back(std::move(state));
+  }
   void worker_unreachable(const rpc::WorkerInfo& worker, const std::string&) override {
-    if (auto state = state_.lock()) state->lost(worker.name);
+    std::vector<std::shared_ptr<MembershipWatch::State>> live;
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& s : states_) {
+        if (auto state = s.lock()) live.push_back(std::move(state));
+      }
+    }
+    for (const auto& state : live) state->lost(worker.name);
   }
 
  private:
-  const std::weak_ptr<MembershipWatch::State> state_;
+  absl::Mutex mu_;
+  std::vector<std::weak_ptr<MembershipWatch::State>> states_ ABSL_GUARDED_BY(mu_);
 };
+
+// Installed by the first watch.
+LostWorkerHook& lost_worker_hook() {
+  static LostWorkerHook* const hook = [] {
+    auto installed = std::make_shared<LostWorkerHook>();
+    rpc::add_rpc_hook(installed);
+    return installed.get();  // kept by the process's hooks
+  }();
+  return *hook;
+}
 
 }  // namespace
 
@@ -123,7 +165,7 @@ absl::StatusOr<std::shared_ptr<MembershipWatch>> MembershipWatch::start(
   absl::StatusOr<rpc::Membership> m = state->client().start(std::move(members));
   if (!m.ok()) return m.status();
   state->start_thread();
-  rpc::add_rpc_hook(std::make_shared<LostWorkerHook>(state));
+  lost_worker_hook().add(state);
   return std::shared_ptr<MembershipWatch>(new MembershipWatch(std::move(state)));
 }
 

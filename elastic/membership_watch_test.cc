@@ -6,6 +6,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "rpc/registry.h"
+#include "rpc/rendezvous/store.h"
 #include "rpc/rpc.h"
 #include "tests/multiprocess.h"
 #include "tests/rpc_store.h"
@@ -54,6 +55,32 @@ MULTIPROCESS_TEST(MembershipWatchTest, SurvivorsLearnOfAKilledWorker, 3) {
   EXPECT_EQ((*watch)->current()->encode(), next->encode());
   watch->reset();
   EXPECT_FALSE(rpc::shutdown());  // worker2 is gone
+}
+
+// A worker removed once, then admitted again, is removed again when it is
+// lost again (the watch does not remember it as gone for good).
+TEST(MembershipWatchTest, AWorkerLostAgainAfterRejoiningIsRemovedAgain) {
+  if (mp::is_worker()) return;
+  auto server = rpc::StoreServer::start("127.0.0.1", 0, rpc::Security{});
+  auto store = std::make_shared<rpc::Store>("127.0.0.1", server->port(), absl::Seconds(30),
+                                            rpc::Security{});
+  absl::StatusOr<std::shared_ptr<MembershipWatch>> watch =
+      MembershipWatch::start(store, {"a", "b"});
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  (*watch)->report_lost("b");
+  absl::StatusOr<rpc::Membership> m = (*watch)->await_change(1, absl::Seconds(20));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->members, std::vector<std::string>{"a"});
+  ASSERT_TRUE((*watch)->request_join("b").ok());
+  m = (*watch)->admit_joining();
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->is_member("b")) << m->encode();
+  const int64_t back = m->epoch;
+  (*watch)->report_lost("b");
+  m = (*watch)->await_change(back, absl::Seconds(20));
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->members, std::vector<std::string>{"a"}) << m->encode();
+  watch->reset();
 }
 
 }  // namespace
