@@ -1109,10 +1109,10 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
   const bool trained = std::any_of(result.trainers.begin(), result.trainers.end(),
                                    [](const TrainerResult& t) { return !t.lost && t.joined; });
   if (failures.empty() && !trained) failures.push_back({0, "every trainer was lost"});
-  if (!failures.empty()) throw HybridTrainingError(std::move(failures));
   result.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
   if (watch != nullptr) {
-    // The replicas go with the run (best effort: a server may be gone).
+    // The replicas and checkpoint files go with the run, whether it
+    // succeeded or failed (best effort: a server may be gone).
     std::vector<rpc::Future<void>> dropped;
     for (const std::string& s : servers_of(membership)) {
       dropped.push_back(rpc::rpc_async<void>(rpc::CallOptions{options.collective_timeout}, s,
@@ -1120,6 +1120,7 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
     }
     for (auto& d : dropped) d.wait_for(absl::InfiniteDuration());
   }
+  if (!failures.empty()) throw HybridTrainingError(std::move(failures));
   if (options.fetch_tables) result.tables_after = fetch_weights(tables);
   return result;
 }

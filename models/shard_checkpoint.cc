@@ -9,8 +9,11 @@
 #include <fstream>
 #include <map>
 #include <utility>
+#include <vector>
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -45,6 +48,14 @@ absl::Mutex replicas_mu;
 // (job, shard) -> the newest replica.
 std::map<std::pair<std::string, int64_t>, ShardCheckpoint>* replicas ABSL_GUARDED_BY(replicas_mu) =
     new std::map<std::pair<std::string, int64_t>, ShardCheckpoint>();
+int64_t replica_bytes ABSL_GUARDED_BY(replicas_mu) = 0;  // of their weights
+
+// What the replicas may take in all: half of this machine's memory.
+int64_t max_replica_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
+  return static_cast<int64_t>(pages) * page / 2;
+}
 
 }  // namespace
 
@@ -55,6 +66,34 @@ bool valid_job_name(const std::string& job) {
   }
   return true;
 }
+
+namespace {
+
+bool write_all(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t put = ::write(fd, p, n);
+    if (put < 0 && errno == EINTR) continue;
+    if (put <= 0) return false;
+    p += put;
+    n -= static_cast<size_t>(put);
+  }
+  return true;
+}
+
+// The iteration of the checkpoint of `shard` at `path`; -1 when there is
+// none (or not one of that shard).
+int64_t iteration_in(const std::string& path, int64_t shard) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[sizeof(kMagic)];
+  int64_t header[kHeaderWords];
+  in.read(magic, sizeof(magic));
+  in.read(reinterpret_cast<char*>(header), sizeof(header));
+  if (!in || std::memcmp(magic, kMagic, sizeof(kMagic)) != 0 || header[0] != shard) return -1;
+  return header[1];
+}
+
+}  // namespace
 
 std::string shard_file(const std::string& dir, const std::string& job, int64_t shard) {
   return absl::StrCat(dir, "/", job, "/shard", shard, ".ckpt");
@@ -71,27 +110,51 @@ absl::Status write_shard_file(const std::string& dir, const std::string& job,
   }
   const at::Tensor w = checkpoint.weight.contiguous();
   const std::string path = shard_file(dir, job, checkpoint.shard);
-  const std::string tmp = absl::StrCat(path, ".tmp", ::getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    const int64_t header[kHeaderWords] = {checkpoint.shard, checkpoint.iteration, checkpoint.steps,
-                                          w.size(0), w.size(1)};
-    out.write(kMagic, sizeof(kMagic));
-    out.write(reinterpret_cast<const char*>(header), sizeof(header));
-    out.write(static_cast<const char*>(w.data_ptr()),
-              static_cast<std::streamsize>(w.numel() * sizeof(float)));
-    out.flush();
-    if (!out) {
-      ::unlink(tmp.c_str());
-      return absl::UnavailableError(absl::StrCat("cannot write ", tmp));
-    }
+  // A temporary file of this call's own: writes of the same shard at once
+  // (a slow one overtaken by the next) cannot mix their bytes.
+  std::string tmp = path + ".tmpXXXXXX";
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot create a file in ", job_dir, ": ",
+                                               std::strerror(errno)));
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  const int64_t header[kHeaderWords] = {checkpoint.shard, checkpoint.iteration, checkpoint.steps,
+                                        w.size(0), w.size(1)};
+  bool written = write_all(fd, kMagic, sizeof(kMagic)) &&
+                 write_all(fd, header, sizeof(header)) &&
+                 write_all(fd, w.data_ptr(), static_cast<size_t>(w.numel()) * sizeof(float));
+  const int write_errno = errno;
+  written = ::close(fd) == 0 && written;
+  if (!written) {
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(
+        absl::StrCat("cannot write ", tmp, ": ", std::strerror(write_errno)));
+  }
+  // Under the shard's lock (between processes too), and never over a
+  // later iteration: a writer that was stopped or slow does not put an
+  // older checkpoint back.
+  const std::string lock_path = path + ".lock";
+  const int lock = ::open(lock_path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+  if (lock < 0 || ::flock(lock, LOCK_EX) != 0) {
+    const std::string why = std::strerror(errno);
+    if (lock >= 0) ::close(lock);
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("cannot lock ", lock_path, ": ", why));
+  }
+  absl::Status done = absl::OkStatus();
+  const int64_t there = iteration_in(path, checkpoint.shard);
+  if (there > checkpoint.iteration) {
+    ::unlink(tmp.c_str());
+    done = absl::FailedPreconditionError(
+        absl::StrCat(path, " holds iteration ", there, " already, later than ",
+                     checkpoint.iteration));
+  } else if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string why = std::strerror(errno);
     ::unlink(tmp.c_str());
-    return absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", why));
+    done = absl::UnavailableError(absl::StrCat("cannot rename ", tmp, " to ", path, ": ", why));
   }
-  return absl::OkStatus();
+  ::close(lock);  // releases the lock
+  return done;
 }
 
 absl::StatusOr<ShardCheckpoint> read_shard_file(const std::string& dir, const std::string& job,
@@ -146,24 +209,46 @@ absl::Status hold_replica(const std::string& job, ShardCheckpoint checkpoint) {
   if (!valid_job_name(job)) return absl::InvalidArgumentError("invalid job name");
   if (absl::Status ok = check(checkpoint); !ok.ok()) return ok;
   checkpoint.weight = checkpoint.weight.contiguous();
+  const int64_t bytes = checkpoint.weight.numel() * static_cast<int64_t>(sizeof(float));
+  std::vector<ShardCheckpoint> doomed;  // freed outside the lock
   absl::MutexLock lock(&replicas_mu);
   const auto key = std::make_pair(job, checkpoint.shard);
   auto it = replicas->find(key);
-  if (it != replicas->end()) {
-    if (it->second.iteration <= checkpoint.iteration) it->second = std::move(checkpoint);
-    return absl::OkStatus();
+  const int64_t replaced =
+      it != replicas->end() ? it->second.weight.numel() * static_cast<int64_t>(sizeof(float)) : 0;
+  if (it != replicas->end() && it->second.iteration > checkpoint.iteration) {
+    return absl::OkStatus();  // it holds a later one
   }
-  if (replicas->size() >= static_cast<size_t>(kMaxReplicas)) {
+  const int64_t limit = max_replica_bytes();
+  auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(replicas_mu) {
+    return (it != replicas->end() || replicas->size() < static_cast<size_t>(kMaxReplicas)) &&
+           replica_bytes - replaced + bytes <= limit;
+  };
+  if (!fits()) {
     // Room from other jobs' replicas, never from this job's.
     for (auto other = replicas->begin(); other != replicas->end();) {
-      other = other->first.first != job ? replicas->erase(other) : std::next(other);
+      if (other->first.first == job) {
+        ++other;
+        continue;
+      }
+      replica_bytes -= other->second.weight.numel() * static_cast<int64_t>(sizeof(float));
+      doomed.push_back(std::move(other->second));
+      other = replicas->erase(other);
     }
-    if (replicas->size() >= static_cast<size_t>(kMaxReplicas)) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("this server holds ", kMaxReplicas, " replicas of job ", job));
+    if (!fits()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this server holds ", replicas->size(), " replicas (", replica_bytes >> 20,
+          " MiB) of job ", job, "; one more of ", bytes >> 20, " MiB would pass its bounds (",
+          kMaxReplicas, " replicas, ", limit >> 20, " MiB)"));
     }
   }
-  replicas->emplace(key, std::move(checkpoint));
+  replica_bytes += bytes - replaced;
+  if (it != replicas->end()) {
+    doomed.push_back(std::move(it->second));
+    it->second = std::move(checkpoint);
+  } else {
+    replicas->emplace(key, std::move(checkpoint));
+  }
   return absl::OkStatus();
 }
 
@@ -177,7 +262,12 @@ std::optional<ShardCheckpoint> held_replica(const std::string& job, int64_t shar
 void drop_replicas(const std::string& job) {
   absl::MutexLock lock(&replicas_mu);
   for (auto it = replicas->begin(); it != replicas->end();) {
-    it = it->first.first == job ? replicas->erase(it) : std::next(it);
+    if (it->first.first != job) {
+      ++it;
+      continue;
+    }
+    replica_bytes -= it->second.weight.numel() * static_cast<int64_t>(sizeof(float));
+    it = replicas->erase(it);
   }
 }
 

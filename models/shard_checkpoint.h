@@ -47,8 +47,9 @@ absl::StatusOr<ShardCheckpoint> read_shard_file(const std::string& dir, const st
 void remove_shard_files(const std::string& dir, const std::string& job);
 
 // Replicas this process holds for other servers: the newest of each
-// (job, shard), at most kMaxReplicas in all (an older job's are dropped to
-// make room). Thread-safe.
+// (job, shard), at most kMaxReplicas in all, taking at most half of the
+// machine's memory (other jobs' are dropped to make room; past either
+// bound, ResourceExhausted). Thread-safe.
 constexpr int kMaxReplicas = 4096;
 absl::Status hold_replica(const std::string& job, ShardCheckpoint checkpoint);
 std::optional<ShardCheckpoint> held_replica(const std::string& job, int64_t shard);

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <sys/stat.h>
 
@@ -62,6 +64,38 @@ TEST(ShardCheckpoint, FileRoundTripAndReplacement) {
   struct stat st;
   EXPECT_NE(::stat(absl::StrCat(dir, "/job1").c_str(), &st), 0);
   EXPECT_TRUE(read_shard_file(dir, "job3", 2, 5, 3).ok());
+}
+
+// Writes of one shard at once (a slow one overtaken by the next) each
+// leave a whole file, never a mix; the latest iteration stays, and an
+// older one is not put back over it.
+TEST(ShardCheckpoint, WritesOfOneShardAtOnceNeverMixAndTheLatestStays) {
+  const std::string dir = temp_dir();
+  constexpr int kWriters = 8;
+  std::vector<ShardCheckpoint> checkpoints;
+  for (int i = 1; i <= kWriters; ++i) checkpoints.push_back(sample(1, i, 512, 256));
+  std::vector<std::thread> writers;
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < kWriters; ++i) {
+      writers.emplace_back([&, i] {
+        const absl::Status s = write_shard_file(dir, "job", checkpoints[i]);
+        // Refused only for an older iteration than the one there.
+        EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kFailedPrecondition) << s;
+      });
+    }
+    for (auto& t : writers) t.join();
+    writers.clear();
+    absl::StatusOr<ShardCheckpoint> read = read_shard_file(dir, "job", 1, 512, 256);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(read->iteration, kWriters);
+    EXPECT_TRUE(at::equal(read->weight, checkpoints[kWriters - 1].weight)) << "a mixed file";
+  }
+  const absl::Status older = write_shard_file(dir, "job", sample(1, 3, 512, 256));
+  EXPECT_EQ(older.code(), absl::StatusCode::kFailedPrecondition) << older;
+  EXPECT_EQ(read_shard_file(dir, "job", 1, 512, 256)->iteration, kWriters);
+  remove_shard_files(dir, "job");
+  struct stat st;
+  EXPECT_NE(::stat(absl::StrCat(dir, "/job").c_str(), &st), 0) << "files left behind";
 }
 
 TEST(ShardCheckpoint, DamagedFilesAreRefused) {
