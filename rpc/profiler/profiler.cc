@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <tuple>
 #include <stdexcept>
@@ -466,7 +467,24 @@ class ProfilerHook : public RpcHook {
       out->set_self_cpu_memory_usage(e.self_cpu_memory_usage);
     }
     for (const auto& [id, name] : recorder.names()) (*shipped.mutable_node_names())[id] = name;
-    (*ext)[kEventsKey] = shipped.SerializeAsString();
+    // What a caller takes (kMaxShippedFields): past it, the first events go.
+    std::string bytes = shipped.SerializeAsString();
+    const auto* type = ::ddprpc::profiling::ProfiledRequest::descriptor();
+    int64_t fields = internal::count_message_fields(bytes, type, std::numeric_limits<int64_t>::max());
+    const int recorded = shipped.events_size();
+    while (fields > kMaxShippedFields && shipped.events_size() > 0) {
+      const int keep = static_cast<int>(static_cast<double>(shipped.events_size()) *
+                                        (0.9 * kMaxShippedFields / static_cast<double>(fields)));
+      shipped.mutable_events()->DeleteSubrange(keep, shipped.events_size() - keep);
+      bytes = shipped.SerializeAsString();
+      fields = internal::count_message_fields(bytes, type, std::numeric_limits<int64_t>::max());
+    }
+    if (shipped.events_size() < recorded) {
+      LOG(WARNING) << "profiler: the reply to " << request->name << " carries the first "
+                   << shipped.events_size() << " of its " << recorded << " events (at most "
+                   << kMaxShippedFields << " fields of events per reply)";
+    }
+    (*ext)[kEventsKey] = std::move(bytes);
   }
 };
 

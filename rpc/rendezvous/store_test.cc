@@ -348,11 +348,14 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
       }
     });
   }
+  // Taken (for a moment) until every waiter is in, then refused at once.
+  rendezvous::StoreRequest probe = wait;
+  probe.set_timeout_ms(1);
   grpc::Status refused;
   const absl::Time until = absl::Now() + absl::Seconds(30);
   do {
     absl::SleepFor(absl::Milliseconds(10));
-    refused = waits.wait(wait, &resp, [] { return false; });
+    refused = waits.wait(probe, &resp, [] { return false; });
   } while (refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
   waits.stop();  // wakes them all
@@ -360,22 +363,29 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   EXPECT_EQ(unavailable.load(), kWaiters);
 }
 
-// Blocked requests wait for at most kMaxWaitingKeys keys all together; one
-// that would pass it is refused at once, and a waiter whose keys all come,
-// in any order, returns and makes room.
+// Blocked requests wait for keys of at most kMaxWaitingKeyBytes all
+// together; one that would pass it is refused at once, and a waiter whose
+// keys all come, in any order, returns and makes room.
 TEST(StoreStateTest, KeysWaitedForAreBoundedAllTogether) {
   using internal::StoreState;
   StoreState state;
   constexpr int kPerRequest = StoreState::kMaxKeysPerRequest;
-  constexpr int kFull = static_cast<int>(StoreState::kMaxWaitingKeys) / kPerRequest;
-  auto request = [](int waiter, int keys) {
+  constexpr size_t kKeyBytes = 4000;
+  constexpr int kFull = static_cast<int>(StoreState::kMaxWaitingKeyBytes /
+                                         (kPerRequest * (kKeyBytes + StoreState::kWaitingKeyOverhead)));
+  auto key = [](int waiter, int k) {
+    std::string s = absl::StrCat("w", waiter, "/", k, "/");
+    s.resize(kKeyBytes, 'k');
+    return s;
+  };
+  auto request = [&](int waiter, int64_t timeout_ms) {
     rendezvous::StoreRequest r;
-    for (int k = 0; k < keys; ++k) r.add_keys(absl::StrCat("w", waiter, "/", k));
-    r.set_timeout_ms(600000);  // stop() ends them
+    for (int k = 0; k < kPerRequest; ++k) r.add_keys(key(waiter, k));
+    r.set_timeout_ms(timeout_ms);
     return r;
   };
   std::vector<rendezvous::StoreRequest> requests;
-  for (int w = 0; w < kFull; ++w) requests.push_back(request(w, kPerRequest));
+  for (int w = 0; w < kFull; ++w) requests.push_back(request(w, 600000));  // stop() ends them
   std::vector<grpc::StatusCode> codes(kFull, grpc::StatusCode::UNKNOWN);
   std::vector<std::thread> waiters;
   for (int w = 0; w < kFull; ++w) {
@@ -385,32 +395,29 @@ TEST(StoreStateTest, KeysWaitedForAreBoundedAllTogether) {
     });
   }
   rendezvous::StoreResponse resp;
-  const rendezvous::StoreRequest one_more = request(kFull, 1);
+  // One more as large: taken (for a moment) until every waiter is in,
+  // then refused at once.
+  const rendezvous::StoreRequest probe = request(kFull, 1);
   grpc::Status refused;
-  const absl::Time until = absl::Now() + absl::Seconds(30);
+  const absl::Time until = absl::Now() + absl::Seconds(60);
   do {
     absl::SleepFor(absl::Milliseconds(10));
-    refused = state.wait(one_more, &resp, [] { return false; });
+    refused = state.wait(probe, &resp, [] { return false; });
   } while (refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_NE(refused.error_message().find("wait for 65536 keys already"), std::string::npos)
+  EXPECT_NE(refused.error_message().find("requests wait for keys of"), std::string::npos)
       << refused.error_message();
-  // Waiter 0's keys, last first: it returns OK, and the next one fits.
+  // Waiter 0's keys, last first: it returns OK, and one as large fits.
   for (int k = kPerRequest - 1; k >= 0; --k) {
     rendezvous::StoreRequest set;
-    set.set_key(absl::StrCat("w0/", k));
+    set.set_key(key(0, k));
     ASSERT_TRUE(state.set(set, &resp).ok());
   }
   waiters[0].join();
   EXPECT_EQ(codes[0], grpc::StatusCode::OK);
-  std::thread next([&] {
-    rendezvous::StoreResponse r;
-    EXPECT_EQ(state.wait(one_more, &r, [] { return false; }).error_code(),
-              grpc::StatusCode::UNAVAILABLE);
-  });
-  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(state.wait(probe, &resp, [] { return false; }).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
   state.stop();
-  next.join();
   for (int w = 1; w < kFull; ++w) {
     waiters[w].join();
     EXPECT_EQ(codes[w], grpc::StatusCode::UNAVAILABLE) << w;

@@ -666,13 +666,13 @@ TEST(SameHostTransportTest, AFrameLeftHalfwayDoesNotStopTheOthers) {
 }
 
 // A live caller that stops in the middle of a frame loses its connection
-// once it has been silent for keepalive_timeout: the thread reading it is
-// not held for good.
+// once it has been silent for 6 x keepalive_timeout: the thread reading it
+// is not held for good.
 TEST(SameHostTransportTest, AFrameLeftHalfwayEndsItsConnectionAfterTheSilenceLimit) {
   ServerLimits limits;
   limits.inline_handoff = absl::Milliseconds(10);
   limits.keepalive_interval = absl::Milliseconds(100);
-  limits.keepalive_timeout = absl::Milliseconds(500);
+  limits.keepalive_timeout = absl::Milliseconds(300);  // a message's silence: 1.8 s
   Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
   int fd = raw_connect(server.socket_name());
   ASSERT_GE(fd, 0);

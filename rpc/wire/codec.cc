@@ -151,6 +151,9 @@ void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const Codec
 // Headers up to this size are parsed without counting their fields: at a
 // byte or more each, they hold at most 65536.
 constexpr size_t kCountedHeaderBytes = 64 << 10;
+// Fields of a header written after its value is encoded, besides two per
+// tensor (see encode_checked).
+constexpr int64_t kFieldsWrittenLater = 8;
 // Nesting of messages a header count follows (protobuf parses 100).
 constexpr int kMaxCountedDepth = 100;
 
@@ -181,8 +184,11 @@ void encode_checked(const c10::IValue& value, wire::Value* out, Frame* frame,
                     const CodecContext& ctx) {
   encode_at(value, out, frame, ctx, 0);
   if (frame->header.ByteSizeLong() > kCountedHeaderBytes) {
-    // One more for the more_in_flight flag the framing may append.
-    const int64_t fields = header_fields(frame->header) + 1;
+    // With room for what is written after the value: the header's id,
+    // source, kind and error (the agent), the framing's more_in_flight, and
+    // a bulk path's lent and pushed marks on each tensor.
+    const int64_t fields =
+        header_fields(frame->header) + kFieldsWrittenLater + 2 * frame->header.tensors_size();
     if (fields > kMaxHeaderFields) {
       throw TypeMismatch(absl::StrCat("a message may hold at most ", kMaxHeaderFields,
                                       " values, tensor sizes and other fields; this one would "

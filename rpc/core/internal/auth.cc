@@ -8,12 +8,13 @@
 #include <cstdlib>
 #include <limits>
 #include <fstream>
-#include <set>
+#include <tuple>
 #include <sstream>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -120,7 +121,8 @@ std::string signed_message(const ProofScope& scope, const std::string& ms,
 // the time each proof names, oldest first.
 struct Nonces {
   absl::Mutex mu;
-  std::set<std::pair<int64_t, std::string>> seen ABSL_GUARDED_BY(mu);
+  // (unix ms, the nonce's 16 bytes as two words): 24 bytes an entry.
+  absl::btree_set<std::tuple<int64_t, uint64_t, uint64_t>> seen ABSL_GUARDED_BY(mu);
   // Proofs naming this time (unix ms) or earlier are refused: a nonce of
   // theirs may have been forgotten to keep `seen` within its bound.
   int64_t floor_ms ABSL_GUARDED_BY(mu) = std::numeric_limits<int64_t>::min();
@@ -166,11 +168,18 @@ grpc::Status AuthChecker::check_proof(absl::string_view proof, const ProofScope&
   if (CRYPTO_memcmp(expected.data(), parts[2].data(), expected.size()) != 0) {
     return refused("wrong job token");
   }
+  uint64_t nonce_words[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const char c = parts[1][i];
+    const int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (digit < 0) return refused("malformed proof of the job's token");
+    nonce_words[i / 16] = nonce_words[i / 16] << 4 | static_cast<uint64_t>(digit);
+  }
   Nonces& nonces = process_nonces();
   absl::MutexLock lock(&nonces.mu);
   // Proofs older than the window are refused above: their nonces can go.
   const int64_t oldest_ms = absl::ToUnixMillis(now - kWindow);
-  while (!nonces.seen.empty() && nonces.seen.begin()->first < oldest_ms) {
+  while (!nonces.seen.empty() && std::get<0>(*nonces.seen.begin()) < oldest_ms) {
     nonces.seen.erase(nonces.seen.begin());
   }
   if (ms <= nonces.floor_ms) {
@@ -178,14 +187,23 @@ grpc::Status AuthChecker::check_proof(absl::string_view proof, const ProofScope&
                    "remembers (over " + std::to_string(kMaxRemembered) +
                    " proofs in its window): make a new one");
   }
-  if (!nonces.seen.emplace(ms, std::string(parts[1])).second) {
-    return refused("a proof of the job's token was replayed");
-  }
-  // At the bound, forget the oldest and refuse every proof as old as it.
-  while (nonces.seen.size() > kMaxRemembered) {
-    nonces.floor_ms = std::max(nonces.floor_ms, nonces.seen.begin()->first);
+  const auto entry = std::make_tuple(ms, nonce_words[0], nonce_words[1]);
+  if (nonces.seen.count(entry) > 0) return refused("a proof of the job's token was replayed");
+  // At the bound, forget the oldest and refuse every proof as old as it
+  // from then on; but never one that names a time still to come on this
+  // clock (a client whose clock runs ahead must not push the floor past
+  // the others'): then this proof is refused instead.
+  if (nonces.seen.size() >= kMaxRemembered) {
+    const int64_t oldest = std::get<0>(*nonces.seen.begin());
+    if (oldest > absl::ToUnixMillis(now) || ms <= oldest) {
+      return refused("too many proofs of the job's token in the last " +
+                     absl::FormatDuration(kWindow) + " (over " + std::to_string(kMaxRemembered) +
+                     "): make a new one");
+    }
+    nonces.floor_ms = std::max(nonces.floor_ms, oldest);
     nonces.seen.erase(nonces.seen.begin());
   }
+  nonces.seen.insert(entry);
   return grpc::Status::OK;
 }
 

@@ -52,8 +52,10 @@ class AuthChecker {
   // shares one set, so a proof accepted by one is refused by all. When more
   // proofs than this arrive within the window, the oldest are forgotten and
   // every proof naming a time no later than theirs is refused from then on
-  // (a fresh proof still gets in), so that none of them can be replayed.
-  static constexpr size_t kMaxRemembered = 1 << 16;
+  // (a fresh proof still gets in), so that none of them can be replayed. A
+  // proof naming a time still to come on this clock is never forgotten: a
+  // new proof is refused instead.
+  static constexpr size_t kMaxRemembered = 1 << 20;
 
   explicit AuthChecker(std::string token) : token_(std::move(token)) {}
   // OK, or UNAUTHENTICATED saying what was wrong (never the token).

@@ -189,13 +189,17 @@ grpc::Status StoreState::await_keys(const std::vector<const std::string*>& keys,
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat(waiters_, " requests wait for keys already"));
   }
-  if (waiting_keys_ + keys.size() > kMaxWaitingKeys) {
+  size_t key_bytes = 0;
+  for (const std::string* k : keys) key_bytes += k->size() + kWaitingKeyOverhead;
+  if (waiting_key_bytes_ + key_bytes > kMaxWaitingKeyBytes) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("requests wait for ", waiting_keys_, " keys already; ",
-                                     keys.size(), " more would pass ", kMaxWaitingKeys));
+                        absl::StrCat("requests wait for keys of ", waiting_key_bytes_ >> 20,
+                                     " MiB already; ", keys.size(), " more keys (",
+                                     key_bytes >> 10, " KiB) would pass ",
+                                     kMaxWaitingKeyBytes >> 20, " MiB"));
   }
   ++waiters_;
-  waiting_keys_ += keys.size();
+  waiting_key_bytes_ += key_bytes;
   const absl::Time deadline = absl::Now() + absl::Milliseconds(timeout_ms);
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || present(); };
   bool woken;
@@ -205,7 +209,7 @@ grpc::Status StoreState::await_keys(const std::vector<const std::string*>& keys,
     if (cancelled() || absl::Now() >= deadline) break;
   }
   --waiters_;
-  waiting_keys_ -= keys.size();
+  waiting_key_bytes_ -= key_bytes;
   if (stopping_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the store is stopping");
   if (!woken) {
     std::vector<std::string> missing;

@@ -27,7 +27,11 @@ class StoreState {
   static constexpr size_t kMaxKeys = 1 << 16;           // keys held
   static constexpr size_t kMaxBytes = size_t{64} << 20;  // keys and values held
   static constexpr int kMaxWaiters = 1024;               // get()/wait() blocked at once (default)
-  static constexpr size_t kMaxWaitingKeys = 1 << 16;     // the keys they wait for, all together
+  // The keys they wait for, all together, counted as their bytes plus
+  // kWaitingKeyOverhead each: a barrier of 1024 workers on 1024 keys each
+  // fits, 8 requests of 4096 keys of 4 KiB do not.
+  static constexpr size_t kMaxWaitingKeyBytes = size_t{128} << 20;
+  static constexpr size_t kWaitingKeyOverhead = 32;
   static constexpr int64_t kMaxTimeoutMs = int64_t{24} * 3600 * 1000;
   // Largest request worth reading (gRPC refuses larger ones).
   static constexpr int kMaxRequestBytes = kMaxValueBytes + kMaxKeysPerRequest * (kMaxKeyBytes + 8);
@@ -72,7 +76,7 @@ class StoreState {
   std::map<std::string, std::string> data_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of keys and values in data_
   int waiters_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t waiting_keys_ ABSL_GUARDED_BY(mu_) = 0;  // the keys of the waiters
+  size_t waiting_key_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // the keys of the waiters
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -252,7 +252,8 @@ absl::Status SameHostChannel::read_one_unguarded() {
   if (p.kind == kGoodbye && p.body <= kMaxHandshakeBody) {
     // The server ended the connection over an error, which it names.
     std::string why(p.body, '\0');
-    ok = conn_->read_exact(why.data(), why.size());
+    ok = conn_->read_exact(why.data(), why.size(), nullptr, absl::InfiniteFuture(),
+                           /*in_message=*/true);
     if (!ok.ok()) return ok;
     return absl::InternalError(why);
   }

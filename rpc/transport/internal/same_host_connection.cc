@@ -230,15 +230,19 @@ absl::Status Conn::check_peer_now_and_then() {
   return check_peer();
 }
 
-absl::Status Conn::read_exact(void* dst, size_t n, bool* eof,
-                              absl::Time deadline) {
+absl::Status Conn::read_exact(void* dst, size_t n, bool* eof, absl::Time deadline,
+                              bool in_message) {
   auto* out = static_cast<char*>(dst);
   size_t done = 0;
   if (eof) *eof = false;
-  // The bytes of a message come without a pause of keepalive_timeout: a
+  // The bytes of a message that has started come without a long pause: a
   // live peer that stops part way ends the connection instead of holding
-  // its reader (a stopped or dead one is found sooner, by check_peer).
-  absl::Time silent_until = absl::Now() + keepalive_timeout_;
+  // its reader (a stopped or dead one is found sooner, by check_peer). The
+  // pause allowed is long: a live sender's queued bytes may wait for its
+  // own reader's turn to write them.
+  const absl::Duration silence = 6 * keepalive_timeout_;
+  absl::Time silent_until =
+      in_message ? absl::Now() + silence : absl::InfiniteFuture();
   while (done < n) {
     if (ahead_pos_ < ahead_end_) {
       const size_t take = std::min(ahead_end_ - ahead_pos_, n - done);
@@ -252,7 +256,7 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof,
     ssize_t got = ahead ? recv(fd_, ahead_.get(), kReadAhead, MSG_DONTWAIT)
                         : recv(fd_, out + done, n - done, MSG_DONTWAIT);
     if (got > 0) {
-      silent_until = absl::Now() + keepalive_timeout_;
+      silent_until = absl::Now() + silence;
       if (ahead) {
         ahead_pos_ = 0;
         ahead_end_ = static_cast<size_t>(got);
@@ -276,8 +280,7 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof,
     absl::Status ready = wait_readable(until);
     if (absl::IsDeadlineExceeded(ready) && until < deadline) {
       return absl::UnavailableError(absl::StrCat(
-          "the peer sent part of a message, then nothing for ",
-          absl::FormatDuration(keepalive_timeout_)));
+          "the peer sent part of a message, then nothing for ", absl::FormatDuration(silence)));
     }
     if (!ready.ok()) return ready;
   }
@@ -292,7 +295,8 @@ absl::Status Conn::read_growing(size_t n, std::string* out) {
     const size_t at = out->size();
     const size_t take = std::min(kStep, n - at);
     out->resize(at + take);
-    absl::Status ok = read_exact(out->data() + at, take);
+    absl::Status ok = read_exact(out->data() + at, take, nullptr, absl::InfiniteFuture(),
+                                 /*in_message=*/true);
     if (!ok.ok()) return ok;
   }
   return absl::OkStatus();
@@ -322,7 +326,8 @@ absl::Status Conn::read_frame(const Preamble& p, Frame* frame) {
   if (!ok.ok()) return ok;
   std::vector<RemoteTensor> remote(p.num_remote);
   if (p.num_remote > 0) {
-    ok = read_exact(remote.data(), remote.size() * sizeof(RemoteTensor));
+    ok = read_exact(remote.data(), remote.size() * sizeof(RemoteTensor), nullptr,
+                    absl::InfiniteFuture(), /*in_message=*/true);
     if (!ok.ok()) return ok;
     for (size_t i = 1; i < remote.size(); ++i) {
       if (remote[i].index <= remote[i - 1].index) {
@@ -347,7 +352,7 @@ absl::Status Conn::read_frame(const Preamble& p, Frame* frame) {
         if (inline_read > p.inline_bytes) {
           return absl::DataLossError("inline tensors exceed their claimed bytes");
         }
-        return read_exact(dst, n);
+        return read_exact(dst, n, nullptr, absl::InfiniteFuture(), /*in_message=*/true);
       },
       frame);
   if (!ok.ok()) return ok;

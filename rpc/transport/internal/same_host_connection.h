@@ -151,9 +151,12 @@ class Conn {
   bool drained() const { return !has_buffered() && read_all_; }
 
   // Reads exactly n bytes; Unavailable at end of stream (eof set when no
-  // byte of them came).
+  // byte of them came). Once a message has started (`in_message`, or a
+  // byte of these came), its bytes must keep coming: a silence of
+  // 6 x keepalive_timeout ends the read (Unavailable), so that a live peer
+  // that stops part way does not hold its reader for good.
   absl::Status read_exact(void* dst, size_t n, bool* eof = nullptr,
-                          absl::Time deadline = absl::InfiniteFuture());
+                          absl::Time deadline = absl::InfiniteFuture(), bool in_message = false);
 
   // Reads n bytes into a string that grows with the bytes that came, so a
   // claim of many bytes costs resident memory only as they arrive. Its
