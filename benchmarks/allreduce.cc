@@ -272,9 +272,9 @@ int coordinator(int argc, char** argv) {
     json.key(absl::StrCat("nprocs_", n)).begin_object();
     for (int64_t bytes : kSizes) {
       auto busbw = [&](double s) { return s > 0 ? bytes * 2.0 * (n - 1) / n / s / 1e9 : 0; };
-      const double m = bench::median_over<Figures>(ours, [&](const Figures& f) { return seconds(f, bytes); });
-      const double tm =
-          bench::median_over<Figures>(rounds.theirs, [&](const Figures& f) { return seconds(f, bytes); });
+      auto seconds_of = [&](const Figures& f) { return seconds(f, bytes); };
+      const double m = bench::median_over<Figures>(ours, seconds_of);
+      const double tm = bench::median_over<Figures>(rounds.theirs, seconds_of);
       const double rm = bench::median_over<Figures>(ours, [&](const Figures& f) {
         const auto it = f.raw.find(bytes);
         return it == f.raw.end() ? 0 : it->second;

@@ -50,6 +50,10 @@ std::map<std::pair<std::string, int64_t>, ShardCheckpoint>* replicas ABSL_GUARDE
     new std::map<std::pair<std::string, int64_t>, ShardCheckpoint>();
 int64_t replica_bytes ABSL_GUARDED_BY(replicas_mu) = 0;  // of their weights
 
+int64_t weight_bytes(const ShardCheckpoint& c) {
+  return c.weight.numel() * static_cast<int64_t>(sizeof(float));
+}
+
 // What the replicas may take in all: half of this machine's memory.
 int64_t max_replica_bytes() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
@@ -209,13 +213,12 @@ absl::Status hold_replica(const std::string& job, ShardCheckpoint checkpoint) {
   if (!valid_job_name(job)) return absl::InvalidArgumentError("invalid job name");
   if (absl::Status ok = check(checkpoint); !ok.ok()) return ok;
   checkpoint.weight = checkpoint.weight.contiguous();
-  const int64_t bytes = checkpoint.weight.numel() * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = weight_bytes(checkpoint);
   std::vector<ShardCheckpoint> doomed;  // freed outside the lock
   absl::MutexLock lock(&replicas_mu);
   const auto key = std::make_pair(job, checkpoint.shard);
   auto it = replicas->find(key);
-  const int64_t replaced =
-      it != replicas->end() ? it->second.weight.numel() * static_cast<int64_t>(sizeof(float)) : 0;
+  const int64_t replaced = it != replicas->end() ? weight_bytes(it->second) : 0;
   if (it != replicas->end() && it->second.iteration > checkpoint.iteration) {
     return absl::OkStatus();  // it holds a later one
   }
@@ -231,7 +234,7 @@ absl::Status hold_replica(const std::string& job, ShardCheckpoint checkpoint) {
         ++other;
         continue;
       }
-      replica_bytes -= other->second.weight.numel() * static_cast<int64_t>(sizeof(float));
+      replica_bytes -= weight_bytes(other->second);
       doomed.push_back(std::move(other->second));
       other = replicas->erase(other);
     }
@@ -266,7 +269,7 @@ void drop_replicas(const std::string& job) {
       ++it;
       continue;
     }
-    replica_bytes -= it->second.weight.numel() * static_cast<int64_t>(sizeof(float));
+    replica_bytes -= weight_bytes(it->second);
     it = replicas->erase(it);
   }
 }

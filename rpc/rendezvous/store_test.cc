@@ -286,6 +286,20 @@ TEST(StoreTest, PortInUseIsAClearError) {
 }
 
 // What one client can make the store hold, or wait on, is bounded.
+// What waiting for `probe` (a short timeout) answers once the waiters
+// started by the caller are all in: taken (for a moment) until then, then
+// refused at once. Tries for up to a minute.
+grpc::Status refusal_once_full(internal::StoreState& state, const rendezvous::StoreRequest& probe) {
+  rendezvous::StoreResponse resp;
+  grpc::Status status;
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  do {
+    absl::SleepFor(absl::Milliseconds(10));
+    status = state.wait(probe, &resp, [] { return false; });
+  } while (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
+  return status;
+}
+
 TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
   using internal::StoreState;
   StoreState state;
@@ -348,15 +362,9 @@ TEST(StoreStateTest, KeysBytesAndWaitersAreBounded) {
       }
     });
   }
-  // Taken (for a moment) until every waiter is in, then refused at once.
   rendezvous::StoreRequest probe = wait;
   probe.set_timeout_ms(1);
-  grpc::Status refused;
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  do {
-    absl::SleepFor(absl::Milliseconds(10));
-    refused = waits.wait(probe, &resp, [] { return false; });
-  } while (refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
+  const grpc::Status refused = refusal_once_full(waits, probe);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
   waits.stop();  // wakes them all
   for (auto& t : waiters) t.join();
@@ -395,15 +403,9 @@ TEST(StoreStateTest, KeysWaitedForAreBoundedAllTogether) {
     });
   }
   rendezvous::StoreResponse resp;
-  // One more as large: taken (for a moment) until every waiter is in,
-  // then refused at once.
+  // One more as large.
   const rendezvous::StoreRequest probe = request(kFull, 1);
-  grpc::Status refused;
-  const absl::Time until = absl::Now() + absl::Seconds(60);
-  do {
-    absl::SleepFor(absl::Milliseconds(10));
-    refused = state.wait(probe, &resp, [] { return false; });
-  } while (refused.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED && absl::Now() < until);
+  const grpc::Status refused = refusal_once_full(state, probe);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_NE(refused.error_message().find("requests wait for keys of"), std::string::npos)
       << refused.error_message();

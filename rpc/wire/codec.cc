@@ -152,7 +152,7 @@ void encode_at(const c10::IValue& v, wire::Value* out, Frame* frame, const Codec
 // byte or more each, they hold at most 65536.
 constexpr size_t kCountedHeaderBytes = 64 << 10;
 // Fields of a header written after its value is encoded, besides two per
-// tensor (see encode_checked).
+// tensor (see check_header_fields).
 constexpr int64_t kFieldsWrittenLater = 8;
 // Nesting of messages a header count follows (protobuf parses 100).
 constexpr int kMaxCountedDepth = 100;
@@ -180,15 +180,15 @@ int64_t header_fields(const google::protobuf::Message& m) {
   return n;
 }
 
-void encode_checked(const c10::IValue& value, wire::Value* out, Frame* frame,
-                    const CodecContext& ctx) {
-  encode_at(value, out, frame, ctx, 0);
-  if (frame->header.ByteSizeLong() > kCountedHeaderBytes) {
+// Throws TypeMismatch when `frame`'s header would pass kMaxHeaderFields at a
+// receiver.
+void check_header_fields(const Frame& frame) {
+  if (frame.header.ByteSizeLong() > kCountedHeaderBytes) {
     // With room for what is written after the value: the header's id,
     // source, kind and error (the agent), the framing's more_in_flight, and
     // a bulk path's lent and pushed marks on each tensor.
     const int64_t fields =
-        header_fields(frame->header) + kFieldsWrittenLater + 2 * frame->header.tensors_size();
+        header_fields(frame.header) + kFieldsWrittenLater + 2 * frame.header.tensors_size();
     if (fields > kMaxHeaderFields) {
       throw TypeMismatch(absl::StrCat("a message may hold at most ", kMaxHeaderFields,
                                       " values, tensor sizes and other fields; this one would "
@@ -339,7 +339,8 @@ at::Tensor allocate_tensor(const wire::TensorMeta& meta, const EmptyTensor& empt
 }
 
 void encode_value(const c10::IValue& v, wire::Value* out, Frame* frame, const CodecContext& ctx) {
-  encode_checked(v, out, frame, ctx);
+  encode_at(v, out, frame, ctx, 0);
+  check_header_fields(*frame);
 }
 
 namespace {

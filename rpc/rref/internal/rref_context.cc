@@ -666,9 +666,9 @@ Future<c10::IValue> RRefContext::local_value(const RRefState& rref) {
   }
   // The entry's own kind decides, not what the handle claims (a peer
   // names the type of an RRef it sends).
-  auto not_a_value = [this, id = rref.id](const std::string& type) {
+  auto not_a_value = [self = self_id_, id = rref.id](const std::string& type) {
     return RpcError(ErrorCode::kInvalidArgument,
-                    absl::StrCat("RRef (", id.worker, ", ", id.local, ") on worker ", self_id_,
+                    absl::StrCat("RRef (", id.worker, ", ", id.local, ") on worker ", self,
                                  " holds an object of class '", type.substr(0, 64),
                                  "', not a value"));
   };

@@ -235,14 +235,6 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof, absl::Time deadlin
   auto* out = static_cast<char*>(dst);
   size_t done = 0;
   if (eof) *eof = false;
-  // The bytes of a message that has started come without a long pause: a
-  // live peer that stops part way ends the connection instead of holding
-  // its reader (a stopped or dead one is found sooner, by check_peer). The
-  // pause allowed is long: a live sender's queued bytes may wait for its
-  // own reader's turn to write them.
-  const absl::Duration silence = 6 * keepalive_timeout_;
-  absl::Time silent_until =
-      in_message ? absl::Now() + silence : absl::InfiniteFuture();
   while (done < n) {
     if (ahead_pos_ < ahead_end_) {
       const size_t take = std::min(ahead_end_ - ahead_pos_, n - done);
@@ -256,7 +248,6 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof, absl::Time deadlin
     ssize_t got = ahead ? recv(fd_, ahead_.get(), kReadAhead, MSG_DONTWAIT)
                         : recv(fd_, out + done, n - done, MSG_DONTWAIT);
     if (got > 0) {
-      silent_until = absl::Now() + silence;
       if (ahead) {
         ahead_pos_ = 0;
         ahead_end_ = static_cast<size_t>(got);
@@ -276,7 +267,15 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof, absl::Time deadlin
       return absl::UnavailableError(absl::StrCat("reading the connection failed: ",
                                                  std::strerror(errno)));
     }
-    const absl::Time until = std::min(deadline, silent_until);
+    // The bytes of a message that has started come without a long pause
+    // (measured from the last that came): a live peer that stops part way
+    // ends the connection instead of holding its reader (a stopped or dead
+    // one is found sooner, by check_peer). The pause allowed is long: a
+    // live sender's queued bytes may wait for its own reader's turn to
+    // write them.
+    const absl::Duration silence = 6 * keepalive_timeout_;
+    const absl::Time until =
+        in_message || done > 0 ? std::min(deadline, absl::Now() + silence) : deadline;
     absl::Status ready = wait_readable(until);
     if (absl::IsDeadlineExceeded(ready) && until < deadline) {
       return absl::UnavailableError(absl::StrCat(
