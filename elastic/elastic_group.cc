@@ -70,9 +70,14 @@ std::shared_ptr<ddp::ProcessGroup> ElasticGroup::group() {
   return group_;
 }
 
-absl::StatusOr<int64_t> ElasticGroup::advance() {
+absl::StatusOr<int64_t> ElasticGroup::advance(int64_t epoch) {
+  if (epoch < epoch_ || (epoch == epoch_ && group_ != nullptr)) {
+    if (epoch == epoch_) return epoch_;
+    return absl::InvalidArgumentError(absl::StrCat("elastic group of '", self_, "' is at epoch ",
+                                                   epoch_, ", past epoch ", epoch));
+  }
   group_.reset();
-  absl::StatusOr<rpc::Membership> m = watch_->current();
+  absl::StatusOr<rpc::Membership> m = watch_->at_epoch(epoch);
   if (!m.ok()) return m.status();
   const int64_t from = epoch_;
   if (absl::Status ok = form(*m); !ok.ok()) return ok;

@@ -78,11 +78,17 @@ class ElasticGroup {
   // overwritten by rank 0's of the new group.
   absl::StatusOr<int64_t> recover(std::vector<at::Tensor> state);
 
-  // When the membership has grown (joiners admitted): every member of the
-  // current epoch, joiners included, calls it at the same point (a
-  // collective); the group of that epoch is formed, the old one dropped
-  // first. Returns the new epoch.
-  absl::StatusOr<int64_t> advance();
+  // When the membership has grown (joiners admitted in epoch `epoch`):
+  // every member of that epoch, the joiners included, calls it with the
+  // same `epoch` at the same point (a collective); the group of the members
+  // that epoch held is formed, the old one dropped first. The members agree
+  // on `epoch` beforehand (the largest epoch any of them saw, by an
+  // allreduce in the old group): each reading the membership on its own
+  // could see a later epoch than another, and the two would wait in groups
+  // of their own. A member lost since `epoch` makes the forming or the
+  // group's first collective fail, and recover() goes on from there.
+  // Returns `epoch`; InvalidArgument for an epoch before this group's.
+  absl::StatusOr<int64_t> advance(int64_t epoch);
 
  private:
   // Forms the group of membership `m`.

@@ -82,5 +82,52 @@ MULTIPROCESS_TEST(ElasticGroupTest, SurvivorsReformAndTrainOn, 3) {
   EXPECT_FALSE(rpc::shutdown());  // worker2 is gone
 }
 
+// A worker admitted and then lost before the members move on: every member
+// forms the epoch they agreed on (the admission), not the newest one each
+// would read on its own, and meets the others there.
+MULTIPROCESS_TEST(ElasticGroupTest, AdvanceFormsTheEpochAgreedOnNotTheNewest, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  std::shared_ptr<rpc::Store> store = mp::connect_rpc_store();
+  absl::StatusOr<std::shared_ptr<MembershipWatch>> watch =
+      MembershipWatch::start(store, {"worker0", "worker1"});
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ElasticGroup replicas(store, *watch, mp::worker_name(), options());
+  EXPECT_EQ(replicas.group()->size(), 2);
+  if (mp::rank() == 0) {
+    // worker7 asks to join (epoch 2), is admitted (3), and is lost (4).
+    ASSERT_TRUE((*watch)->request_join("worker7").ok());
+    absl::StatusOr<rpc::Membership> admitted = (*watch)->admit_joining();
+    ASSERT_TRUE(admitted.ok()) << admitted.status();
+    EXPECT_EQ(admitted->epoch, 3);
+    ASSERT_TRUE((*watch)->remove("worker7").ok());
+  }
+  absl::StatusOr<rpc::Membership> now = (*watch)->await_change(3, absl::Seconds(20));
+  ASSERT_TRUE(now.ok()) << now.status();
+  ASSERT_EQ(now->epoch, 4);
+
+  // Epoch 3 held worker7: forming it fails on both members, at the group's
+  // timeout, and neither moves to epoch 4 on its own.
+  absl::StatusOr<int64_t> with_lost = replicas.advance(3);
+  EXPECT_FALSE(with_lost.ok());
+  EXPECT_NE(with_lost.status().message().find("epoch 3 (3 members)"), std::string::npos)
+      << with_lost.status();
+  EXPECT_EQ(replicas.epoch(), 1);
+  absl::StatusOr<int64_t> agreed = replicas.advance(4);
+  ASSERT_TRUE(agreed.ok()) << agreed.status();
+  EXPECT_EQ(*agreed, 4);
+  EXPECT_EQ(replicas.members(), (std::vector<std::string>{"worker0", "worker1"}));
+  at::Tensor x = at::full({3}, 1.0 + mp::rank(), at::kDouble);
+  replicas.group()->allreduce({x}, ddp::ReduceOp::kSum)->wait(absl::Seconds(30));
+  EXPECT_TRUE(at::allclose(x, at::full({3}, 3.0, at::kDouble))) << x;
+
+  std::shared_ptr<ddp::ProcessGroup> same = replicas.group();
+  EXPECT_EQ(*replicas.advance(4), 4);  // already there: the group stays
+  EXPECT_EQ(replicas.group(), same);
+  EXPECT_EQ(replicas.advance(2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(replicas.group(), same);
+  watch->reset();
+  rpc::shutdown();
+}
+
 }  // namespace
 }  // namespace ddprpc::elastic

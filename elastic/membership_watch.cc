@@ -180,6 +180,14 @@ absl::StatusOr<rpc::Membership> MembershipWatch::await_change(int64_t epoch,
   return state_->client().await_change(epoch, timeout);
 }
 
+absl::StatusOr<rpc::Membership> MembershipWatch::at_epoch(int64_t epoch) {
+  return state_->client().at_epoch(epoch);
+}
+
+absl::StatusOr<rpc::Membership> MembershipWatch::remove(const std::string& worker) {
+  return state_->client().remove(worker);
+}
+
 void MembershipWatch::report_lost(const std::string& worker) { state_->lost(worker); }
 
 absl::StatusOr<rpc::Membership> MembershipWatch::request_join(const std::string& worker) {

@@ -48,6 +48,13 @@ class MembershipWatch {
   absl::StatusOr<rpc::Membership> current();
   // Blocks until the membership's epoch is past `epoch`, at most `timeout`.
   absl::StatusOr<rpc::Membership> await_change(int64_t epoch, absl::Duration timeout);
+  // The membership of epoch `epoch`, as that epoch held it; see
+  // rpc::MembershipClient::at_epoch.
+  absl::StatusOr<rpc::Membership> at_epoch(int64_t epoch);
+  // Takes `worker` out of the membership now, on this thread (a joiner that
+  // cannot take part after all, taking itself out so that the others go
+  // on without it).
+  absl::StatusOr<rpc::Membership> remove(const std::string& worker);
   // Queues `worker` for removal, as when this process finds it unreachable
   // (for a worker found gone some other way: a collective that failed on
   // it, calls that time out).

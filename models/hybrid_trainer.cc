@@ -384,8 +384,9 @@ DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_tables, kTablesFunction, &tables_of);
 
 // A standby trainer (`self`, adds[j]) of run `run`: waits for the
 // trainers' rank 0 to reach the iteration it joins at, asks to join and
-// waits to be admitted. False when the run's trainers finished first.
-absl::StatusOr<bool> join_as_standby(const HybridTrainerOptions& o, int64_t run, rpc::Store& store,
+// waits to be admitted. Returns the epoch that admitted it (the one the
+// trainers move to), or -1 when the run's trainers finished first.
+absl::StatusOr<int64_t> join_as_standby(const HybridTrainerOptions& o, int64_t run, rpc::Store& store,
                                      elastic::MembershipWatch& watch, const std::string& self,
                                      int j) {
   const absl::Time deadline = absl::Now() + o.run_timeout;
@@ -394,19 +395,31 @@ absl::StatusOr<bool> join_as_standby(const HybridTrainerOptions& o, int64_t run,
                                                     absl::FormatDuration(o.run_timeout)));
   };
   while (!store.check({add_key(run, j)})) {
-    if (store.check({done_key(run)})) return false;
+    if (store.check({done_key(run)})) return -1;
     if (absl::Now() > deadline) return timed_out("was never called to join");
     absl::SleepFor(absl::Milliseconds(20));
   }
   absl::StatusOr<rpc::Membership> m = watch.request_join(self);
   if (!m.ok()) return m.status();
+  // The epochs from here to the one that admits it list it as joining.
+  int64_t joining_since = m->is_joining(self) ? m->epoch : m->epoch - 1;
   for (;;) {
-    if (m->is_member(self)) return true;
+    if (m->is_member(self)) {
+      // A worker lost right after the admission may have moved the record
+      // on: the admitting epoch is the first to list this one as a member.
+      for (int64_t e = joining_since + 1; e < m->epoch; ++e) {
+        absl::StatusOr<rpc::Membership> then = watch.at_epoch(e);
+        if (!then.ok()) return then.status();
+        if (then->is_member(self)) return e;
+      }
+      return m->epoch;
+    }
     if (!m->is_joining(self)) {
       return absl::FailedPreconditionError(
           absl::StrCat(self, " (standby) was taken out of the membership while it waited"));
     }
-    if (store.check({done_key(run)})) return false;
+    joining_since = m->epoch;
+    if (store.check({done_key(run)})) return -1;
     if (absl::Now() > deadline) return timed_out("was not admitted");
     absl::StatusOr<rpc::Membership> next = watch.await_change(m->epoch, absl::Milliseconds(200));
     if (next.ok()) m = next;
@@ -456,12 +469,13 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   // A standby (adds): joins when the trainers' rank 0 starts its iteration.
   const int standby = static_cast<int>(rank) - o.trainers;  // >= 0: adds[standby]
   int first_iteration = 0;
+  absl::StatusOr<int64_t> admitted = -1;  // a standby: the epoch that admitted it
   if (o.elastic) {
     watch = watch_membership(o, run);
     if (standby >= 0) {
-      absl::StatusOr<bool> admitted = join_as_standby(o, run, *store, *watch, self, standby);
+      admitted = join_as_standby(o, run, *store, *watch, self, standby);
       if (!admitted.ok()) throw std::runtime_error(std::string(admitted.status().message()));
-      if (!*admitted) {
+      if (*admitted < 0) {
         TrainerReply never;
         std::get<4>(never) = at::empty({0});
         std::get<6>(never) = -1;  // never joined
@@ -474,7 +488,9 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
     eo.group = group_options;
     eo.change_timeout = o.collective_timeout;
     elastic_group = std::make_unique<elastic::ElasticGroup>(store, watch, self, eo);
-    group = elastic_group->group();
+    // A standby meets the trainers in the group of the epoch that admitted
+    // it (below), as they do.
+    if (standby < 0) group = elastic_group->group();
   } else {
     group = make_group(store, absl::StrCat("ddp/trainers/", run, "/"), static_cast<int>(rank),
                        o.trainers, group_options);
@@ -542,8 +558,21 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
   };
   if (standby >= 0) {
     // The others admitted this one at the start of an iteration, where it
-    // meets them: their dense stack, their tables, their next batch.
-    regrouped(elastic_group->epoch());
+    // meets them: their dense stack, their tables, their next batch. If it
+    // cannot, it takes itself out of the membership before it fails: the
+    // trainers' recovery then goes on without it instead of waiting for a
+    // member that answers its pings but never takes part.
+    try {
+      absl::StatusOr<int64_t> joined = elastic_group->advance(*admitted);
+      if (!joined.ok()) throw std::runtime_error(std::string(joined.status().message()));
+      regrouped(*joined);
+    } catch (const std::exception& e) {
+      absl::StatusOr<rpc::Membership> left = watch->remove(self);
+      throw std::runtime_error(absl::StrCat(
+          self, " (standby) could not join the trainers in epoch ", *admitted, ": ", e.what(),
+          left.ok() ? "; it left the membership"
+                    : absl::StrCat("; leaving the membership failed too: ", left.status().message())));
+    }
     first_iteration = static_cast<int>(resume_at / o.batches_per_iter);
     batch_index = int64_t{first_iteration} * o.batches_per_iter;
     LOG(WARNING) << self << ": joined the trainers at iteration " << first_iteration << " (epoch "
@@ -616,7 +645,7 @@ TrainerReply train(std::vector<rpc::RRef<EmbeddingTable>> tables, int64_t rank, 
                                                      o.collective_timeout);
           if (epoch.item<int64_t>() > elastic_group->epoch()) {
             ddp.reset();
-            absl::StatusOr<int64_t> grown = elastic_group->advance();
+            absl::StatusOr<int64_t> grown = elastic_group->advance(epoch.item<int64_t>());
             if (!grown.ok()) {
               throw std::runtime_error(absl::StrCat("admitting the standby trainers: ",
                                                     grown.status().message()));

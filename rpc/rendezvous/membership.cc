@@ -189,6 +189,9 @@ absl::StatusOr<Membership> MembershipClient::update(absl::string_view what, Chan
       announce(*now);  // in case its writer was lost before announcing it
       return now;
     }
+    // The record this change replaces is kept first, in case its writer
+    // was lost before keeping it: at_epoch() can then always read it.
+    announce(*now);
     Membership& want = **next;
     want.epoch = now->epoch + 1;
     const std::string expected = now->epoch == 0 ? std::string() : now->encode();
@@ -271,6 +274,37 @@ absl::StatusOr<Membership> MembershipClient::admit_joining() {
                   m.joining.clear();
                   return std::optional<Membership>(std::move(m));
                 });
+}
+
+absl::StatusOr<Membership> MembershipClient::at_epoch(int64_t epoch) {
+  if (epoch <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("membership '", options_.key, "': epoch ",
+                                                   epoch, " does not exist"));
+  }
+  absl::StatusOr<std::string> kept = store_->read(epoch_key(epoch));
+  if (!kept.ok()) {
+    return absl::Status(kept.status().code(),
+                        absl::StrCat("reading epoch ", epoch, " of membership '", options_.key,
+                                     "': ", kept.status().message()));
+  }
+  if (kept->empty()) {
+    // Not kept yet: the record now, if it is of that epoch.
+    absl::StatusOr<Membership> now = current();
+    if (!now.ok()) return now.status();
+    if (now->epoch == epoch) {
+      announce(*now);
+      return now;
+    }
+    return absl::NotFoundError(absl::StrCat("membership '", options_.key, "' has no record of epoch ",
+                                            epoch, " (it is at epoch ", now->epoch, ")"));
+  }
+  absl::StatusOr<Membership> m = Membership::decode(*kept);
+  if (!m.ok() || m->epoch != epoch) {
+    return absl::DataLossError(absl::StrCat(
+        "membership '", options_.key, "' keeps a record for epoch ", epoch, " that is not one: ",
+        m.ok() ? absl::StrCat("it is of epoch ", m->epoch) : std::string(m.status().message())));
+  }
+  return m;
 }
 
 absl::StatusOr<Membership> MembershipClient::await_change(int64_t epoch, absl::Duration timeout) {

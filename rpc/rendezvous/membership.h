@@ -19,6 +19,7 @@
 //   members.request_join("trainer1b");                    // a replacement
 //   members.admit_joining();                              // at a boundary
 //   members.await_change(seen_epoch, absl::Seconds(20));  // every survivor
+//   members.at_epoch(agreed_epoch);                       // what it held
 #pragma once
 
 #include <cstdint>
@@ -114,6 +115,14 @@ class MembershipClient {
   // (DeadlineExceeded); returns the newer record.
   absl::StatusOr<Membership> await_change(int64_t epoch, absl::Duration timeout);
 
+  // The record of epoch `epoch` as it was written, whatever the epoch is
+  // now: every epoch's record is kept under a key of its own, before the
+  // next epoch is written. Workers that agreed on an epoch read the same
+  // members here. NotFound when that epoch has not come yet, or when its
+  // writer was lost before keeping it and the record has moved on; DataLoss
+  // when what is kept is not a record of that epoch.
+  absl::StatusOr<Membership> at_epoch(int64_t epoch);
+
  private:
   // Rewrites the record by `change` (nullopt: the record already shows what
   // was asked for) until a compare_set of the next epoch takes, or the
@@ -123,8 +132,8 @@ class MembershipClient {
   absl::StatusOr<Membership> update(absl::string_view what, Change change);
   // The key set once an epoch exists, which await_change() waits on.
   std::string epoch_key(int64_t epoch) const;
-  // Sets epoch_key() of `m` for waiters (idempotent; failure only delays
-  // them to their next read).
+  // Keeps `m` at epoch_key() for at_epoch() and for waiters (idempotent;
+  // failure only delays waiters to their next read).
   void announce(const Membership& m);
 
   const std::unique_ptr<MembershipStore> store_;

@@ -346,6 +346,59 @@ TEST(MembershipTest, AwaitChangeWakesOnTheNextEpochAndTimesOutWithoutOne) {
   EXPECT_LT(absl::Now() - t0, absl::Seconds(10));
 }
 
+TEST(MembershipTest, EveryEpochsRecordStaysReadableAfterLaterOnes) {
+  auto state = std::make_shared<StoreState>();
+  MembershipClient members = client(state);
+  std::vector<std::string> written;
+  written.push_back(members.start({"a", "b", "c"})->encode());
+  written.push_back(members.remove("c")->encode());
+  // The writer of epoch 2 is lost before it keeps the record: at_epoch()
+  // finds it as the record now, and the next change keeps it first.
+  auto forget = [&](int64_t epoch) {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->data.erase(absl::StrCat(kKey, "/epoch/", epoch));
+  };
+  forget(2);
+  ASSERT_TRUE(members.at_epoch(2).ok());
+  EXPECT_EQ(members.at_epoch(2)->encode(), written[1]);
+  forget(2);
+  written.push_back(members.request_join("d")->encode());
+  written.push_back(members.admit_joining()->encode());
+  for (int64_t e = 1; e <= 4; ++e) {
+    absl::StatusOr<Membership> m = client(state).at_epoch(e);
+    ASSERT_TRUE(m.ok()) << "epoch " << e << ": " << m.status();
+    EXPECT_EQ(m->encode(), written[e - 1]);
+  }
+  EXPECT_EQ(members.at_epoch(5).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(members.at_epoch(0).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Lost before keeping it, and moved on by a writer that had read the
+  // record before: epoch 6's record is gone for good, and said so.
+  written.push_back(members.remove("a")->encode());  // epoch 5
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    Membership six = *Membership::decode(written[4]);
+    six.epoch = 6;
+    six.joining = {"e"};
+    Membership seven = six;
+    seven.epoch = 7;
+    seven.joining.clear();
+    state->data[kKey] = seven.encode();
+  }
+  absl::StatusOr<Membership> lost = members.at_epoch(6);
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kNotFound) << lost.status();
+  EXPECT_NE(lost.status().message().find("at epoch 7"), std::string::npos) << lost.status();
+
+  // What is kept under an epoch's key is checked like any record.
+  {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->data[absl::StrCat(kKey, "/epoch/3")] = written[1];  // epoch 2's
+    state->data[absl::StrCat(kKey, "/epoch/4")] = "4|b,,|";
+  }
+  EXPECT_EQ(members.at_epoch(3).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(members.at_epoch(4).status().code(), absl::StatusCode::kDataLoss);
+}
+
 TEST(MembershipTest, OverTheRendezvousStore) {
   auto server = StoreServer::start("127.0.0.1", 0);
   Store store("127.0.0.1", server->port(), absl::Seconds(10));
