@@ -286,6 +286,36 @@ MULTIPROCESS_TEST(ProcessGroupTest, DeadRankFailsAStripedAllreduceBetweenHosts, 
   dead_rank_fails_large_allreduces(3);
 }
 
+// After one ring of a striped group fails, every later allreduce on the
+// rings fails at once, whichever rings it would use: rank 2 stops taking
+// part; a small allreduce (one ring) fails at the timeout, and the large
+// one after it (both rings) fails without waiting on the ring that has not
+// failed yet.
+MULTIPROCESS_TEST(ProcessGroupTest, ARingThatFailedFailsLaterStripedAllreducesAtOnce, 3) {
+  ddp::ProcessGroupOptions options;
+  options.same_host_allreduce = false;
+  options.tcp_ring_streams = 2;
+  options.timeout = absl::Seconds(2);
+  const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
+  auto pg = ddp::make_gloo_group(rank_store.store, "striped/", mp::rank(), 3, options);
+  if (mp::rank() == 2) {
+    absl::SleepFor(absl::Seconds(8));  // alive, and calling nothing
+    return;
+  }
+  at::Tensor small = at::ones({(300 << 10) / 4});
+  EXPECT_THROW(pg->allreduce({small})->wait(absl::Seconds(30)), std::exception);
+  at::Tensor large = at::ones({(1 << 20) / 4});
+  const absl::Time start = absl::Now();
+  try {
+    pg->allreduce({large})->wait(absl::Seconds(30));
+    ADD_FAILURE() << "an allreduce on a failed ring succeeded";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("failed in an earlier allreduce"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
 // A group built on an existing store (as when RPC already hosts one): two
 // groups under different prefixes share it without mixing their keys.
 MULTIPROCESS_TEST(ProcessGroupTest, GroupsShareOneStoreUnderPrefixes, 2) {

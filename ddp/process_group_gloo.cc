@@ -343,6 +343,21 @@ class ProcessGroupGloo : public ProcessGroup {
   // `buffer` cut into as many contiguous parts as there are rings, each
   // reduced around its ring at once (the first on this thread).
   void ring_allreduce(at::Tensor& buffer, ReduceOp op) {
+    // One ring failing breaks them all: a later allreduce striped over the
+    // others would otherwise wait for a lost rank until its timeout.
+    if (!rings_failed_.empty()) {
+      throw std::runtime_error(
+          absl::StrCat("the group's TCP ring failed in an earlier allreduce: ", rings_failed_));
+    }
+    try {
+      striped_ring_allreduce(buffer, op);
+    } catch (const std::exception& e) {
+      rings_failed_ = e.what();
+      throw;
+    }
+  }
+
+  void striped_ring_allreduce(at::Tensor& buffer, ReduceOp op) {
     const at::ScalarType type = buffer.scalar_type();
     const internal::Reduction reduction = reduction_of(op, type);
     const internal::ReduceFn reduce = internal::reduce_fn(type, reduction);
@@ -503,6 +518,7 @@ class ProcessGroupGloo : public ProcessGroup {
   int64_t sync_max_bytes_ = 0;  // set at construction, the same on every rank
   // Used only by the operation running (on ops_' thread, or in run_now).
   std::map<std::tuple<int, int64_t, int>, SyncAllreduce> sync_allreduces_;
+  std::string rings_failed_;  // why the rings failed; "" while they work
   internal::OpQueue ops_;  // last: its thread stops before the contexts go
 };
 

@@ -65,6 +65,14 @@ std::string stalled(int result, int e, absl::Time deadline, const std::atomic<bo
   return "";
 }
 
+std::string overdue(absl::Time deadline, const std::atomic<bool>* cancel, const std::string& peer) {
+  if (cancel != nullptr && cancel->load()) return "cancelled";
+  if (absl::Now() >= deadline) {
+    return absl::StrCat("the transfer with ", peer, " did not end before the deadline");
+  }
+  return "";
+}
+
 // Writes n bytes on a socket prepared by prepare_stream; "" or the error.
 std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
                      const std::atomic<bool>* cancel, const std::string& peer) {
@@ -73,6 +81,12 @@ std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
     if (k > 0) {
       p += k;
       n -= static_cast<size_t>(k);
+      // A call ends with part of the bytes when its slice passes: a peer
+      // that takes a few bytes a slice must not outlast the deadline.
+      if (n > 0) {
+        std::string error = overdue(deadline, cancel, peer);
+        if (!error.empty()) return error;
+      }
       continue;
     }
     std::string error = stalled(k < 0 ? -1 : 1, errno, deadline, cancel, peer);
@@ -89,6 +103,10 @@ std::string recv_all(int fd, char* p, size_t n, absl::Time deadline,
     if (k > 0) {
       p += k;
       n -= static_cast<size_t>(k);
+      if (n > 0) {  // as in send_all
+        std::string error = overdue(deadline, cancel, peer);
+        if (!error.empty()) return error;
+      }
       continue;
     }
     std::string error = stalled(static_cast<int>(k), errno, deadline, cancel, peer);

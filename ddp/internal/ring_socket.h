@@ -66,8 +66,12 @@ void prepare_stream(int fd);
 // `result` is the call's return (0: the peer closed), `e` its errno.
 std::string stalled(int result, int e, absl::Time deadline, const std::atomic<bool>* cancel,
                     const std::string& peer);
+// After a socket call that made progress: "" to go on, else why not
+// (`cancel` set, or the deadline passed).
+std::string overdue(absl::Time deadline, const std::atomic<bool>* cancel, const std::string& peer);
 // Writes or reads exactly n bytes on a socket prepared by prepare_stream;
-// "" or the error. `cancel` (may be null) set elsewhere ends them.
+// "" or the error. `cancel` (may be null) set elsewhere ends them, and so
+// does the deadline, whether or not the peer still moves bytes.
 std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
                      const std::atomic<bool>* cancel, const std::string& peer);
 std::string recv_all(int fd, char* p, size_t n, absl::Time deadline,

@@ -21,6 +21,7 @@ using ring::get_u32;
 using ring::get_u64;
 using ring::put_u32;
 using ring::put_u64;
+using ring::overdue;
 using ring::rank_name;
 using ring::recv_all;
 using ring::send_all;
@@ -244,6 +245,7 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
             at += k;
             left -= k;
             done(k);
+            if (left > 0) error = overdue(deadline, &failed_, from);
           } else {
             error = stalled(static_cast<int>(k), errno, deadline, &failed_, from);
           }

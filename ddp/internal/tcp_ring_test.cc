@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -19,6 +20,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "ddp/internal/ring_socket.h"
 #include "gtest/gtest.h"
 
 namespace ddprpc::ddp::internal {
@@ -339,6 +341,64 @@ TEST(TcpRingTest, AStalledPeerFailsTheCallAtItsDeadline) {
     EXPECT_NE(std::string(e.what()).find("deadline"), std::string::npos) << e.what();
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+using ring::Fd;
+
+// A connected loopback TCP pair: [0] prepared as the ring's sockets are.
+std::array<Fd, 2> tcp_pair() {
+  Fd listener(::socket(AF_INET, SOCK_STREAM, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::listen(listener.get(), 1), 0);
+  EXPECT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  Fd near(::socket(AF_INET, SOCK_STREAM, 0));
+  EXPECT_EQ(::connect(near.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  Fd far(::accept(listener.get(), nullptr, nullptr));
+  ring::prepare_stream(near.get());
+  return {std::move(near), std::move(far)};
+}
+
+// A peer that moves a byte now and then keeps every socket call making
+// progress: the transfer must still end at its deadline.
+TEST(TcpRingTest, APeerThatTricklesBytesFailsTheTransferAtItsDeadline) {
+  std::array<Fd, 2> pair = tcp_pair();
+  std::atomic<bool> stop{false};
+  std::thread trickle([&] {
+    while (!stop.load()) {
+      (void)!::send(pair[1].get(), "x", 1, MSG_NOSIGNAL);
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  });
+  std::vector<char> buffer(1 << 20);
+  absl::Time start = absl::Now();
+  std::string error = ring::recv_all(pair[0].get(), buffer.data(), buffer.size(),
+                               start + absl::Seconds(1), nullptr, "rank 1");
+  EXPECT_NE(error.find("rank 1"), std::string::npos) << error;
+  EXPECT_NE(error.find("deadline"), std::string::npos) << error;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+
+  // The other way: a reader that takes a few bytes at a time, once the
+  // socket buffers are full.
+  std::thread sip([&] {
+    char b[64];
+    while (!stop.load()) {
+      (void)!::recv(pair[1].get(), b, sizeof(b), MSG_DONTWAIT);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  std::vector<char> big(64 << 20);
+  start = absl::Now();
+  error = ring::send_all(pair[0].get(), big.data(), big.size(), start + absl::Seconds(1), nullptr,
+                   "rank 1");
+  EXPECT_NE(error.find("deadline"), std::string::npos) << error;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  stop = true;
+  trickle.join();
+  sip.join();
 }
 
 // Connects to host:port and writes `bytes` (kept open until the returned
