@@ -1,6 +1,7 @@
 #include "rpc/transport/bulk_transport.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <string>
 #include <thread>
@@ -109,6 +110,8 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       pushers.swap(pushers_);
     }
     for (auto& puller : pullers) puller->abort();
+    // All at once, before any is joined: each may be connecting.
+    for (auto& [peer, pusher] : pushers) pusher->abort();
     pushers.clear();  // ends their pushes and joins their threads
     pool_.stop();
     pool_.wait();
@@ -197,7 +200,7 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
   // A lent tensor may be pushed: `*pusher` then starts its bytes once the
   // frame is sent (Pusher::start).
   bool lend(Frame* frame, int self, int peer, bool reply, std::shared_ptr<bulk::Pusher>* started,
-            absl::Time not_before = absl::InfinitePast()) {
+            absl::Time not_before = absl::InfinitePast(), uint64_t channel = 0) {
     bool large = false;  // most frames have no large tensor: no lock for them
     for (const auto& meta : frame->header.tensors()) large |= meta.nbytes() >= options_.min_bytes;
     if (!large) return false;
@@ -222,7 +225,7 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
           !t.device().is_cpu() || !t.is_contiguous()) {
         continue;
       }
-      const uint64_t id = table->lend(peer, frame->header.id(), t, reply, not_before);
+      const uint64_t id = table->lend(peer, frame->header.id(), t, reply, not_before, channel);
       if (id == 0) break;  // the peer's bound: the rest travel in the frame
       meta->set_lent(id);
       meta->set_pushed(pusher != nullptr ? pusher->push(id, t) : 0);
@@ -331,7 +334,9 @@ class BulkState : public std::enable_shared_from_this<BulkState> {
       absl::MutexLock lock(&mu_);
       // A peer that knows the world may lend before this worker has read
       // every worker's record.
-      auto known = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !endpoints_.empty(); };
+      auto known = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !endpoints_.empty() || stopped_;
+      };
       mu_.AwaitWithTimeout(absl::Condition(&known), options_.silence);
       if (stopped_) return absl::CancelledError("the transport is shutting down");
       if (peer < 0 || peer >= static_cast<int>(endpoints_.size()) || endpoints_[peer].empty()) {
@@ -509,7 +514,7 @@ class BulkChannel : public Channel {
       if (pusher != nullptr) pusher->start(/*cancel=*/!sent);
     };
     const bool lent = frame.size() <= static_cast<uint64_t>(max_message_bytes_) &&
-                      state_->lend(&frame, self_, peer_, /*reply=*/false, &pusher, keep);
+                      state_->lend(&frame, self_, peer_, /*reply=*/false, &pusher, keep, tag_);
     const uint64_t id = frame.header.id();
     sent = inner_->send(std::move(frame), options);
     std::move(start_pushes).Invoke();
@@ -524,10 +529,16 @@ class BulkChannel : public Channel {
   }
   void check_connection() override { inner_->check_connection(); }
   // Replies still being pulled are dropped: their calls fail with the
-  // channel.
+  // channel, and so do its requests' lends.
   void close(bool graceful) override {
     inner_->close(graceful);
     gate_->close();
+    release_lends(state_, peer_, tag_);
+  }
+  // Names this channel's request lends.
+  uint64_t tag() const { return tag_; }
+  static void release_lends(const std::shared_ptr<BulkState>& state, int peer, uint64_t tag) {
+    if (auto table = state->table()) table->release_channel(peer, tag);
   }
 
  private:
@@ -536,7 +547,13 @@ class BulkChannel : public Channel {
   const int self_;
   const int peer_;
   const int64_t max_message_bytes_;
+  const uint64_t tag_ = next_tag();
   std::shared_ptr<Channel> inner_;
+
+  static uint64_t next_tag() {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1);
+  }
 };
 
 class BulkTransport : public Transport {
@@ -659,8 +676,15 @@ class BulkTransport : public Transport {
       }
       return absl::OkStatus();
     };
+    // A channel that ends (its peer gone, say) releases its requests' lends
+    // at once, not at their calls' deadlines.
+    Channel::OnClose closed = [state = state_, peer, tag = channel->tag(),
+                               on_close = std::move(on_close)](const CloseReason& why) {
+      BulkChannel::release_lends(state, peer, tag);
+      if (on_close) on_close(why);
+    };
     channel->set_inner(
-        inner_->connect(address, inner_options, std::move(wrapped), std::move(on_close)));
+        inner_->connect(address, inner_options, std::move(wrapped), std::move(closed)));
     return channel;
   }
 

@@ -581,6 +581,43 @@ int pushed_frames(const std::vector<Frame>& frames) {
   return n;
 }
 
+// A channel closed with a request outstanding (its peer silent, say)
+// releases that request's lends at once, not at the call's deadline: the
+// next request to the same peer is lent again within the per-peer bound.
+TEST(BulkTransportTest, AClosedChannelReleasesItsRequestsLends) {
+  TempDir temp0;
+  BulkOptions stalls;
+  stalls.silence = absl::Seconds(3);
+  stalls.streams = 1;
+  BulkOptions small_bound;
+  small_bound.max_lent_bytes_per_peer = 6 << 20;
+  Worker w0(0, 2, temp0.path(), stalls), w1(1, 2, "", small_bound);
+  // Worker 0 pulls worker 1's tensors from a lender that stalls: it
+  // answers none of these requests in time.
+  BrokenLender lender(/*stall=*/true, /*many=*/true);
+  world({&w0}, {w0.bulk_endpoint(), lender.endpoint()});
+  world({&w1}, {w0.bulk_endpoint(), w1.bulk_endpoint()});
+  const at::Tensor big = at::arange(1 << 20, at::kInt);  // 4 MiB
+  SendOptions far;
+  far.deadline = absl::Now() + absl::Hours(1);
+  Replies first_replies, second_replies;
+  auto first = w1.connect_to(w0, &first_replies);
+  ASSERT_TRUE(first->send(request({big}, 1, 1), far));
+  absl::SleepFor(absl::Milliseconds(300));
+  first->close(false);
+  auto second = w1.connect_to(w0, &second_replies);
+  ASSERT_TRUE(second->send(request({big}, 2, 1), far));
+  absl::SleepFor(absl::Milliseconds(300));
+  second->close(false);
+  const std::vector<Frame> frames = captured_frames(temp0.path());
+  ASSERT_EQ(frames.size(), 2u);
+  for (const Frame& f : frames) {
+    ASSERT_EQ(f.header.tensors_size(), 1);
+    EXPECT_NE(f.header.tensors(0).lent(), 0u)
+        << "request " << f.header.id() << " travelled in its frame: the bound was still held";
+  }
+}
+
 // Both ways, pushed tensors arrive whole, and each lend ends once its
 // receiver has the bytes: 24 round trips of 4 MiB lend 96 MiB each way,
 // past the 64 MiB a worker holds lent to one peer for replies, so a lend

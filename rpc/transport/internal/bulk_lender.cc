@@ -19,7 +19,7 @@
 namespace ddprpc::rpc::transport::bulk {
 
 uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply,
-                         absl::Time not_before) {
+                         absl::Time not_before, uint64_t channel) {
   const uint64_t nbytes = tensor.numel() * tensor.element_size();
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
@@ -29,7 +29,11 @@ uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, 
   held += static_cast<int64_t>(nbytes);
   const uint64_t id = next_id_++;
   const absl::Time expires = std::max(now + timeout_, not_before);
-  lends_.emplace(std::make_pair(peer, id), Lend{tensor, nbytes, frame_id, reply, expires});
+  // A tensor of its own over the same storage: the program may point its
+  // tensor elsewhere (set_, .data =) while the lend lasts; the bytes lent
+  // stay those it lent, and they stay allocated.
+  lends_.emplace(std::make_pair(peer, id),
+                 Lend{tensor.detach(), nbytes, frame_id, reply, expires, channel});
   if (!reply) request_lends_.fetch_add(1);
   by_time_.emplace(expires, std::make_pair(peer, id));
   return id;
@@ -62,6 +66,17 @@ void LendTable::release_request(int peer, uint64_t frame_id) {
   for (auto it = lends_.lower_bound({peer, 0}); it != lends_.end() && it->first.first == peer;) {
     const uint64_t id = it->first.second;
     const bool match = !it->second.reply && it->second.frame_id == frame_id;
+    ++it;
+    if (match) erase_locked(peer, id);
+  }
+}
+
+void LendTable::release_channel(int peer, uint64_t channel) {
+  if (request_lends_.load() == 0 || channel == 0) return;
+  absl::MutexLock lock(&mu_);
+  for (auto it = lends_.lower_bound({peer, 0}); it != lends_.end() && it->first.first == peer;) {
+    const uint64_t id = it->first.second;
+    const bool match = !it->second.reply && it->second.channel == channel;
     ++it;
     if (match) erase_locked(peer, id);
   }
@@ -240,8 +255,12 @@ void Listener::accept_loop() {
 }
 
 int Listener::handshake(Connection* c) {
+  // The whole hello within handshake_timeout of the connection's opening,
+  // however its bytes are spread out.
+  const absl::Time deadline = c->opened + limits_.handshake_timeout;
+  const absl::Duration silence = limits_.handshake_timeout;
   char fixed[kHelloFixedBytes];
-  absl::Status ok = read_exact(c->fd, fixed, sizeof(fixed), limits_.handshake_timeout);
+  absl::Status ok = read_exact(c->fd, fixed, sizeof(fixed), silence, deadline);
   if (!ok.ok()) return -1;
   const bool push = std::memcmp(fixed, kPushHelloMagic, 4) == 0 && claims_ != nullptr;
   if (!push && std::memcmp(fixed, kHelloMagic, 4) != 0) {
@@ -259,7 +278,7 @@ int Listener::handshake(Connection* c) {
     return -1;
   }
   std::string proof(proof_size, '\0');
-  ok = read_exact(c->fd, proof.data(), proof.size(), limits_.handshake_timeout);
+  ok = read_exact(c->fd, proof.data(), proof.size(), silence, deadline);
   if (!ok.ok()) return -1;
   if (auth_ != nullptr) {
     grpc::Status proven = auth_->check_proof(
@@ -295,7 +314,7 @@ int Listener::handshake(Connection* c) {
     c->push = push;
     c->proven.store(true);
   }
-  ok = write_all(c->fd, kHelloAck, sizeof(kHelloAck), limits_.handshake_timeout);
+  ok = write_all(c->fd, kHelloAck, sizeof(kHelloAck), silence, deadline);
   if (!ok.ok()) return -1;
   set_silence(c->fd, limits_.silence);
   return static_cast<int>(from);
@@ -306,7 +325,9 @@ void Listener::serve_pushes(Connection* c, int peer) {
     char head[kPushHeadBytes];
     // Idle connections wait for their next push without a limit.
     if (!read_exact(c->fd, head, 1, absl::InfiniteDuration()).ok() ||
-        !read_exact(c->fd, head + 1, sizeof(head) - 1, limits_.silence).ok()) {
+        !read_exact(c->fd, head + 1, sizeof(head) - 1, limits_.silence,
+                    absl::Now() + limits_.silence)
+             .ok()) {
       return;
     }
     const uint64_t id = get_u64(head), total = get_u64(head + 8);
@@ -341,7 +362,9 @@ void Listener::serve(Connection* c) {
     // Idle connections wait for their next pull without a limit; shutdown()
     // ends the wait.
     if (!read_exact(c->fd, pull, 1, absl::InfiniteDuration()).ok() ||
-        !read_exact(c->fd, pull + 1, sizeof(pull) - 1, limits_.silence).ok()) {
+        !read_exact(c->fd, pull + 1, sizeof(pull) - 1, limits_.silence,
+                    absl::Now() + limits_.silence)
+             .ok()) {
       break;
     }
     const uint64_t id = get_u64(pull), offset = get_u64(pull + 8), length = get_u64(pull + 16);

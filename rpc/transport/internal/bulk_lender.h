@@ -44,8 +44,10 @@ class LendTable {
   // be passed. It expires after the table's timeout, or at `not_before`
   // if that is later (a request's call deadline: the peer may read the
   // frame late, when its reading was paused).
+  // `channel` (non-zero) names the channel a request went out on, for
+  // release_channel().
   uint64_t lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply,
-                absl::Time not_before = absl::InfinitePast());
+                absl::Time not_before = absl::InfinitePast(), uint64_t channel = 0);
   // The tensor of lend `id` to `peer` if [offset, offset + length) lies
   // within it; the status says which rule a pull broke.
   absl::StatusOr<at::Tensor> find(int peer, uint64_t id, uint64_t offset, uint64_t length);
@@ -55,6 +57,9 @@ class LendTable {
   // was never sent). Replies' lends are left: ids of the two directions'
   // frames come from different workers and may be equal.
   void release_request(int peer, uint64_t frame_id);
+  // Ends the lends of every request to `peer` sent on `channel`: it
+  // closed, so their calls have failed and no reply will release them.
+  void release_channel(int peer, uint64_t channel);
   // Ends the lends past their time (lend() and find() do it too; the
   // listener calls it each second so that an idle worker lets them go).
   void expire();
@@ -69,6 +74,7 @@ class LendTable {
     uint64_t frame_id = 0;
     bool reply = false;
     absl::Time expires;
+    uint64_t channel = 0;
   };
   void expire_locked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void erase_locked(int peer, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -245,5 +245,74 @@ TEST(BulkLenderTest, LendsExpireAfterTheTimeoutOrAtTheirCallsLaterDeadline) {
   EXPECT_EQ(table.size(), 0u);
 }
 
+// A lent tensor that the program points elsewhere before the pull (set_,
+// or assigning .data) is pulled as it was lent: the lend holds its bytes,
+// not the program's tensor object.
+TEST(BulkLenderTest, ALendKeepsItsBytesWhenTheProgramRepointsItsTensor) {
+  auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
+                                                 absl::Seconds(60));
+  auto listener = listener_of_worker0(table, 2);
+  ASSERT_NE(listener, nullptr);
+  at::Tensor t = at::arange(1 << 18, at::kInt);  // 1 MiB
+  const at::Tensor expected = t.clone();
+  const uint64_t id = table->lend(/*peer=*/1, /*frame_id=*/1, t, /*reply=*/false);
+  ASSERT_NE(id, 0u);
+  t.set_(at::arange(16, at::kInt));  // its old storage has no other owner
+  bulk::PullerOptions o;
+  o.self = 1;
+  o.lender = 0;
+  o.endpoint = absl::StrCat("127.0.0.1:", listener->port());
+  o.token = kToken;
+  bulk::Puller puller(o);
+  at::Tensor into = at::empty_like(expected);
+  absl::Status pulled = puller.pull(id, into.data_ptr(), expected.nbytes());
+  ASSERT_TRUE(pulled.ok()) << pulled;
+  EXPECT_TRUE(at::equal(into, expected));
+}
+
+// A connection that sends its hello a byte at a time, each within the
+// handshake timeout of the one before, is still cut off once the timeout
+// has passed since it opened.
+TEST(BulkLenderTest, AHelloTrickledAByteAtATimeEndsAtTheHandshakeTimeout) {
+  auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
+                                                 absl::Seconds(60));
+  bulk::ListenerLimits limits;
+  limits.self = 0;
+  limits.world_size = 2;
+  limits.token = kToken;
+  limits.handshake_timeout = absl::Seconds(1);
+  std::string error;
+  auto listener = bulk::Listener::start("127.0.0.1", limits, table, nullptr, &error);
+  ASSERT_NE(listener, nullptr) << error;
+  const absl::Time start = absl::Now();
+  const int fd = bulk::connect_to(absl::StrCat("127.0.0.1:", listener->port()), absl::Seconds(5),
+                                  &error);
+  ASSERT_GE(fd, 0) << error;
+  std::string hello(bulk::kHelloFixedBytes, '\0');
+  std::memcpy(hello.data(), bulk::kHelloMagic, 4);
+  bulk::put_u32(hello.data() + 4, 1);
+  bulk::put_u32(hello.data() + 8, 0);
+  bulk::put_u32(hello.data() + 12, 64);
+  hello += std::string(64, 'p');
+  absl::Duration closed_after = absl::InfiniteDuration();
+  for (char byte : hello) {
+    if (::send(fd, &byte, 1, MSG_NOSIGNAL) != 1) break;
+    char c;
+    if (::recv(fd, &c, 1, MSG_DONTWAIT) == 0) {
+      closed_after = absl::Now() - start;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+  if (closed_after == absl::InfiniteDuration()) {
+    char c;
+    if (bulk::read_exact(fd, &c, 1, absl::Seconds(5)).code() == absl::StatusCode::kUnavailable) {
+      closed_after = absl::Now() - start;
+    }
+  }
+  EXPECT_LT(closed_after, absl::Seconds(2)) << "the trickled hello held its connection";
+  ::close(fd);
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc::transport

@@ -42,13 +42,16 @@ struct PullPool::Core {
   std::deque<int> turns ABSL_GUARDED_BY(mu);
   int threads ABSL_GUARDED_BY(mu) = 0;  // started and not yet left
   int idle ABSL_GUARDED_BY(mu) = 0;     // of them, waiting for a turn
+  int delivering ABSL_GUARDED_BY(mu) = 0;  // of them, in a delivery
   std::vector<std::thread::id> ids ABSL_GUARDED_BY(mu);
   bool stopped ABSL_GUARDED_BY(mu) = false;
 
   // Starts a thread when more peers wait for a turn than threads wait for
   // a peer. False when none could start and none runs.
   bool add_thread_if_needed(const std::shared_ptr<Core>& self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (stopped || static_cast<int>(turns.size()) <= idle || threads >= options.max_threads) {
+    if (stopped || static_cast<int>(turns.size()) <= idle ||
+        threads - delivering >= options.max_threads ||
+        threads >= options.max_threads + options.max_delivering) {
       return true;
     }
     ++threads;
@@ -145,16 +148,17 @@ void PullPool::run(std::shared_ptr<Core> core) {
 
     mu.Lock();
     core->pulling.erase(peer);
-    if (core->queued.count(peer) != 0) {
-      core->turns.push_back(peer);
-      core->add_thread_if_needed(core);
-    }
+    if (core->queued.count(peer) != 0) core->turns.push_back(peer);
+    // While this thread delivers (perhaps blocking), another may pull.
+    ++core->delivering;
+    core->add_thread_if_needed(core);
     mu.Unlock();
 
     call(job.deliver, "delivery");
     job = Job{};  // its captures go without the mutex held
 
     mu.Lock();
+    --core->delivering;
   }
   core->ids.erase(std::find(core->ids.begin(), core->ids.end(), std::this_thread::get_id()));
   --core->threads;

@@ -9,9 +9,11 @@
 // Threads start as queued work needs them, up to max_threads, and leave
 // after idle_timeout without work.
 //
-// A delivery that blocks (a reply's callbacks waiting for another call)
-// holds its thread; with every thread blocked so, pulls wait until one
-// returns.
+// A delivery that blocks (a reply's callbacks waiting for another call,
+// whose reply may itself wait here to be pulled) holds its thread, but
+// not a place among the max_threads that pull: while deliveries run, up
+// to max_delivering more threads may start, so that pulls go on. Past
+// that, pulls wait until a delivery returns.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +31,9 @@
 namespace ddprpc::rpc::transport::bulk {
 
 struct PullPoolOptions {
-  int max_threads = 16;
+  int max_threads = 16;  // threads pulling, or free to
   absl::Duration idle_timeout = absl::Seconds(10);
+  int max_delivering = 64;  // threads delivering beyond those
 };
 
 class PullPool {

@@ -51,7 +51,7 @@ struct Tally {
 };
 
 TEST(PullPoolTest, OnePullPerPeerAtATimeInOrderAndPeersInParallel) {
-  PullPool pool(PullPoolOptions{4, absl::Seconds(10)});
+  PullPool pool(PullPoolOptions{4, absl::Seconds(10), /*max_delivering=*/0});
   Tally tally;
   constexpr int kPeers = 3, kEach = 20;
   for (int n = 0; n < kEach; ++n) {
@@ -101,8 +101,35 @@ TEST(PullPoolTest, ABlockedDeliveryHoldsItsThreadButNotItsPeer) {
   EXPECT_TRUE(second_delivered.HasBeenNotified());
 }
 
+// Deliveries that block on calls whose replies wait here to be pulled
+// (16 reply callbacks each making a call, say) do not take every thread:
+// the pull they wait for still runs, on a thread beyond those that pull.
+TEST(PullPoolTest, DeliveriesBlockedOnLaterPullsDoNotStarveThem) {
+  PullPool pool(PullPoolOptions{2, absl::Seconds(10), /*max_delivering=*/4});
+  absl::Notification last_pulled;
+  std::atomic<int> returned{0};
+  for (int p = 0; p < 2; ++p) {
+    ASSERT_TRUE(pool.submit(
+        p, [] {},
+        [&] {
+          last_pulled.WaitForNotificationWithTimeout(absl::Seconds(20));
+          ++returned;
+        }));
+  }
+  for (int i = 0; i < 400 && pool.threads() < 2; ++i) absl::SleepFor(absl::Milliseconds(5));
+  absl::SleepFor(absl::Milliseconds(50));  // both deliveries are blocked now
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(pool.submit(9, [&] { last_pulled.Notify(); }, [] {}));
+  EXPECT_TRUE(last_pulled.WaitForNotificationWithTimeout(absl::Seconds(5)))
+      << "the pull that blocked deliveries wait for never ran";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  for (int i = 0; i < 2000 && returned.load() < 2; ++i) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(returned.load(), 2);
+  EXPECT_LE(pool.threads(), 2 + 4);
+}
+
 TEST(PullPoolTest, ThreadsStayWithinTheBoundAndLeaveWhenIdle) {
-  PullPool pool(PullPoolOptions{3, absl::Milliseconds(50)});
+  PullPool pool(PullPoolOptions{3, absl::Milliseconds(50), /*max_delivering=*/0});
   Tally tally;
   for (int p = 0; p < 10; ++p) ASSERT_TRUE(pool.submit(p, tally.pull(p, 0), tally.deliver()));
   EXPECT_LE(pool.threads(), 3);

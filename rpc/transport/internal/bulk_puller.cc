@@ -36,6 +36,10 @@ absl::Status Puller::open_one(int* fd) {
 
 absl::Status Puller::connect_locked(size_t count) {
   while (fds_.size() < count) {
+    {
+      absl::MutexLock abort_lock(&abort_mu_);
+      if (aborted_) return absl::CancelledError("the transport is shutting down");
+    }
     int fd;
     absl::Status ok = open_one(&fd);
     if (!ok.ok()) return ok;
@@ -50,9 +54,9 @@ absl::Status Puller::pull_range(int fd, uint64_t id, uint64_t offset, uint64_t l
   put_u64(pull, id);
   put_u64(pull + 8, offset);
   put_u64(pull + 16, length);
-  absl::Status ok = write_all_blocking(fd, pull, sizeof(pull));
+  absl::Status ok = write_all_blocking(fd, pull, sizeof(pull), deadline);
   char head[kReplyHeadBytes];
-  if (ok.ok()) ok = read_exact_blocking(fd, head, sizeof(head));
+  if (ok.ok()) ok = read_exact_blocking(fd, head, sizeof(head), deadline);
   if (!ok.ok()) return ok;
   const uint32_t status = get_u32(head);
   if (status == kPullUnknownLend) return absl::NotFoundError("it holds no such lend");

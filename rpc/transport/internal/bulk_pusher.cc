@@ -88,6 +88,10 @@ void Pusher::connect_all() {
   std::vector<int> fds;
   std::string error;
   for (size_t i = 0; i < count; ++i) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stopped_) break;  // abort() came while connecting
+    }
     const int fd = open_one(&error);
     if (fd < 0) break;
     fds.push_back(fd);
@@ -139,13 +143,15 @@ uint32_t Pusher::push(uint64_t id, const at::Tensor& tensor) {
     if (s.busy) return 0;
   }
   const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  // As a lend's: the program may point its own tensor elsewhere meanwhile.
+  const at::Tensor own = tensor.detach();
   const uint32_t ranges =
       static_cast<uint32_t>(std::clamp<uint64_t>(nbytes / kMinRangeBytes, 1, slots_.size()));
   for (uint32_t r = 0; r < ranges; ++r) {
     Slot& s = slots_[r];
     s.busy = true;
     s.started = false;
-    s.tensor = tensor;
+    s.tensor = own;
     s.id = id;
     s.index = r;
     s.ranges = ranges;

@@ -63,7 +63,11 @@ absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::
     if (done < 0 && errno == EINTR) continue;
     if (done < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       if (blocking) return absl::DeadlineExceededError("no progress for the silence limit");
-      absl::Status ready = wait_ready(fd, out ? POLLOUT : POLLIN, silence);
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) {
+        return absl::DeadlineExceededError("the transfer took too long");
+      }
+      absl::Status ready = wait_ready(fd, out ? POLLOUT : POLLIN, std::min(silence, left));
       if (!ready.ok()) return ready;
       continue;
     }
@@ -74,14 +78,16 @@ absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::
 
 }  // namespace
 
-absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence) {
+absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence,
+                       absl::Time deadline) {
   return transfer(fd, const_cast<char*>(static_cast<const char*>(data)), n, /*out=*/true,
-                  /*blocking=*/false, silence, absl::InfiniteFuture());
+                  /*blocking=*/false, silence, deadline);
 }
 
-absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence) {
+absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence,
+                        absl::Time deadline) {
   return transfer(fd, static_cast<char*>(data), n, /*out=*/false, /*blocking=*/false, silence,
-                  absl::InfiniteFuture());
+                  deadline);
 }
 
 absl::Status write_all_blocking(int fd, const void* data, size_t n, absl::Time deadline) {
@@ -191,8 +197,11 @@ int connect_proven(const std::string& endpoint, const char (&magic)[4], const ch
   put_u32(hello.data() + 12, static_cast<uint32_t>(proof.size()));
   hello += proof;
   char ack[sizeof(kHelloAck)];
-  absl::Status ok = write_all(fd, hello.data(), hello.size(), connect_timeout);
-  if (ok.ok()) ok = read_exact(fd, ack, sizeof(ack), connect_timeout);
+  // The hello and its answer within connect_timeout in all: a listener that
+  // trickles its answer cannot hold this thread longer.
+  const absl::Time deadline = absl::Now() + connect_timeout;
+  absl::Status ok = write_all(fd, hello.data(), hello.size(), connect_timeout, deadline);
+  if (ok.ok()) ok = read_exact(fd, ack, sizeof(ack), connect_timeout, deadline);
   if (ok.ok() && std::memcmp(ack, kHelloAck, sizeof(ack)) != 0) {
     ok = absl::DataLossError("it answered the hello with something else");
   }

@@ -83,10 +83,13 @@ inline absl::Time transfer_deadline(absl::Time start, absl::Duration silence, ui
 }
 
 // Blocking I/O on a socket, each call bounded by `silence`: no progress
-// for that long is an error (DEADLINE_EXCEEDED). The peer's end is
+// for that long is an error (DEADLINE_EXCEEDED), and so is `deadline`
+// passing, however slowly bytes still come. The peer's end is
 // UNAVAILABLE. Never raises SIGPIPE.
-absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence);
-absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence);
+absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence,
+                       absl::Time deadline = absl::InfiniteFuture());
+absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence,
+                        absl::Time deadline = absl::InfiniteFuture());
 
 // The same on a blocking socket whose SO_SNDTIMEO / SO_RCVTIMEO bound
 // the silence (set_silence): the bulk bytes themselves, where sleeping in
