@@ -327,7 +327,16 @@ std::unique_ptr<TcpRing> TcpRing::connect(int rank, int size, const Allgather& a
   }
   // Every rank gets a ring or none does: a rank whose neighbours both
   // connected must not go on with a ring its peers gave up on.
-  const std::vector<int64_t> ok = allgather({error.empty() ? 1 : 0});
+  // A rank that failed early may reach the agreement a timeout before its
+  // neighbours, which wait for it until their deadline, and see it time out
+  // first: its own error is then what it reports.
+  std::vector<int64_t> ok;
+  try {
+    ok = allgather({error.empty() ? 1 : 0});
+  } catch (const std::exception& e) {
+    if (error.empty()) throw;
+    throw failure(absl::StrCat(error, " (and the ranks' agreement failed: ", e.what(), ")"));
+  }
   std::string failed;
   for (int r = 0; r < size && r < static_cast<int>(ok.size()); ++r) {
     if (ok[r] == 0) absl::StrAppend(&failed, failed.empty() ? "" : ", ", r);

@@ -52,7 +52,8 @@ ReduceFn reduce_fn(Reduction op) {
 // stranger at the listeners).
 class Exchange {
  public:
-  explicit Exchange(int size) : size_(size), parts_(size) {}
+  explicit Exchange(int size, absl::Duration wait = absl::Seconds(20))
+      : size_(size), wait_(wait), parts_(size) {}
   std::function<void(const std::vector<int64_t>&)> hook;
 
   std::vector<int64_t> run(int rank, std::vector<int64_t> mine) {
@@ -68,7 +69,7 @@ class Exchange {
     }
     auto done = [this, round] { return results_.size() > round; };
     // As a group's allgather, which fails at its timeout.
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done), absl::Seconds(20))) {
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done), wait_)) {
       throw std::runtime_error(absl::StrCat("allgather round ", round, ": not every rank came"));
     }
     return results_[round];
@@ -76,6 +77,7 @@ class Exchange {
 
  private:
   const int size_;
+  const absl::Duration wait_;
   absl::Mutex mu_;
   std::vector<std::vector<int64_t>> parts_;
   int arrived_ = 0;
@@ -511,6 +513,30 @@ TEST(TcpRingTest, ASignerThatFailsPartWayFailsEveryRankWithinTheTimeout) {
     EXPECT_EQ(ranks.rings[r], nullptr) << r;
     EXPECT_NE(ranks.errors[r], "") << r;
   }
+  EXPECT_NE(ranks.errors[1].find("cannot make the ring's proofs: no randomness left"),
+            std::string::npos)
+      << ranks.errors[1];
+}
+
+// The same when the ranks' agreement times out before the failing rank's
+// neighbours come to it (a group's allgather has the ring's timeout, and
+// the failing rank gets there first): it still reports its own error.
+TEST(TcpRingTest, ARankThatFailsEarlyReportsItsOwnErrorWhenTheAgreementTimesOut) {
+  constexpr int kSize = 3;
+  Exchange exchange(kSize, /*wait=*/absl::Milliseconds(500));
+  Ranks ranks = build(kSize, exchange, [](int r, TcpRing::Options& o) {
+    o.timeout = absl::Seconds(2);
+    if (r != 1) {
+      o.sign = signer("job");
+      return;
+    }
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    o.sign = [calls, good = signer("job")](absl::string_view message) {
+      if (calls->fetch_add(1) > 0) throw std::runtime_error("no randomness left");
+      return good(message);
+    };
+  });
+  for (int r = 0; r < kSize; ++r) EXPECT_EQ(ranks.rings[r], nullptr) << r;
   EXPECT_NE(ranks.errors[1].find("cannot make the ring's proofs: no randomness left"),
             std::string::npos)
       << ranks.errors[1];
