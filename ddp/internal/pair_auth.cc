@@ -4,7 +4,9 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <openssl/crypto.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -52,10 +54,18 @@ void exchange(gloo::Context& context, std::vector<std::string>& outgoing,
     sends[r]->send(r, slot);
     recvs[r]->recv(r, slot);
   }
+  // One deadline for all the peers: a peer that answers just before its
+  // own wait would end must not restart the timeout of the next.
+  const auto deadline = std::chrono::steady_clock::now() + context.getTimeout();
+  auto left = [&deadline] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now()));
+  };
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
     try {
-      if (!recvs[r]->waitRecv(context.getTimeout()) || !sends[r]->waitSend(context.getTimeout())) {
+      if (!recvs[r]->waitRecv(left()) || !sends[r]->waitSend(left())) {
         throw std::runtime_error("aborted");
       }
     } catch (const std::exception& e) {

@@ -242,7 +242,7 @@ void ShmAllreduce::fail(const std::string& why) {
                            std::to_string(size_) + "): " + why);
 }
 
-void ShmAllreduce::barrier() {
+void ShmAllreduce::barrier(absl::Time deadline) {
   Header* h = static_cast<Header*>(base_);
   ++barriers_;
   h->entered[rank_].store(barriers_, std::memory_order_relaxed);
@@ -254,10 +254,10 @@ void ShmAllreduce::barrier() {
     futex(&h->generation, FUTEX_WAKE, INT_MAX, nullptr);
     return;
   }
-  await(generation);
+  await(generation, deadline);
 }
 
-void ShmAllreduce::await(uint32_t generation) {
+void ShmAllreduce::await(uint32_t generation, absl::Time deadline) {
   Header* h = static_cast<Header*>(base_);
   auto moved = [&] { return h->generation.load(std::memory_order_acquire) != generation; };
   const absl::Time start = absl::Now();
@@ -269,7 +269,6 @@ void ShmAllreduce::await(uint32_t generation) {
       if (i % 64 == 0 && absl::Now() > until) break;
     }
   }
-  const absl::Time deadline = start + timeout_;
   // Ranks that have not entered this barrier yet (for a failure's message).
   auto missing = [&] {
     std::vector<std::string> out;
@@ -352,7 +351,10 @@ void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op, boo
   const Header::Call call{seq, numel, static_cast<int32_t>(type),
                           static_cast<int32_t>(op) + (average ? 16 : 0)};
   h->calls[rank_] = call;
-  barrier();
+  // One deadline for the call's two barriers: a peer that arrives just in
+  // time for each must not stretch the call to twice the timeout.
+  const absl::Time deadline = absl::Now() + timeout_;
+  barrier(deadline);
   // Written before the barrier by every rank, read after it (the barrier's
   // atomics order them); every rank compares the same records.
   for (int r = 0; r < size_; ++r) {
@@ -383,7 +385,7 @@ void ShmAllreduce::run(const std::vector<at::Tensor>& tensors, Reduction op, boo
     }
     std::memcpy(mine + at, acc, len * item);
   }
-  barrier();
+  barrier(deadline);
   // Every rank's reduced part into the tensors.
   int r = 0;
   offset = 0;

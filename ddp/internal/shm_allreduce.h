@@ -74,9 +74,9 @@ class ShmAllreduce {
   ShmAllreduce(int rank, int size, void* base, size_t bytes, std::vector<int64_t> pids,
                std::vector<int> pidfds, absl::Duration timeout, absl::Duration max_spin);
   char* slot(int set, int rank) const;
-  void barrier();
+  void barrier(absl::Time deadline);
   // Waits until the barrier generation moves past `generation`.
-  void await(uint32_t generation);
+  void await(uint32_t generation, absl::Time deadline);
   [[noreturn]] void fail(const std::string& why);
 
   const int rank_, size_;

@@ -61,9 +61,14 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
+// Bytes drain() forwards per call, and the longest line kept whole.
+constexpr size_t kDrainBytes = size_t{1} << 20;
+constexpr size_t kMaxLineBytes = size_t{64} << 10;
+
 // Emits the complete lines of `partial` (all of it at EOF) with a prefix. A
 // line may also end in '\r' (a progress line redrawn in place): it goes out
 // at once. On a terminal each line clears what a longer progress line left.
+// A line longer than kMaxLineBytes goes out in pieces.
 void emit(std::string& partial, const std::string& prefix, int to_fd, bool eof) {
   std::string out;
   size_t start = 0;
@@ -78,19 +83,23 @@ void emit(std::string& partial, const std::string& prefix, int to_fd, bool eof) 
     start = end + 1;
   }
   partial.erase(0, start);
-  if (eof && !partial.empty()) {
+  if ((eof && !partial.empty()) || partial.size() > kMaxLineBytes) {
     out += prefix + partial + "\n";
     partial.clear();
   }
   write_all(to_fd, out);
 }
 
-// Reads what is available on *fd; closes it at EOF.
+// Reads what is available on *fd, at most kDrainBytes: a rank that writes
+// without pause must not keep the launcher from its deadlines and from the
+// other ranks' output. Closes *fd at EOF.
 void drain(int* fd, std::string& partial, const std::string& prefix, int to_fd) {
   char buf[65536];
-  while (*fd >= 0) {
+  size_t taken = 0;
+  while (*fd >= 0 && taken < kDrainBytes) {
     ssize_t n = ::read(*fd, buf, sizeof(buf));
     if (n > 0) {
+      taken += static_cast<size_t>(n);
       partial.append(buf, n);
       emit(partial, prefix, to_fd, false);
       continue;

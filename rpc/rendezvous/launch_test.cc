@@ -1,6 +1,7 @@
 #include "rpc/rendezvous/launch.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -117,6 +118,27 @@ TEST(LaunchTest, TimeoutKillsEverything) {
   EXPECT_TRUE(r.timed_out);
   EXPECT_EQ(r.exit_code, 124);
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+}
+
+// A rank that writes without pause (here lines of two bytes, each given a
+// prefix) does not keep the launcher from its timeout.
+TEST(LaunchTest, ARankThatNeverStopsWritingStillTimesOut) {
+  auto o = sh(2, "yes & yes & yes & yes & wait");
+  o.timeout = absl::Seconds(1);
+  // The flood goes to /dev/null, not to the test's log.
+  const int saved_out = ::dup(1), saved_err = ::dup(2);
+  const int null = ::open("/dev/null", O_WRONLY);
+  ASSERT_GE(null, 0);
+  ::dup2(null, 1);
+  ::dup2(null, 2);
+  const absl::Time start = absl::Now();
+  auto r = launch(o);
+  const absl::Duration took = absl::Now() - start;
+  ::dup2(saved_out, 1);
+  ::dup2(saved_err, 2);
+  for (int fd : {saved_out, saved_err, null}) ::close(fd);
+  EXPECT_TRUE(r.timed_out);
+  EXPECT_LT(took, absl::Seconds(10));
 }
 
 TEST(LaunchTest, MissingProgramFails) {

@@ -692,6 +692,41 @@ TEST(SameHostTransportTest, AFrameLeftHalfwayEndsItsConnectionAfterTheSilenceLim
   ::close(fd);
 }
 
+// The same for a message whose bytes trickle in, each within the silence
+// limit of the one before: it must still come whole within the limit plus
+// its bytes at the least rate.
+TEST(SameHostTransportTest, AFrameTrickledAByteAtATimeEndsItsConnection) {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Milliseconds(10);
+  limits.keepalive_interval = absl::Milliseconds(100);
+  limits.keepalive_timeout = absl::Milliseconds(300);  // a message's silence: 1.8 s
+  Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
+  int fd = raw_connect(server.socket_name());
+  ASSERT_GE(fd, 0);
+  hello(fd, 3);
+  const std::string whole = raw_request(at::arange(64, at::kFloat), 1);
+  const std::string half = raw_request(at::arange(64, at::kFloat), 1, /*with_tensor=*/false);
+  ASSERT_GT(whole.size(), half.size());
+  const absl::Time start = absl::Now();
+  send_all(fd, half.data(), half.size());
+  absl::Duration closed_after = absl::InfiniteDuration();
+  for (size_t i = half.size(); i < whole.size() && absl::Now() - start < absl::Seconds(15); ++i) {
+    char c;
+    const ssize_t got = ::recv(fd, &c, 1, MSG_DONTWAIT);
+    if (got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+      closed_after = absl::Now() - start;
+      break;
+    }
+    if (::send(fd, whole.data() + i, 1, MSG_NOSIGNAL) != 1) {
+      closed_after = absl::Now() - start;
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+  EXPECT_LT(closed_after, absl::Seconds(5)) << "the trickled message held its connection";
+  ::close(fd);
+}
+
 // A caller that keeps its connection full of requests does not starve
 // another: the server serves a share of one connection, then the others
 // that have bytes, in turn.

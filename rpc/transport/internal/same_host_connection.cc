@@ -281,12 +281,16 @@ absl::Status Conn::read_exact(void* dst, size_t n, bool* eof, absl::Time deadlin
       return absl::UnavailableError(absl::StrCat(
           "the peer sent part of a message, then nothing for ", absl::FormatDuration(silence)));
     }
+    if (absl::IsDeadlineExceeded(ready) && in_message) {
+      return absl::UnavailableError(
+          "the peer sent a message too slowly (past the pause limit plus its bytes at 16 MiB/s)");
+    }
     if (!ready.ok()) return ready;
   }
   return absl::OkStatus();
 }
 
-absl::Status Conn::read_growing(size_t n, std::string* out) {
+absl::Status Conn::read_growing(size_t n, std::string* out, absl::Time deadline) {
   out->clear();
   out->reserve(n);
   constexpr size_t kStep = size_t{1} << 20;
@@ -294,8 +298,7 @@ absl::Status Conn::read_growing(size_t n, std::string* out) {
     const size_t at = out->size();
     const size_t take = std::min(kStep, n - at);
     out->resize(at + take);
-    absl::Status ok = read_exact(out->data() + at, take, nullptr, absl::InfiniteFuture(),
-                                 /*in_message=*/true);
+    absl::Status ok = read_exact(out->data() + at, take, nullptr, deadline, /*in_message=*/true);
     if (!ok.ok()) return ok;
   }
   return absl::OkStatus();
@@ -320,13 +323,20 @@ absl::Status Conn::read_frame(const Preamble& p, Frame* frame) {
   if (p.num_remote > 0 && peer_pid_ <= 0) {
     return absl::DataLossError("remote tensors from a peer whose process is unknown");
   }
+  // However its bytes are spread, a message comes within the pause limit
+  // plus its bytes at 16 MiB/s: a peer that sends a byte a pause cannot
+  // hold this reader, the receive budget its claim took and the tensors it
+  // named for longer.
+  const absl::Time deadline =
+      absl::Now() + 6 * keepalive_timeout_ +
+      absl::Seconds(static_cast<double>(p.body + p.inline_bytes) / kMinMessageBytesPerSecond);
   std::string head;
-  absl::Status ok = read_growing(p.body, &head);
+  absl::Status ok = read_growing(p.body, &head, deadline);
   if (!ok.ok()) return ok;
   std::vector<RemoteTensor> remote(p.num_remote);
   if (p.num_remote > 0) {
-    ok = read_exact(remote.data(), remote.size() * sizeof(RemoteTensor), nullptr,
-                    absl::InfiniteFuture(), /*in_message=*/true);
+    ok = read_exact(remote.data(), remote.size() * sizeof(RemoteTensor), nullptr, deadline,
+                    /*in_message=*/true);
     if (!ok.ok()) return ok;
     for (size_t i = 1; i < remote.size(); ++i) {
       if (remote[i].index <= remote[i - 1].index) {
@@ -351,7 +361,7 @@ absl::Status Conn::read_frame(const Preamble& p, Frame* frame) {
         if (inline_read > p.inline_bytes) {
           return absl::DataLossError("inline tensors exceed their claimed bytes");
         }
-        return read_exact(dst, n, nullptr, absl::InfiniteFuture(), /*in_message=*/true);
+        return read_exact(dst, n, nullptr, deadline, /*in_message=*/true);
       },
       frame);
   if (!ok.ok()) return ok;

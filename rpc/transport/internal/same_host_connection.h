@@ -154,7 +154,8 @@ class Conn {
   // byte of them came). Once a message has started (`in_message`, or a
   // byte of these came), its bytes must keep coming: a silence of
   // 6 x keepalive_timeout ends the read (Unavailable), so that a live peer
-  // that stops part way does not hold its reader for good.
+  // that stops part way does not hold its reader for good; and so does
+  // `deadline` passing within a message, however the bytes trickle.
   absl::Status read_exact(void* dst, size_t n, bool* eof = nullptr,
                           absl::Time deadline = absl::InfiniteFuture(), bool in_message = false);
 
@@ -165,9 +166,11 @@ class Conn {
   // of freed 1..32 MiB blocks that glibc's allocator, its mmap threshold
   // raised by the first large free, kept in its heap (3 x 64 MiB resident
   // after a 64 MiB string argument).
-  absl::Status read_growing(size_t n, std::string* out);
+  absl::Status read_growing(size_t n, std::string* out, absl::Time deadline);
 
-  // Reads a kFrame's head, descriptors and tensors, checking every claim.
+  // Reads a kFrame's head, descriptors and tensors, checking every claim,
+  // within 6 x keepalive_timeout plus its socket bytes at
+  // kMinMessageBytesPerSecond.
   absl::Status read_frame(const Preamble& p, Frame* frame);
 
  private:
@@ -207,6 +210,7 @@ class Conn {
   const absl::Duration keepalive_timeout_;
   const std::function<void()> on_wake_;
   static constexpr size_t kReadAhead = 64 << 10;
+  static constexpr double kMinMessageBytesPerSecond = 16 << 20;
   // The reading thread's:
   absl::Time stopped_since_ = absl::InfiniteFuture();
   absl::Time last_check_ = absl::InfinitePast();
