@@ -14,6 +14,9 @@
 
 #include <cmath>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 
 namespace ddprpc::optim {
@@ -247,6 +250,10 @@ int64_t LocalOptimizer::step(int64_t context_id) {
       p.mutable_grad() = at::Tensor();
     }
   }
+  // The gradients leave the parameters whatever the step does.
+  absl::Cleanup drop_grads = [this] {
+    for (at::Tensor& p : impl_->params) p.mutable_grad() = at::Tensor();
+  };
   impl_->optimizer->step();
   // Some of torch::optim's rules update through .data(), which leaves the
   // parameter's version counter as it was; a step counts at least once, as
@@ -285,6 +292,7 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind,
 
 void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
   std::vector<rpc::Future<int64_t>> steps;
+  std::vector<int> owners;  // of steps
   const LocalOptimizer* local = nullptr;
   rpc::SyncCallScope waited_here;  // this thread reads the replies
   for (const auto& opt : optimizers_) {
@@ -292,10 +300,38 @@ void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
       local = opt.local_value().get();  // this worker's parameters: no RPC
     } else {
       steps.push_back(opt.rpc_async(&LocalOptimizer::step, context_id));
+      owners.push_back(opt.state().owner);
     }
   }
-  if (local) const_cast<LocalOptimizer*>(local)->step(context_id);
-  rpc::wait_all(steps);
+  auto agent = rpc::current_agent();
+  std::vector<std::string> failed, applied;
+  auto name = [&agent](int owner) {
+    return agent ? agent->worker(owner).name : absl::StrCat("worker ", owner);
+  };
+  if (local) {
+    try {
+      const_cast<LocalOptimizer*>(local)->step(context_id);
+      applied.push_back(name(agent ? agent->self().id : -1));
+    } catch (const std::exception& e) {
+      failed.push_back(absl::StrCat(name(agent ? agent->self().id : -1), " (", e.what(), ")"));
+    }
+  }
+  // Every owner's step is waited for, failed or not: the error says which
+  // owners applied it, so that none is stepped twice by a retry unawares.
+  for (size_t i = 0; i < steps.size(); ++i) {
+    try {
+      steps[i].value();
+      applied.push_back(name(owners[i]));
+    } catch (const std::exception& e) {
+      failed.push_back(absl::StrCat(name(owners[i]), " (", e.what(), ")"));
+    }
+  }
+  if (!failed.empty()) {
+    throw std::runtime_error(absl::StrCat(
+        "DistributedOptimizer::step in context ", context_id, " failed on ",
+        absl::StrJoin(failed, ", "), "; applied on ",
+        applied.empty() ? std::string("none") : absl::StrJoin(applied, ", ")));
+  }
 }
 
 }  // namespace ddprpc::optim

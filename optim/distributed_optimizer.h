@@ -45,6 +45,9 @@ class DistributedOptimizer {
   DistributedOptimizer(const std::string& kind, const std::map<std::string, double>& options,
                        const std::vector<rpc::RRef<at::Tensor>>& params);
 
+  // Steps every owner's optimizer with the context's gradients there. If
+  // some fail, it waits for all of them before it throws, and the error
+  // names the owners that failed and those that applied the step.
   void step(dist_autograd::ContextId context_id);
 
  private:

@@ -477,6 +477,25 @@ MULTIPROCESS_TEST(DistAutogradTest, TensorUsedTwiceAccumulatesBothGradients, 2) 
   rpc::shutdown();
 }
 
+// Two leaves whose gradients of one pass share their bytes (a tensor, and
+// a view of it through w1.view): the context must not keep them so, or a
+// later pass in the same context adds into both.
+MULTIPROCESS_TEST(DistAutogradTest, LeavesWhoseGradientsShareBytesAccumulateApart, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    at::Tensor w1 = at::ones({6}).requires_grad_(true);
+    at::Tensor w2 = at::ones({2, 3}).requires_grad_(true);
+    dist_autograd::Context context;
+    at::Tensor h = rpc::rpc_sync<at::Tensor>("worker1", "scale", w2 + w1.view({2, 3}), 1.0);
+    dist_autograd::backward(context.id(), {h.sum()}, /*retain_graph=*/true);
+    dist_autograd::backward(context.id(), {(h * 3).sum()});
+    const auto grads = dist_autograd::get_gradients(context.id());
+    EXPECT_TRUE(at::allclose(grads.at(w1), at::full({6}, 4.0))) << grads.at(w1);
+    EXPECT_TRUE(at::allclose(grads.at(w2), at::full({2, 3}, 4.0))) << grads.at(w2);
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(DistAutogradTest, ConcurrentContextsOnFourThreadsDoNotMix, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {

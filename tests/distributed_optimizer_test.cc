@@ -169,3 +169,41 @@ static bool version_registered = [] {
 at::Tensor times(rpc::RRef<at::Tensor> param, at::Tensor factor) { return param.local_value() * factor; }
 DDPRPC_REGISTER_FUNCTION(times);
 }  // namespace
+
+namespace {
+
+// An owner whose step fails (here: worker1 died after the optimizer was
+// made) does not hide the others': step() waits for every owner, and its
+// error names the one that failed and the one that applied the step.
+void die_now() { mp::die_abruptly(); }
+DDPRPC_REGISTER_FUNCTION(die_now);
+
+MULTIPROCESS_TEST(DistributedOptimizerTest, AStepThatFailsOnOneOwnerSaysWhichAppliedIt, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
+  if (mp::rank() == 0) {
+    const int64_t type = static_cast<int64_t>(at::kFloat);
+    rpc::RRef<at::Tensor> on1 = rpc::remote<at::Tensor>("worker1", "make_param", kStart, type);
+    rpc::RRef<at::Tensor> on2 = rpc::remote<at::Tensor>("worker2", "make_param", kStart, type);
+    optim::DistributedOptimizer opt("sgd", {{"lr", 0.1}}, {on1, on2});
+    const int64_t before = on2.rpc_sync<int64_t>("version");
+    dist_autograd::Context context;
+    at::Tensor scaled =
+        rpc::rpc_sync<at::Tensor>("worker2", "times", on2, at::tensor(kGrads[0], at::kFloat));
+    dist_autograd::backward(context.id(), {scaled.sum()});
+    rpc::rpc_async<void>("worker1", "die_now");  // never answered
+    absl::SleepFor(absl::Milliseconds(300));
+    try {
+      opt.step(context.id());
+      ADD_FAILURE() << "a step with a dead owner succeeded";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("failed on worker1"), std::string::npos) << what;
+      EXPECT_NE(what.find("applied on worker2"), std::string::npos) << what;
+    }
+    EXPECT_EQ(on2.rpc_sync<int64_t>("version"), before + 1);
+  }
+  if (mp::rank() == 1) absl::SleepFor(absl::Seconds(30));  // until it is told to die
+  rpc::shutdown();
+}
+
+}  // namespace
