@@ -35,6 +35,9 @@ using internal::Frame;
 
 // The innermost SyncCallScope of this thread, or nullptr.
 thread_local SyncCallScope* t_sync_scope = nullptr;
+// The agent whose own thread this is (its timer, or one serving its
+// requests), if any.
+thread_local const RpcAgent* t_agent_thread = nullptr;
 
 absl::Time deadline_after(absl::Duration timeout) {
   if (timeout <= absl::ZeroDuration() || timeout == absl::InfiniteDuration()) {
@@ -270,6 +273,7 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
   }
   timer_ = std::thread([this] {
     internal::apply_thread_policy(options_.batch_scheduling);
+    t_agent_thread = this;
     timer_loop();
   });
   if (serve_now) start_serving();
@@ -618,10 +622,16 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable
       }
     }
   }
-  if (newly_unreachable) {
-    for (const auto& hook : rpc_hooks()) hook->worker_unreachable(workers_[peer], why);
-  }
   fail_pending(failed, ErrorCode::kUnavailable, why);
+  if (newly_unreachable) {
+    for (const auto& hook : rpc_hooks()) {
+      try {
+        hook->worker_unreachable(workers_[peer], why);
+      } catch (const std::exception& e) {
+        LOG(ERROR) << "rpc: a hook's worker_unreachable threw (ignored): " << e.what();
+      }
+    }
+  }
 }
 
 void RpcAgent::run_at(absl::Time when, std::function<void()> fn) {
@@ -683,6 +693,8 @@ void RpcAgent::timer_loop() {
         fn();
       } catch (const std::exception& e) {
         LOG(ERROR) << "rpc: a timer task threw (ignored): " << e.what();
+      } catch (...) {
+        LOG(ERROR) << "rpc: a timer task threw (ignored)";
       }
     }
   }
@@ -741,8 +753,13 @@ void RpcAgent::serve(const std::shared_ptr<transport::Responder>& responder, Fra
     absl::MutexLock lock(&mu_);
     auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return serving_ || stopped_; };
     mu_.Await(absl::Condition(&ready));
-    if (!serving_) return;  // stopped before it started: the stream closes
+    // Stopped (before it started, or since this request was queued): it is
+    // not run; its stream closes with the server.
+    if (!serving_ || stopped_) return;
   }
+  const RpcAgent* outer = t_agent_thread;
+  t_agent_thread = this;
+  absl::Cleanup restore = [outer] { t_agent_thread = outer; };
   // The caller is the worker its stream belongs to (checked against every
   // frame by the transport), never what a frame says. The callee turns a
   // handler's failure into the call's error; whatever still escapes it
@@ -885,6 +902,13 @@ void RpcAgent::set_rpc_timeout(absl::Duration timeout) {
 }
 
 bool RpcAgent::shutdown(bool graceful) {
+  if (t_agent_thread == this) {
+    // It would wait for its own thread (the timer's join, the worker pool's).
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   absl::StrCat("rpc::shutdown() on worker '", self().name,
+                                "' cannot run on one of its agent's threads (in a request "
+                                "handler, or a callback of a call that timed out)"));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return false;

@@ -40,6 +40,18 @@ DDPRPC_REGISTER_FUNCTION(is_sleeping);
 at::Tensor make_tensor(int64_t numel) { return at::ones({numel}); }
 DDPRPC_REGISTER_FUNCTION(make_tensor);
 
+// rpc::shutdown from a request handler: what it says.
+std::string shutdown_here() {
+  try {
+    rpc::shutdown();
+    return "shut down";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+DDPRPC_REGISTER_FUNCTION(shutdown_here);
+
+
 // Runs `fn`, expecting an RpcError with `code` whose message has every one
 // of `needles`.
 template <typename F>
@@ -277,6 +289,19 @@ MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
     absl::SleepFor(absl::Milliseconds(500));
     rpc::shutdown(/*graceful=*/false);
   }
+}
+
+// rpc::shutdown() from a request handler (one of the agent's own threads,
+// which shutdown would wait for) is refused with an error, not a hang or
+// an abort.
+MULTIPROCESS_TEST(RpcErrorsTest, ShutdownFromAHandlerIsRefused, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    const std::string said =
+        rpc::rpc_sync<std::string>(rpc::CallOptions{absl::Seconds(20)}, "worker1", "shutdown_here");
+    EXPECT_NE(said.find("cannot run on one of its agent's threads"), std::string::npos) << said;
+  }
+  rpc::shutdown();
 }
 
 // A stream that sends garbage is cut off with a clear status; the worker
