@@ -271,6 +271,10 @@ RpcAgent::RpcAgent(const std::string& name, int rank, int world_size, RpcBackend
     absl::MutexLock lock(&mu_);
     next_connection_check_ = absl::Now() + options_.keepalive_interval;
   }
+  {
+    absl::MutexLock lock(&expiry_->mu);
+    expiry_->agent = this;
+  }
   timer_ = std::thread([this] {
     internal::apply_thread_policy(options_.batch_scheduling);
     t_agent_thread = this;
@@ -285,6 +289,12 @@ void RpcAgent::start_serving() {
 }
 
 RpcAgent::~RpcAgent() {
+  {
+    // Waiters no longer reach this agent (one expiring a call finishes
+    // first).
+    absl::MutexLock lock(&expiry_->mu);
+    expiry_->agent = nullptr;
+  }
   stop(/*graceful=*/false);
   reply_sender_.reset();  // sends what is queued while the extensions still exist
   for (const auto& [name, extension] : extensions_) extension->detach();
@@ -467,15 +477,24 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
     }
     return future;
   }
-  // A waiter reads its channel itself.
+  // A waiter reads its channel itself, and fails the call at its deadline
+  // itself: the timer thread that would otherwise may be busy (running a
+  // callback that waits for this very call, say).
   std::weak_ptr<transport::Transport> weak = transport_;
   std::weak_ptr<transport::Channel> weak_channel = stream;
+  std::weak_ptr<Expiry> expiry = expiry_;
   const absl::Time deadline = call.deadline;
   future.set_driver(std::make_shared<const internal::FutureDriver>(internal::FutureDriver{
-      [weak, weak_channel, deadline](const std::function<bool()>& done, absl::Time until) {
-        auto transport = weak.lock();  // keeps what the channel reads with
-        auto channel = weak_channel.lock();
-        if (transport && channel) channel->drive(done, std::min(deadline, until));
+      [weak, weak_channel, expiry, deadline, id](const std::function<bool()>& done,
+                                                 absl::Time until) {
+        {
+          auto transport = weak.lock();  // keeps what the channel reads with
+          auto channel = weak_channel.lock();
+          if (transport && channel) channel->drive(done, std::min(deadline, until));
+        }
+        if (deadline != absl::InfiniteFuture() && absl::Now() >= deadline && !done()) {
+          if (auto e = expiry.lock()) e->expire(id);
+        }
       }}));
   return future;
 }
@@ -634,6 +653,40 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable
   }
 }
 
+std::string RpcAgent::timeout_error(const PendingCall& call) const {
+  return absl::StrCat(describe(call), " timed out (deadline passed; default rpc_timeout is ",
+                      absl::FormatDuration(rpc_timeout()), ")");
+}
+
+std::optional<RpcAgent::PendingCall> RpcAgent::take_expired(uint64_t id, std::string* why) {
+  std::optional<PendingCall> call;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return std::nullopt;  // answered, failed or expired already
+    call = take_pending(it);
+  }
+  *why = timeout_error(*call);
+  try {
+    end_hooks(call->hooks, nullptr);
+  } catch (const std::exception& e) {
+    LOG(ERROR) << "rpc: ending the hooks of " << describe(*call) << " failed: " << e.what();
+  }
+  return call;
+}
+
+void RpcAgent::Expiry::expire(uint64_t id) {
+  std::optional<PendingCall> call;
+  std::string why;
+  {
+    absl::MutexLock lock(&mu);
+    if (agent == nullptr) return;
+    call = agent->take_expired(id, &why);
+  }
+  // Outside the lock: its callbacks may wait for other calls, and expire them.
+  if (call) call->future.set_error(RpcError(ErrorCode::kTimeout, why));
+}
+
 void RpcAgent::run_at(absl::Time when, std::function<void()> fn) {
   absl::MutexLock lock(&mu_);
   if (stopped_) return;
@@ -678,8 +731,7 @@ void RpcAgent::timer_loop() {
       }
     }
     for (const auto& call : expired) {
-      const std::string why = absl::StrCat(describe(call), " timed out (deadline passed; default "
-                                           "rpc_timeout is ", absl::FormatDuration(rpc_timeout()), ")");
+      const std::string why = timeout_error(call);
       try {
         internal::fault_point("agent.timer");
         end_hooks(call.hooks, nullptr);

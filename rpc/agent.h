@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -271,6 +272,14 @@ class RpcAgent {
     absl::Mutex mu;
     std::shared_ptr<transport::Channel> stream ABSL_GUARDED_BY(mu);
   };
+  // Lets a thread waiting for a call fail it at its deadline itself, for
+  // as long as the agent exists.
+  struct Expiry {
+    absl::Mutex mu;
+    RpcAgent* agent ABSL_GUARDED_BY(mu);
+    // Fails call `id` with its timeout, if it is still pending.
+    void expire(uint64_t id);
+  };
 
   Future<c10::IValue> send_request(int to, const std::string& function,
                                    std::vector<c10::IValue> args, absl::Duration timeout,
@@ -302,6 +311,10 @@ class RpcAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string describe(const PendingCall& call) const;
   void timer_loop();
+  // Takes call `id` from the pending calls and ends its hooks, if it is
+  // still pending; `*why` is its timeout error.
+  std::optional<PendingCall> take_expired(uint64_t id, std::string* why);
+  std::string timeout_error(const PendingCall& call) const;
   // Slots bounding concurrent requests to num_worker_threads.
   bool try_acquire_worker();
   void acquire_worker();
@@ -335,6 +348,7 @@ class RpcAgent {
   std::set<int> left_;
   std::atomic<int64_t> rpc_timeout_ns_;  // rpc_timeout(); INT64_MAX: infinite
   std::thread timer_;
+  const std::shared_ptr<Expiry> expiry_ = std::make_shared<Expiry>();
   mutable absl::Mutex workers_mu_;
   int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;
 

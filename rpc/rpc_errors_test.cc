@@ -10,6 +10,7 @@
 #include <atomic>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "rpc/rpc.h"
 #include "rpc/rref/rref.h"
@@ -289,6 +290,38 @@ MULTIPROCESS_TEST(RpcErrorsTest, UngracefulShutdownFailsCallsInFlight, 2) {
     absl::SleepFor(absl::Milliseconds(500));
     rpc::shutdown(/*graceful=*/false);
   }
+}
+
+// A callback of a call that timed out runs on the agent's timer thread; if
+// it waits for another call, that call (and every other) still times out:
+// a waiter fails its call at the deadline itself.
+MULTIPROCESS_TEST(RpcErrorsTest, ACallbackWaitingOnACallDoesNotStopTimeouts, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    absl::Notification nested_done;
+    std::string nested_error;
+    auto first = rpc::rpc_async<int64_t>(rpc::CallOptions{absl::Milliseconds(100)}, "worker1",
+                                         "sleep_ms", 500);
+    first.add_done_callback([&](const rpc::Future<int64_t>&) {
+      try {
+        rpc::rpc_sync<int64_t>(rpc::CallOptions{absl::Milliseconds(200)}, "worker1", "sleep_ms",
+                               2000);
+      } catch (const std::exception& e) {
+        nested_error = e.what();
+      }
+      nested_done.Notify();
+    });
+    const absl::Time start = absl::Now();
+    auto other = rpc::rpc_async<int64_t>(rpc::CallOptions{absl::Milliseconds(300)}, "worker1",
+                                         "sleep_ms", 5000);
+    EXPECT_TRUE(other.wait_for(absl::Seconds(5))) << "a call outlived its timeout";
+    EXPECT_TRUE(other.has_error());
+    EXPECT_TRUE(nested_done.WaitForNotificationWithTimeout(absl::Seconds(5)))
+        << "the callback's call never timed out";
+    EXPECT_NE(nested_error.find("timed out"), std::string::npos) << nested_error;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  rpc::shutdown();
 }
 
 // rpc::shutdown() from a request handler (one of the agent's own threads,
