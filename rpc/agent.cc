@@ -296,7 +296,10 @@ RpcAgent::~RpcAgent() {
     expiry_->agent = nullptr;
   }
   stop(/*graceful=*/false);
-  reply_sender_.reset();  // sends what is queued while the extensions still exist
+  // Async results the program completes from now on are not answered; the
+  // replies queued already are sent while the extensions still exist.
+  if (callee_) callee_->close_replies();
+  reply_sender_.reset();
   for (const auto& [name, extension] : extensions_) extension->detach();
   peers_.clear();  // before mu_ goes: a stream's close callback takes it
   server_.reset();

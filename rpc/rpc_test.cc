@@ -623,3 +623,25 @@ MULTIPROCESS_TEST(RpcTest, WaitAllScopeWaitsForTheCallsMadeInIt, 2) {
 }
 
 }  // namespace
+
+namespace {
+
+// An async result the program completes after its worker's agent is gone
+// (shut down and destroyed) is dropped: nothing of the agent is touched.
+MULTIPROCESS_TEST(RpcTest, AnAsyncResultCompletedAfterShutdownIsDropped, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    rpc::Future<int64_t> parked =
+        rpc::rpc_async<int64_t>(rpc::CallOptions{absl::Milliseconds(300)}, "worker1", "park");
+    EXPECT_THROW(parked.value(), rpc::RpcError);
+  }
+  rpc::shutdown();
+  if (mp::rank() == 1) {
+    // The agent is gone: the reply's sender, codecs and transport with it.
+    ASSERT_FALSE(parked().completed());
+    parked().set_result(int64_t{7});
+    absl::SleepFor(absl::Milliseconds(200));  // a reply sent now would be on its way
+  }
+}
+
+}  // namespace

@@ -211,14 +211,26 @@ void Callee::serve(int caller, Frame& request, absl::Time received, const Respon
   // reply_sender, which encodes and writes it, so that thread is free as
   // soon as it returns.
   ThreadPool* const reply_sender = options_.reply_sender;
-  result.add_done_callback([reply_sender, reply = std::move(reply)](const Future<c10::IValue>& f) mutable {
+  result.add_done_callback([replies = replies_, reply_sender,
+                            reply = std::move(reply)](const Future<c10::IValue>& f) mutable {
     if (HeldWork* held = HeldWork::current()) {
       held->add([reply = std::move(reply), f]() mutable { reply(f); });
+      return;
+    }
+    absl::ReaderMutexLock lock(&replies->mu);
+    if (replies->closed) {
+      LOG(WARNING) << "rpc: an async result completed after its agent was shut down; its reply "
+                      "is dropped";
       return;
     }
     if (current_call() != nullptr || reply_sender == nullptr) return reply(f);
     reply_sender->run([reply = std::move(reply), f] { reply(f); });  // runs once
   });
+}
+
+void Callee::close_replies() {
+  absl::MutexLock lock(&replies_->mu);
+  replies_->closed = true;
 }
 
 }  // namespace internal

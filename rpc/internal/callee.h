@@ -14,10 +14,12 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "rpc/core/errors.h"
 #include "rpc/registry.h"
@@ -64,9 +66,20 @@ class Callee {
   // Requests whose function is running right now.
   int executing() const { return executing_.load(); }
 
+  // From now on, async results that complete (a future the program still
+  // holds after its agent is gone) are dropped, not answered: what their
+  // replies would use (the reply sender, the codecs, the transport) is
+  // going away. Waits for replies being dispatched now.
+  void close_replies();
+
  private:
+  struct Replies {
+    absl::Mutex mu;
+    bool closed ABSL_GUARDED_BY(mu) = false;
+  };
   const Options options_;
   std::atomic<int> executing_{0};
+  const std::shared_ptr<Replies> replies_ = std::make_shared<Replies>();
 };
 
 }  // namespace ddprpc::rpc::internal
