@@ -1,6 +1,7 @@
 #include "rpc/agent.h"
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -520,17 +521,29 @@ std::shared_ptr<transport::Channel> RpcAgent::peer(int to) {
   PeerSlot& slot = *peers_[to];
   absl::MutexLock lock(&slot.mu);
   if (!slot.stream || slot.stream->broken()) {
+    std::vector<BrokenStream> ended;  // let go outside mu_
     {
       absl::MutexLock state_lock(&mu_);
       // stop() sets stopped_ before it empties the slots (under slot.mu):
       // a stream opened after that would never be closed.
       if (stopped_) return nullptr;
-      if (slot.stream) broken_.push_back(std::move(slot.stream));
+      if (slot.stream) broken_.push_back({std::move(slot.stream), std::move(slot.ended)});
+      // Broken streams that have reported their end have nothing more to
+      // say: a peer that stays down, called again and again, must not pile
+      // up one stream (and its descriptors) per call.
+      auto over = std::stable_partition(broken_.begin(), broken_.end(),
+                                        [](const BrokenStream& b) { return !b.ended->load(); });
+      std::move(over, broken_.end(), std::back_inserter(ended));
+      broken_.erase(over, broken_.end());
     }
+    ended.clear();
+    auto flag = std::make_shared<std::atomic<bool>>(false);
+    slot.ended = flag;
     slot.stream = transport_->connect(
         workers_[to].address, peer_options(to),
         [this, to](Frame frame) { return on_reply(to, std::move(frame)); },
-        [this, to](const transport::CloseReason& reason) {
+        [this, to, flag](const transport::CloseReason& reason) {
+          flag->store(true);
           std::string why;
           if (reason.ok) {
             why = "the worker closed the connection";
@@ -932,6 +945,7 @@ std::map<std::string, std::string> RpcAgent::debug_info() const {
   {
     absl::MutexLock lock(&mu_);
     info["agent.num_pending_calls"] = std::to_string(pending_.size());
+    info["agent.broken_streams"] = std::to_string(broken_.size());
     info["agent.running"] = running_ ? "1" : "0";
   }
   {
@@ -1051,12 +1065,12 @@ void RpcAgent::stop(bool graceful) {
     // that is unreachable.
     if (stream) stream->close(graceful && is_reachable(to));
   }
-  std::vector<std::shared_ptr<transport::Channel>> broken;
+  std::vector<BrokenStream> broken;
   {
     absl::MutexLock lock(&mu_);
     broken.swap(broken_);
   }
-  for (auto& stream : broken) stream->close(/*graceful=*/false);
+  for (auto& b : broken) b.stream->close(/*graceful=*/false);
   // After the barriers every live worker has finished calling this one:
   // what streams remain belong to workers that are gone or closing theirs.
   if (server_) server_->shutdown(graceful ? absl::Seconds(2) : absl::ZeroDuration());

@@ -271,6 +271,12 @@ class RpcAgent {
   struct PeerSlot {
     absl::Mutex mu;
     std::shared_ptr<transport::Channel> stream ABSL_GUARDED_BY(mu);
+    // Set once `stream` has reported its end (OnClose).
+    std::shared_ptr<std::atomic<bool>> ended ABSL_GUARDED_BY(mu);
+  };
+  struct BrokenStream {
+    std::shared_ptr<transport::Channel> stream;
+    std::shared_ptr<std::atomic<bool>> ended;
   };
   // Lets a thread waiting for a call fail it at its deadline itself, for
   // as long as the agent exists.
@@ -365,8 +371,9 @@ class RpcAgent {
   // Per worker: why it is unreachable ("" while it is reachable).
   std::vector<std::string> unreachable_ ABSL_GUARDED_BY(mu_);
   absl::Time next_connection_check_ ABSL_GUARDED_BY(mu_);
-  // Streams that broke; closed at shutdown.
-  std::vector<std::shared_ptr<transport::Channel>> broken_ ABSL_GUARDED_BY(mu_);
+  // Streams that broke and have not reported their end yet; closed at
+  // shutdown. Those that have are let go as others break.
+  std::vector<BrokenStream> broken_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ddprpc::rpc

@@ -174,6 +174,16 @@ MULTIPROCESS_TEST(RpcErrorsTest, KilledPeerFailsPendingCallsFast, 3) {
     ASSERT_TRUE(again.wait_for(absl::Seconds(20)));
     EXPECT_TRUE(again.has_error());
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker2", "sleep_ms", 1), 1);
+    // Calling it again and again opens a stream each time; the broken ones
+    // that have ended are let go, not kept until shutdown.
+    for (int i = 0; i < 200; ++i) {
+      auto call = rpc::rpc_async<int64_t>("worker1", "sleep_ms", 1);
+      call.wait_for(absl::Seconds(20));
+      EXPECT_TRUE(call.has_error());
+    }
+    const auto info = rpc::current_agent()->debug_info();
+    ASSERT_TRUE(info.count("agent.broken_streams"));
+    EXPECT_LT(std::stoi(info.at("agent.broken_streams")), 20);
   }
   absl::Time start = absl::Now();
   // Does not wait for the dead worker, and says it did not meet everyone.
