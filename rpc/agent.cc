@@ -684,6 +684,7 @@ std::optional<RpcAgent::PendingCall> RpcAgent::take_expired(uint64_t id, std::st
   }
   *why = timeout_error(*call);
   try {
+    internal::fault_point("agent.timer");  // the same step as on the timer thread
     end_hooks(call->hooks, nullptr);
   } catch (const std::exception& e) {
     LOG(ERROR) << "rpc: ending the hooks of " << describe(*call) << " failed: " << e.what();
