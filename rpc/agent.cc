@@ -972,7 +972,10 @@ void RpcAgent::set_rpc_timeout(absl::Duration timeout) {
 }
 
 bool RpcAgent::shutdown(bool graceful) {
+  // One shutdown at a time: a second, concurrent one returns at once.
+  if (shutting_down_.exchange(true)) return false;
   if (t_agent_thread == this) {
+    shutting_down_ = false;
     // It would wait for its own thread (the timer's join, the worker pool's).
     throw RpcError(ErrorCode::kInvalidArgument,
                    absl::StrCat("rpc::shutdown() on worker '", self().name,
@@ -1035,7 +1038,8 @@ bool RpcAgent::shutdown(bool graceful) {
       LOG(WARNING) << "rpc shutdown on '" << self().name << "': " << e.what();
     }
   }
-  store_.reset();
+  // The store's client stays until the agent goes: another thread may be
+  // in a store call (rpc::barrier, all_gather) and fails there instead.
   store_server_.reset();
   // Clean only if every other worker reached shutdown (none given up as
   // dead or unreachable) and every call of this one ended.

@@ -354,6 +354,7 @@ class RpcAgent {
   std::set<int> left_;
   std::atomic<int64_t> rpc_timeout_ns_;  // rpc_timeout(); INT64_MAX: infinite
   std::thread timer_;
+  std::atomic<bool> shutting_down_{false};
   const std::shared_ptr<Expiry> expiry_ = std::make_shared<Expiry>();
   mutable absl::Mutex workers_mu_;
   int free_workers_ ABSL_GUARDED_BY(workers_mu_) = 0;

@@ -334,6 +334,32 @@ MULTIPROCESS_TEST(RpcErrorsTest, ACallbackWaitingOnACallDoesNotStopTimeouts, 2) 
   rpc::shutdown();
 }
 
+// A thread still in a store call (a barrier waiting for a worker that never
+// comes) when another shuts the agent down fails there, with an error; and
+// a second shutdown at the same time returns at once.
+MULTIPROCESS_TEST(RpcErrorsTest, ShutdownWhileAnotherThreadWaitsInABarrier, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    std::atomic<bool> threw{false};
+    std::thread waiter([&threw] {
+      try {
+        rpc::barrier({"worker0", "worker1"}, absl::Seconds(10));
+      } catch (const std::exception&) {
+        threw = true;
+      }
+    });
+    absl::SleepFor(absl::Milliseconds(300));
+    std::thread second([] { rpc::shutdown(/*graceful=*/false); });
+    rpc::shutdown(/*graceful=*/false);
+    second.join();
+    waiter.join();
+    EXPECT_TRUE(threw.load()) << "a barrier missing a worker succeeded";
+  } else {
+    absl::SleepFor(absl::Milliseconds(600));
+    rpc::shutdown(/*graceful=*/false);
+  }
+}
+
 // rpc::shutdown() from a request handler (one of the agent's own threads,
 // which shutdown would wait for) is refused with an error, not a hang or
 // an abort.
