@@ -76,6 +76,8 @@ struct ContextState {
   ContextState(ContextId id, bool remote) : id(id), remote(remote) { touch(); }
   const ContextId id;
   const bool remote;  // created by a message from another worker
+  // For a remote context, the worker whose message brought it here first.
+  std::atomic<int> introduced_by{-1};
   // When a message of it last came or went (ns since the epoch).
   std::atomic<int64_t> last_used_ns{0};
   void touch() { last_used_ns.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
@@ -394,6 +396,8 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
   }
   std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id);
   if (!ctx) return nullptr;
+  int none = -1;
+  ctx->introduced_by.compare_exchange_strong(none, src);
   ctx->touch();
   absl::MutexLock lock(&ctx->mu);
   // A request's reply may record a send function: a context at that bound
@@ -849,8 +853,11 @@ void release_context(ContextId id, int from) {
 }
 
 // Releases named in a message's ext (see PendingReleases), each honoured
-// only if `src` takes part in that context: it created it, or this worker
-// exchanged messages with it within it.
+// only if `src` is the context's creator, or the worker whose message
+// brought the context here (which forwards the creator's release). A
+// context this worker created is released by its own Context only: a
+// participant cannot end it, nor make another worker end it by joining
+// the context first with a message of its own.
 void release_attached(int src, const rpc::MessageExt& ext) {
   if (ext.empty()) return;
   auto it = ext.find(kReleasedKey);
@@ -862,14 +869,10 @@ void release_attached(int src, const rpc::MessageExt& ext) {
     }
     std::shared_ptr<ContextState> ctx = container().find(id);
     if (!ctx) continue;  // released already
-    bool takes_part = creator_of(id) == src;
-    if (!takes_part) {
-      absl::MutexLock lock(&ctx->mu);
-      takes_part = ctx->workers.count(src) > 0;
-    }
-    if (!takes_part) {
+    const bool may = ctx->remote && (creator_of(id) == src || ctx->introduced_by.load() == src);
+    if (!may) {
       LOG(WARNING) << "dist_autograd: ignoring the release of context " << id << " by worker "
-                   << src << ", which takes no part in it";
+                   << src << ", which neither created it nor brought it here";
       continue;
     }
     release_context(id, src);

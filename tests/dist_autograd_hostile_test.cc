@@ -100,6 +100,16 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext
     add_ext(&release, "dist_autograd.released", absl::StrCat(id));
     EXPECT_EQ(raw_call("worker1", 2, release).header.kind(), wire::RESPONSE);
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
+    // The same after joining the context with a message of our own first:
+    // worker 1 honours only the creator and the worker that brought it the
+    // context, and would otherwise also forward the release to worker 0.
+    auto join = rpc::testing::request_frame(2, 4, "square", {at::ones({1})});
+    add_ext(&join, "dist_autograd.context", absl::StrCat(id));
+    EXPECT_EQ(raw_call("worker1", 2, join).header.kind(), wire::RESPONSE);
+    auto again = rpc::testing::request_frame(2, 5, kFlushReleases, {});
+    add_ext(&again, "dist_autograd.released", absl::StrCat(id));
+    EXPECT_EQ(raw_call("worker1", 2, again).header.kind(), wire::RESPONSE);
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
     // Gradients for tensors that were sent to worker 0, not to us.
     auto feed = rpc::testing::request_frame(
         2, 2, kPropagate,
