@@ -455,11 +455,18 @@ Future<c10::IValue> RpcAgent::send_request(int to, const std::string& function,
       if (call.deadline != absl::InfiniteFuture()) deadlines_.emplace(call.deadline, id);
     }
   }
-  std::shared_ptr<transport::Channel> stream = peer(to);  // null once stopped
+  uint64_t generation = 0;
+  std::shared_ptr<transport::Channel> stream = peer(to, &generation);  // null once stopped
   // Before the request goes: the background reader leaves its reply to us.
   if (!one_way && t_sync_scope && !t_sync_scope->reserved_.lock()) {
     transport_->reserve_reading();
     t_sync_scope->reserved_ = transport_;
+  }
+  if (!one_way && stream) {
+    // Before the send: its reply, or its stream's end, may come at once.
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(id);
+    if (it != pending_.end()) it->second.stream = generation;
   }
   const bool sent = stream && stream->send(std::move(frame),
                                           transport::SendOptions{!one_way, more_in_flight,
@@ -517,7 +524,7 @@ transport::PeerOptions RpcAgent::peer_options(int to) const {
   return options;
 }
 
-std::shared_ptr<transport::Channel> RpcAgent::peer(int to) {
+std::shared_ptr<transport::Channel> RpcAgent::peer(int to, uint64_t* generation) {
   PeerSlot& slot = *peers_[to];
   absl::MutexLock lock(&slot.mu);
   if (!slot.stream || slot.stream->broken()) {
@@ -539,10 +546,11 @@ std::shared_ptr<transport::Channel> RpcAgent::peer(int to) {
     ended.clear();
     auto flag = std::make_shared<std::atomic<bool>>(false);
     slot.ended = flag;
+    const uint64_t opened = slot.generation.fetch_add(1) + 1;
     slot.stream = transport_->connect(
         workers_[to].address, peer_options(to),
         [this, to](Frame frame) { return on_reply(to, std::move(frame)); },
-        [this, to, flag](const transport::CloseReason& reason) {
+        [this, to, flag, opened](const transport::CloseReason& reason) {
           flag->store(true);
           std::string why;
           if (reason.ok) {
@@ -552,9 +560,10 @@ std::shared_ptr<transport::Channel> RpcAgent::peer(int to) {
           } else {
             why = absl::StrCat("the connection failed (", reason.message, ")");
           }
-          on_peer_closed(to, why, reason.unreachable);
+          on_peer_closed(to, why, reason.unreachable, opened);
         });
   }
+  if (generation != nullptr) *generation = slot.generation.load();
   return slot.stream;
 }
 
@@ -635,13 +644,17 @@ void RpcAgent::check_connections() {
   }
 }
 
-void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable) {
+void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable,
+                              uint64_t generation) {
+  // A stream that broke earlier, ending only now, says nothing of the one
+  // that replaced it.
+  const bool latest = generation >= peers_[peer]->generation.load();
   std::vector<PendingCall> failed;
   bool newly_unreachable = false;
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return;
-    if (unreachable) {
+    if (unreachable && latest) {
       if (unreachable_[peer].empty()) {
         LOG(WARNING) << "rpc on '" << workers_[rank_].name << "': lost the connection to worker '"
                      << workers_[peer].name << "': " << why;
@@ -650,7 +663,7 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable
       unreachable_[peer] = why;
     }
     for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->second.to == peer) {
+      if (it->second.to == peer && it->second.stream <= generation) {
         failed.push_back(take_pending(it++));
       } else {
         ++it;
@@ -972,16 +985,15 @@ void RpcAgent::set_rpc_timeout(absl::Duration timeout) {
 }
 
 bool RpcAgent::shutdown(bool graceful) {
-  // One shutdown at a time: a second, concurrent one returns at once.
-  if (shutting_down_.exchange(true)) return false;
   if (t_agent_thread == this) {
-    shutting_down_ = false;
     // It would wait for its own thread (the timer's join, the worker pool's).
     throw RpcError(ErrorCode::kInvalidArgument,
                    absl::StrCat("rpc::shutdown() on worker '", self().name,
                                 "' cannot run on one of its agent's threads (in a request "
                                 "handler, or a callback of a call that timed out)"));
   }
+  // One shutdown at a time: a second, concurrent one returns at once.
+  if (shutting_down_.exchange(true)) return false;
   {
     absl::MutexLock lock(&mu_);
     if (stopped_) return false;

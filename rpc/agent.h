@@ -265,6 +265,8 @@ class RpcAgent {
     std::string function;  // as shown in errors
     const char* api;
     absl::Time deadline;
+    // The stream it went out on (PeerSlot::generation); 0 until sent.
+    uint64_t stream = 0;
     // Hooks that took part in this call (rpc/hooks.h) and their state.
     std::vector<std::pair<RpcHook*, std::shared_ptr<void>>> hooks;
   };
@@ -273,6 +275,8 @@ class RpcAgent {
     std::shared_ptr<transport::Channel> stream ABSL_GUARDED_BY(mu);
     // Set once `stream` has reported its end (OnClose).
     std::shared_ptr<std::atomic<bool>> ended ABSL_GUARDED_BY(mu);
+    // Counts the streams opened to the worker; `stream` is the latest.
+    std::atomic<uint64_t> generation{0};
   };
   struct BrokenStream {
     std::shared_ptr<transport::Channel> stream;
@@ -298,7 +302,7 @@ class RpcAgent {
   // Which of `ids` answer now (in parallel, at most about a second).
   std::vector<bool> peers_alive(const std::vector<int>& ids);
   // The open stream to `to` (opened anew if broken); nullptr once stopped.
-  std::shared_ptr<transport::Channel> peer(int to);
+  std::shared_ptr<transport::Channel> peer(int to, uint64_t* generation = nullptr);
   // How to connect to worker `to` (-1: to its address only).
   transport::PeerOptions peer_options(int to) const;
   // Serves a request on a pool thread (when the stream's threads are busy).
@@ -308,7 +312,9 @@ class RpcAgent {
   // A reply from worker `from`; an error status if it breaks the protocol.
   absl::Status on_reply(int from, internal::Frame frame);
   // `unreachable`: the connection failed, not closed.
-  void on_peer_closed(int peer, const std::string& why, bool unreachable);
+  // Fails the calls that went out on stream `generation` of `peer`, or on
+  // an older one, or are not sent yet; calls on a newer stream go on.
+  void on_peer_closed(int peer, const std::string& why, bool unreachable, uint64_t generation);
   // check_connection() of every open stream.
   void check_connections();
   void fail_pending(const std::vector<PendingCall>& calls, ErrorCode code, const std::string& why);
