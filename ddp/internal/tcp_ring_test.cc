@@ -492,22 +492,26 @@ TEST(TcpRingTest, EveryRankGetsARingOrNoneDoes) {
 // A rank whose signer fails once the ring is being built (after the check
 // every rank makes before) fails with it, and so does every other rank,
 // within the ring's timeout: it still takes part in the ranks' agreement.
+// Options of a ring with a 2 s timeout whose rank 1 signs its first
+// message, then fails.
+void rank1_signer_fails_part_way(int r, TcpRing::Options& o) {
+  o.timeout = absl::Seconds(2);
+  if (r != 1) {
+    o.sign = signer("job");
+    return;
+  }
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  o.sign = [calls, good = signer("job")](absl::string_view message) {
+    if (calls->fetch_add(1) > 0) throw std::runtime_error("no randomness left");
+    return good(message);
+  };
+}
+
 TEST(TcpRingTest, ASignerThatFailsPartWayFailsEveryRankWithinTheTimeout) {
   constexpr int kSize = 3;
   Exchange exchange(kSize);
   const absl::Time start = absl::Now();
-  Ranks ranks = build(kSize, exchange, [](int r, TcpRing::Options& o) {
-    o.timeout = absl::Seconds(2);
-    if (r != 1) {
-      o.sign = signer("job");
-      return;
-    }
-    auto calls = std::make_shared<std::atomic<int>>(0);
-    o.sign = [calls, good = signer("job")](absl::string_view message) {
-      if (calls->fetch_add(1) > 0) throw std::runtime_error("no randomness left");
-      return good(message);
-    };
-  });
+  Ranks ranks = build(kSize, exchange, rank1_signer_fails_part_way);
   EXPECT_LT(absl::Now() - start, absl::Seconds(4));
   for (int r = 0; r < kSize; ++r) {
     EXPECT_EQ(ranks.rings[r], nullptr) << r;
@@ -524,18 +528,7 @@ TEST(TcpRingTest, ASignerThatFailsPartWayFailsEveryRankWithinTheTimeout) {
 TEST(TcpRingTest, ARankThatFailsEarlyReportsItsOwnErrorWhenTheAgreementTimesOut) {
   constexpr int kSize = 3;
   Exchange exchange(kSize, /*wait=*/absl::Milliseconds(500));
-  Ranks ranks = build(kSize, exchange, [](int r, TcpRing::Options& o) {
-    o.timeout = absl::Seconds(2);
-    if (r != 1) {
-      o.sign = signer("job");
-      return;
-    }
-    auto calls = std::make_shared<std::atomic<int>>(0);
-    o.sign = [calls, good = signer("job")](absl::string_view message) {
-      if (calls->fetch_add(1) > 0) throw std::runtime_error("no randomness left");
-      return good(message);
-    };
-  });
+  Ranks ranks = build(kSize, exchange, rank1_signer_fails_part_way);
   for (int r = 0; r < kSize; ++r) EXPECT_EQ(ranks.rings[r], nullptr) << r;
   EXPECT_NE(ranks.errors[1].find("cannot make the ring's proofs: no randomness left"),
             std::string::npos)

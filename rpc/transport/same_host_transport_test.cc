@@ -665,15 +665,23 @@ TEST(SameHostTransportTest, AFrameLeftHalfwayDoesNotStopTheOthers) {
   ::close(fd);
 }
 
+// Limits under which a message's bytes may pause 1.8 s (6 x
+// keepalive_timeout).
+ServerLimits short_silence() {
+  ServerLimits limits;
+  limits.inline_handoff = absl::Milliseconds(10);
+  limits.keepalive_interval = absl::Milliseconds(100);
+  limits.keepalive_timeout = absl::Milliseconds(300);
+  return limits;
+}
+
 // A live caller that stops in the middle of a frame loses its connection
 // once it has been silent for 6 x keepalive_timeout: the thread reading it
 // is not held for good.
 TEST(SameHostTransportTest, AFrameLeftHalfwayEndsItsConnectionAfterTheSilenceLimit) {
-  ServerLimits limits;
-  limits.inline_handoff = absl::Milliseconds(10);
-  limits.keepalive_interval = absl::Milliseconds(100);
-  limits.keepalive_timeout = absl::Milliseconds(300);  // a message's silence: 1.8 s
-  Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
+  Served server(short_silence(), [](std::shared_ptr<Responder> r, Frame f) {
+    Echo::reply(r, std::move(f));
+  });
   int fd = raw_connect(server.socket_name());
   ASSERT_GE(fd, 0);
   hello(fd, 3);
@@ -696,11 +704,9 @@ TEST(SameHostTransportTest, AFrameLeftHalfwayEndsItsConnectionAfterTheSilenceLim
 // limit of the one before: it must still come whole within the limit plus
 // its bytes at the least rate.
 TEST(SameHostTransportTest, AFrameTrickledAByteAtATimeEndsItsConnection) {
-  ServerLimits limits;
-  limits.inline_handoff = absl::Milliseconds(10);
-  limits.keepalive_interval = absl::Milliseconds(100);
-  limits.keepalive_timeout = absl::Milliseconds(300);  // a message's silence: 1.8 s
-  Served server(limits, [](std::shared_ptr<Responder> r, Frame f) { Echo::reply(r, std::move(f)); });
+  Served server(short_silence(), [](std::shared_ptr<Responder> r, Frame f) {
+    Echo::reply(r, std::move(f));
+  });
   int fd = raw_connect(server.socket_name());
   ASSERT_GE(fd, 0);
   hello(fd, 3);

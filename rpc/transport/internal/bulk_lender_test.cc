@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -29,13 +30,15 @@ namespace {
 constexpr char kToken[] = "bulk-test-token";
 
 // The listener of worker 0 in a world of `world_size`, serving `table`.
-std::unique_ptr<bulk::Listener> listener_of_worker0(std::shared_ptr<bulk::LendTable> table,
-                                                    int world_size, int max_per_peer = 12) {
+std::unique_ptr<bulk::Listener> listener_of_worker0(
+    std::shared_ptr<bulk::LendTable> table, int world_size, int max_per_peer = 12,
+    const std::function<void(bulk::ListenerLimits&)>& adjust = nullptr) {
   bulk::ListenerLimits limits;
   limits.self = 0;
   limits.world_size = world_size;
   limits.token = kToken;
   limits.max_connections_per_peer = max_per_peer;
+  if (adjust) adjust(limits);
   std::string error;
   auto listener = bulk::Listener::start("127.0.0.1", limits, std::move(table), nullptr, &error);
   EXPECT_NE(listener, nullptr) << error;
@@ -183,14 +186,11 @@ TEST(BulkLenderTest, AWorkerPastItsConnectionsPushesOutItsOldestAndIsNeverLocked
 TEST(BulkLenderTest, APullerThatDrainsTooSlowlyIsCutOffThoughItNeverStops) {
   auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
                                                  absl::Seconds(60));
-  bulk::ListenerLimits limits;
-  limits.self = 0;
-  limits.world_size = 2;
-  limits.token = kToken;
-  limits.silence = absl::Seconds(1);
+  auto listener = listener_of_worker0(table, 2, 12, [](bulk::ListenerLimits& limits) {
+    limits.silence = absl::Seconds(1);
+  });
+  ASSERT_NE(listener, nullptr);
   std::string error;
-  auto listener = bulk::Listener::start("127.0.0.1", limits, table, nullptr, &error);
-  ASSERT_NE(listener, nullptr) << error;
   const at::Tensor t = at::arange(int64_t{12} << 20, at::kInt);  // 48 MiB
   const uint64_t id = table->lend(/*peer=*/1, /*frame_id=*/1, t, /*reply=*/false);
   ASSERT_NE(id, 0u);
@@ -276,14 +276,11 @@ TEST(BulkLenderTest, ALendKeepsItsBytesWhenTheProgramRepointsItsTensor) {
 TEST(BulkLenderTest, AHelloTrickledAByteAtATimeEndsAtTheHandshakeTimeout) {
   auto table = std::make_shared<bulk::LendTable>(int64_t{64} << 20, int64_t{4} << 20,
                                                  absl::Seconds(60));
-  bulk::ListenerLimits limits;
-  limits.self = 0;
-  limits.world_size = 2;
-  limits.token = kToken;
-  limits.handshake_timeout = absl::Seconds(1);
+  auto listener = listener_of_worker0(table, 2, 12, [](bulk::ListenerLimits& limits) {
+    limits.handshake_timeout = absl::Seconds(1);
+  });
+  ASSERT_NE(listener, nullptr);
   std::string error;
-  auto listener = bulk::Listener::start("127.0.0.1", limits, table, nullptr, &error);
-  ASSERT_NE(listener, nullptr) << error;
   const absl::Time start = absl::Now();
   const int fd = bulk::connect_to(absl::StrCat("127.0.0.1:", listener->port()), absl::Seconds(5),
                                   &error);
