@@ -29,18 +29,19 @@ uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, 
   held += static_cast<int64_t>(nbytes);
   const uint64_t id = next_id_++;
   const absl::Time expires = std::max(now + timeout_, not_before);
-  // A tensor of its own over the same storage: the program may point its
-  // tensor elsewhere (set_, .data =) while the lend lasts; the bytes lent
-  // stay those it lent, and they stay allocated.
-  lends_.emplace(std::make_pair(peer, id),
-                 Lend{tensor.detach(), nbytes, frame_id, reply, expires, channel});
+  // The storage too: the program may point its tensor elsewhere (set_,
+  // .data =) while the lend lasts; the bytes lent stay those it lent, and
+  // they stay allocated.
+  const uint64_t begin = static_cast<uint64_t>(tensor.storage_offset()) * tensor.element_size();
+  lends_.emplace(std::make_pair(peer, id), Lend{tensor, tensor.storage(), begin, nbytes, frame_id,
+                                                reply, expires, channel});
   if (!reply) request_lends_.fetch_add(1);
   by_time_.emplace(expires, std::make_pair(peer, id));
   return id;
 }
 
-absl::StatusOr<at::Tensor> LendTable::find(int peer, uint64_t id, uint64_t offset,
-                                           uint64_t length) {
+absl::StatusOr<LendTable::LentBytes> LendTable::find(int peer, uint64_t id, uint64_t offset,
+                                                     uint64_t length) {
   absl::MutexLock lock(&mu_);
   expire_locked(absl::Now());
   auto it = lends_.find({peer, id});
@@ -52,7 +53,12 @@ absl::StatusOr<at::Tensor> LendTable::find(int peer, uint64_t id, uint64_t offse
     return absl::OutOfRangeError(absl::StrCat("bytes [", offset, ", +", length, ") of lend ", id,
                                               " of ", it->second.nbytes, " bytes"));
   }
-  return it->second.tensor;
+  const Lend& lend = it->second;
+  if (lend.storage.nbytes() < lend.begin + lend.nbytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("lend ", id, ": the storage of the lent tensor shrank"));
+  }
+  return LentBytes{lend.tensor, lend.storage, static_cast<const char*>(lend.storage.data()) + lend.begin};
 }
 
 void LendTable::release(int peer, uint64_t id) {
@@ -372,7 +378,7 @@ void Listener::serve(Connection* c) {
       table_->release(peer, id);
       continue;
     }
-    absl::StatusOr<at::Tensor> tensor = table_->find(peer, id, offset, length);
+    absl::StatusOr<LendTable::LentBytes> tensor = table_->find(peer, id, offset, length);
     char head[kReplyHeadBytes] = {};
     if (!tensor.ok()) {
       LOG(WARNING) << "bulk listener of worker " << limits_.self << ": worker " << peer
@@ -383,7 +389,7 @@ void Listener::serve(Connection* c) {
       break;
     }
     put_u64(head + 8, length);
-    const char* data = static_cast<const char*>(tensor->data_ptr()) + offset;
+    const char* data = tensor->data + offset;
     // The socket blocks (set_silence after the hello): the kernel fills it
     // as it drains, without a poll per segment. A puller that drains it
     // slowly is cut off as a slow pull is (silence + its bytes at the

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 
 #include <atomic>
 #include <cstdint>
@@ -48,9 +49,17 @@ class LendTable {
   // release_channel().
   uint64_t lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply,
                 absl::Time not_before = absl::InfinitePast(), uint64_t channel = 0);
-  // The tensor of lend `id` to `peer` if [offset, offset + length) lies
-  // within it; the status says which rule a pull broke.
-  absl::StatusOr<at::Tensor> find(int peer, uint64_t id, uint64_t offset, uint64_t length);
+  // What a pull of a lend reads: the bytes of the storage the tensor had
+  // when it was lent (the program may have pointed its tensor elsewhere
+  // since), kept alive with the tensor as long as this is held.
+  struct LentBytes {
+    at::Tensor tensor;
+    c10::Storage storage;
+    const char* data = nullptr;  // the lend's first byte
+  };
+  // Lend `id` to `peer` if [offset, offset + length) lies within it; the
+  // status says which rule a pull broke.
+  absl::StatusOr<LentBytes> find(int peer, uint64_t id, uint64_t offset, uint64_t length);
   // Ends lend `id` to `peer`, if there is one.
   void release(int peer, uint64_t id);
   // Ends the lends of request `frame_id` to `peer` (its reply came, or it
@@ -70,6 +79,8 @@ class LendTable {
  private:
   struct Lend {
     at::Tensor tensor;
+    c10::Storage storage;  // the tensor's when lent
+    uint64_t begin = 0;    // of the tensor's bytes in `storage`
     uint64_t nbytes = 0;
     uint64_t frame_id = 0;
     bool reply = false;

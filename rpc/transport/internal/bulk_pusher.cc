@@ -143,15 +143,18 @@ uint32_t Pusher::push(uint64_t id, const at::Tensor& tensor) {
     if (s.busy) return 0;
   }
   const uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
-  // As a lend's: the program may point its own tensor elsewhere meanwhile.
-  const at::Tensor own = tensor.detach();
   const uint32_t ranges =
       static_cast<uint32_t>(std::clamp<uint64_t>(nbytes / kMinRangeBytes, 1, slots_.size()));
   for (uint32_t r = 0; r < ranges; ++r) {
     Slot& s = slots_[r];
     s.busy = true;
     s.started = false;
-    s.tensor = own;
+    s.tensor = tensor;
+    // As a lend's bytes: those of the storage it has now, whatever the
+    // program points its tensor at meanwhile.
+    s.storage = tensor.storage();
+    s.first = static_cast<uint64_t>(tensor.storage_offset()) * tensor.element_size();
+    s.nbytes = nbytes;
     s.id = id;
     s.index = r;
     s.ranges = ranges;
@@ -166,6 +169,7 @@ void Pusher::start(bool cancel) {
     if (cancel) {
       s.busy = false;
       s.tensor = at::Tensor();
+      s.storage = c10::Storage();
     } else {
       s.started = true;
       s.wake->Signal();
@@ -177,6 +181,8 @@ void Pusher::run(size_t slot) {
   for (;;) {
     int fd;
     at::Tensor tensor;
+    c10::Storage storage;
+    uint64_t first, total;
     uint64_t id;
     uint32_t index, ranges;
     {
@@ -187,16 +193,19 @@ void Pusher::run(size_t slot) {
       if (stopped_) {
         slots_[slot].busy = false;
         slots_[slot].tensor = at::Tensor();
+        slots_[slot].storage = c10::Storage();
         return;
       }
       Slot& s = slots_[slot];
       fd = s.fd;
       tensor = s.tensor;
+      storage = s.storage;
+      first = s.first;
+      total = s.nbytes;
       id = s.id;
       index = s.index;
       ranges = s.ranges;
     }
-    const uint64_t total = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
     uint64_t begin, length;
     range_of(total, ranges, index, &begin, &length);
     char head[kPushHeadBytes];
@@ -207,14 +216,18 @@ void Pusher::run(size_t slot) {
     const absl::Time deadline = transfer_deadline(absl::Now(), options_.silence, length);
     absl::Status ok = write_all_blocking(fd, head, sizeof(head), deadline);
     if (ok.ok()) {
-      ok = write_all_blocking(fd, static_cast<const char*>(tensor.data_ptr()) + begin, length,
-                              deadline);
+      ok = storage.nbytes() < first + total
+               ? absl::FailedPreconditionError("the storage of the lent tensor shrank")
+               : write_all_blocking(fd, static_cast<const char*>(storage.data()) + first + begin,
+                                    length, deadline);
     }
     tensor = at::Tensor();
+    storage = c10::Storage();
     absl::MutexLock lock(&mu_);
     Slot& s = slots_[slot];
     s.busy = false;
     s.tensor = at::Tensor();
+    s.storage = c10::Storage();
     if (!ok.ok() && !stopped_) {
       LOG(WARNING) << "worker " << options_.self << ": pushing lent tensor " << id
                    << " to worker " << options_.receiver << " failed (" << ok.message()

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Storage.h>
 
 #include <cstdint>
 #include <memory>
@@ -58,6 +59,9 @@ class Pusher {
     // slot: the slots' threads start at once, not one after another).
     std::unique_ptr<absl::CondVar> wake = std::make_unique<absl::CondVar>();
     at::Tensor tensor;
+    c10::Storage storage;  // the tensor's when pushed
+    uint64_t first = 0;    // of the tensor's bytes in `storage`
+    uint64_t nbytes = 0;   // the tensor's
     uint64_t id = 0;
     uint32_t index = 0;
     uint32_t ranges = 0;
