@@ -345,19 +345,12 @@ class ProcessGroupGloo : public ProcessGroup {
   void ring_allreduce(at::Tensor& buffer, ReduceOp op) {
     // One ring failing breaks them all: a later allreduce striped over the
     // others would otherwise wait for a lost rank until its timeout.
-    if (!rings_failed_.empty()) {
-      throw std::runtime_error(
-          absl::StrCat("the group's TCP ring failed in an earlier allreduce: ", rings_failed_));
+    for (const auto& ring : rings_) {
+      if (!ring->failure().empty()) {
+        throw std::runtime_error(absl::StrCat(
+            "the group's TCP ring failed in an earlier allreduce: ", ring->failure()));
+      }
     }
-    try {
-      striped_ring_allreduce(buffer, op);
-    } catch (const std::exception& e) {
-      rings_failed_ = e.what();
-      throw;
-    }
-  }
-
-  void striped_ring_allreduce(at::Tensor& buffer, ReduceOp op) {
     const at::ScalarType type = buffer.scalar_type();
     const internal::Reduction reduction = reduction_of(op, type);
     const internal::ReduceFn reduce = internal::reduce_fn(type, reduction);
@@ -518,7 +511,6 @@ class ProcessGroupGloo : public ProcessGroup {
   int64_t sync_max_bytes_ = 0;  // set at construction, the same on every rank
   // Used only by the operation running (on ops_' thread, or in run_now).
   std::map<std::tuple<int, int64_t, int>, SyncAllreduce> sync_allreduces_;
-  std::string rings_failed_;  // why the rings failed; "" while they work
   internal::OpQueue ops_;  // last: its thread stops before the contexts go
 };
 

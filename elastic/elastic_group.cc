@@ -71,8 +71,8 @@ std::shared_ptr<ddp::ProcessGroup> ElasticGroup::group() {
 }
 
 absl::StatusOr<int64_t> ElasticGroup::advance(int64_t epoch) {
-  if (epoch < epoch_ || (epoch == epoch_ && group_ != nullptr)) {
-    if (epoch == epoch_) return epoch_;
+  if (epoch == epoch_ && group_ != nullptr) return epoch_;
+  if (epoch < epoch_) {
     return absl::InvalidArgumentError(absl::StrCat("elastic group of '", self_, "' is at epoch ",
                                                    epoch_, ", past epoch ", epoch));
   }

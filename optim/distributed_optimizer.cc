@@ -291,6 +291,7 @@ DistributedOptimizer::DistributedOptimizer(const std::string& kind,
 }
 
 void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
+  const std::shared_ptr<rpc::RpcAgent> agent = rpc::current_agent();  // throws once shut down
   std::vector<rpc::Future<int64_t>> steps;
   std::vector<int> owners;  // of steps
   const LocalOptimizer* local = nullptr;
@@ -303,17 +304,14 @@ void DistributedOptimizer::step(dist_autograd::ContextId context_id) {
       owners.push_back(opt.state().owner);
     }
   }
-  auto agent = rpc::current_agent();
   std::vector<std::string> failed, applied;
-  auto name = [&agent](int owner) {
-    return agent ? agent->worker(owner).name : absl::StrCat("worker ", owner);
-  };
+  auto name = [&agent](int owner) { return agent->worker(owner).name; };
   if (local) {
     try {
       const_cast<LocalOptimizer*>(local)->step(context_id);
-      applied.push_back(name(agent ? agent->self().id : -1));
+      applied.push_back(agent->self().name);
     } catch (const std::exception& e) {
-      failed.push_back(absl::StrCat(name(agent ? agent->self().id : -1), " (", e.what(), ")"));
+      failed.push_back(absl::StrCat(agent->self().name, " (", e.what(), ")"));
     }
   }
   // Every owner's step is waited for, failed or not: the error says which

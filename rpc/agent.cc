@@ -682,11 +682,6 @@ void RpcAgent::on_peer_closed(int peer, const std::string& why, bool unreachable
   }
 }
 
-std::string RpcAgent::timeout_error(const PendingCall& call) const {
-  return absl::StrCat(describe(call), " timed out (deadline passed; default rpc_timeout is ",
-                      absl::FormatDuration(rpc_timeout()), ")");
-}
-
 std::optional<RpcAgent::PendingCall> RpcAgent::take_expired(uint64_t id, std::string* why) {
   std::optional<PendingCall> call;
   {
@@ -695,14 +690,19 @@ std::optional<RpcAgent::PendingCall> RpcAgent::take_expired(uint64_t id, std::st
     if (it == pending_.end()) return std::nullopt;  // answered, failed or expired already
     call = take_pending(it);
   }
-  *why = timeout_error(*call);
-  try {
-    internal::fault_point("agent.timer");  // the same step as on the timer thread
-    end_hooks(call->hooks, nullptr);
-  } catch (const std::exception& e) {
-    LOG(ERROR) << "rpc: ending the hooks of " << describe(*call) << " failed: " << e.what();
-  }
+  *why = end_expired(*call);
   return call;
+}
+
+std::string RpcAgent::end_expired(const PendingCall& call) {
+  try {
+    internal::fault_point("agent.timer");
+    end_hooks(call.hooks, nullptr);
+  } catch (const std::exception& e) {
+    LOG(ERROR) << "rpc: ending the hooks of " << describe(call) << " failed: " << e.what();
+  }
+  return absl::StrCat(describe(call), " timed out (deadline passed; default rpc_timeout is ",
+                      absl::FormatDuration(rpc_timeout()), ")");
 }
 
 void RpcAgent::Expiry::expire(uint64_t id) {
@@ -761,14 +761,7 @@ void RpcAgent::timer_loop() {
       }
     }
     for (const auto& call : expired) {
-      const std::string why = timeout_error(call);
-      try {
-        internal::fault_point("agent.timer");
-        end_hooks(call.hooks, nullptr);
-      } catch (const std::exception& e) {
-        LOG(ERROR) << "rpc: ending the hooks of " << describe(call) << " failed: " << e.what();
-      }
-      call.future.set_error(RpcError(ErrorCode::kTimeout, why));
+      call.future.set_error(RpcError(ErrorCode::kTimeout, end_expired(call)));
     }
     for (auto& fn : due_timers) {
       try {

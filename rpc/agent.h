@@ -323,10 +323,12 @@ class RpcAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string describe(const PendingCall& call) const;
   void timer_loop();
-  // Takes call `id` from the pending calls and ends its hooks, if it is
-  // still pending; `*why` is its timeout error.
+  // Takes call `id` from the pending calls and ends it (end_expired), if
+  // it is still pending; `*why` is its timeout error.
   std::optional<PendingCall> take_expired(uint64_t id, std::string* why);
-  std::string timeout_error(const PendingCall& call) const;
+  // Ends the hooks of a call whose deadline passed (taken from the pending
+  // calls); returns its timeout error.
+  std::string end_expired(const PendingCall& call);
   // Slots bounding concurrent requests to num_worker_threads.
   bool try_acquire_worker();
   void acquire_worker();

@@ -101,6 +101,9 @@ class TcpRing {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // Why an earlier allreduce broke the ring; "" while it works. Not while
+  // an allreduce runs.
+  const std::string& failure() const { return broken_; }
 
  private:
   TcpRing(int rank, int size, int to_next, int from_previous);
