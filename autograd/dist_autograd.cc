@@ -205,6 +205,9 @@ class Container {
             auto next = std::next(it);
             const auto& ctx = it->second;
             if (ctx->remote && ctx->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+              // Remembered as a release is: a late message for it finds it
+              // gone instead of making it again.
+              remember_released(it->first);
               idle.push_back(std::move(it->second));
               contexts_.erase(it);
               --remote_;

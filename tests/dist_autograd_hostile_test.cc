@@ -127,7 +127,8 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext
 }
 
 // A context that another worker's message created and that nothing uses
-// any more is dropped after the idle timeout.
+// any more is dropped after the idle timeout, and a later message naming it
+// does not make it again.
 MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
@@ -142,6 +143,10 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped,
     while (rpc::rpc_sync<int64_t>("worker1", "contexts_here") > before && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(50));
     }
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
+    auto late = rpc::testing::request_frame(0, 2, "square", {at::ones({1})});
+    add_ext(&late, "dist_autograd.context", absl::StrCat(int64_t{0} << 48 | 4242));
+    EXPECT_EQ(raw_call("worker1", 0, late).header.kind(), wire::RESPONSE);
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
   }
   rpc::shutdown();
