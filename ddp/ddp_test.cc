@@ -31,6 +31,7 @@
 #include "ddp/internal/op_queue.h"
 #include "ddp/internal/same_host_allreduce.h"
 #include "ddp/internal/shm_allreduce.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
@@ -297,11 +298,18 @@ MULTIPROCESS_TEST(ProcessGroupTest, ARingThatFailedFailsLaterStripedAllreducesAt
   options.tcp_ring_streams = 2;
   options.timeout = absl::Seconds(2);
   const RankStore rank_store = rank_store_at_master(absl::Seconds(60));
+  auto& store = *rank_store.store;
+  // The group forms within the 2 s timeout however far apart the processes
+  // started.
+  store.set(absl::StrCat("striped_ready/", mp::rank()), "1");
+  for (int r = 0; r < 3; ++r) store.get(absl::StrCat("striped_ready/", r));
   auto pg = ddp::make_gloo_group(rank_store.store, "striped/", mp::rank(), 3, options);
   if (mp::rank() == 2) {
-    absl::SleepFor(absl::Seconds(8));  // alive, and calling nothing
+    // Alive, and calling nothing, until the others have checked.
+    for (int r = 0; r < 2; ++r) store.get(absl::StrCat("striped_checked/", r));
     return;
   }
+  absl::Cleanup checked = [&store] { store.set(absl::StrCat("striped_checked/", mp::rank()), "1"); };
   at::Tensor small = at::ones({(300 << 10) / 4});
   EXPECT_THROW(pg->allreduce({small})->wait(absl::Seconds(30)), std::exception);
   at::Tensor large = at::ones({(1 << 20) / 4});

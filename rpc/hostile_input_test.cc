@@ -442,14 +442,15 @@ MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3)
 // stream read only while they hold max_pending_request_bytes_per_stream:
 // the callee holds a few of them at a time, not all, and answers them all.
 // Over gRPC, the stream's flow-control window holds more on top, as wide
-// as gRPC's bandwidth-delay probe makes it (16-30 MiB on a 2-CPU VM).
+// as gRPC's bandwidth-delay probe makes it (16-30 MiB on a 2-CPU VM) and
+// nothing else bounds it here (the resource quota is far above).
 MULTIPROCESS_TEST(HostileInputTest, PendingRequestBytesPauseTheStream, 3) {
   rpc::RpcBackendOptions options = mp::backend_options();
   options.num_worker_threads = 2;
   options.max_pending_request_bytes_per_stream = 8 << 20;
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3, options);
   auto* store = &rpc::current_agent()->store();
-  constexpr int kCalls = 192;
+  constexpr int kCalls = 384;
   if (mp::rank() == 0) {
     store->get("measured_before");
     const std::string big(1 << 20, 'b');
@@ -479,10 +480,11 @@ MULTIPROCESS_TEST(HostileInputTest, PendingRequestBytesPauseTheStream, 3) {
                 kCalls, static_cast<long>(mib(before, 0)), static_cast<long>(mib(most, 0)),
                 static_cast<long>(mib(before, 1)), static_cast<long>(mib(most, 1)));
 #if !defined(__SANITIZE_ADDRESS__)
-    // All of them held at once would be 192 MiB; the bound is half that. It
-    // is on allocated bytes: resident memory also keeps what the
+    // All of them held at once would be 384 MiB; the bound is half that,
+    // room for gRPC's window on a machine where its probe widens it more.
+    // It is on allocated bytes: resident memory also keeps what the
     // allocator's arenas hold freed.
-    EXPECT_LT(mib(most, 0) - mib(before, 0), 96) << "MiB allocated before and at most: "
+    EXPECT_LT(mib(most, 0) - mib(before, 0), kCalls / 2) << "MiB allocated before and at most: "
                                                  << before << ", " << most;
 #endif
   }

@@ -132,7 +132,7 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, OnlyParticipantsReleaseOrFeedAContext
 MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   if (mp::rank() == 0) {
-    rpc::rpc_sync<int64_t>("worker1", "set_idle_timeout_ms", 300);
+    rpc::rpc_sync<int64_t>("worker1", "set_idle_timeout_ms", 2000);
     const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
     // A context of ours that we never release (as if we died).
     auto request = rpc::testing::request_frame(0, 1, "square", {at::ones({1})});

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -52,8 +53,11 @@ ReduceFn reduce_fn(Reduction op) {
 // stranger at the listeners).
 class Exchange {
  public:
-  explicit Exchange(int size, absl::Duration wait = absl::Seconds(20))
-      : size_(size), wait_(wait), parts_(size) {}
+  // Each round waits `wait` for every rank; the first `first_wait` (as
+  // long as `wait` unless given), the time threads take to start.
+  explicit Exchange(int size, absl::Duration wait = absl::Seconds(20),
+                    std::optional<absl::Duration> first_wait = std::nullopt)
+      : size_(size), wait_(wait), first_wait_(first_wait.value_or(wait)), parts_(size) {}
   std::function<void(const std::vector<int64_t>&)> hook;
 
   std::vector<int64_t> run(int rank, std::vector<int64_t> mine) {
@@ -69,7 +73,7 @@ class Exchange {
     }
     auto done = [this, round] { return results_.size() > round; };
     // As a group's allgather, which fails at its timeout.
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done), wait_)) {
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done), round == 0 ? first_wait_ : wait_)) {
       throw std::runtime_error(absl::StrCat("allgather round ", round, ": not every rank came"));
     }
     return results_[round];
@@ -78,6 +82,7 @@ class Exchange {
  private:
   const int size_;
   const absl::Duration wait_;
+  const absl::Duration first_wait_;
   absl::Mutex mu_;
   std::vector<std::vector<int64_t>> parts_;
   int arrived_ = 0;
@@ -527,7 +532,7 @@ TEST(TcpRingTest, ASignerThatFailsPartWayFailsEveryRankWithinTheTimeout) {
 // the failing rank gets there first): it still reports its own error.
 TEST(TcpRingTest, ARankThatFailsEarlyReportsItsOwnErrorWhenTheAgreementTimesOut) {
   constexpr int kSize = 3;
-  Exchange exchange(kSize, /*wait=*/absl::Milliseconds(500));
+  Exchange exchange(kSize, /*wait=*/absl::Milliseconds(500), /*first_wait=*/absl::Seconds(20));
   Ranks ranks = build(kSize, exchange, rank1_signer_fails_part_way);
   for (int r = 0; r < kSize; ++r) EXPECT_EQ(ranks.rings[r], nullptr) << r;
   EXPECT_NE(ranks.errors[1].find("cannot make the ring's proofs: no randomness left"),

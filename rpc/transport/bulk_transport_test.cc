@@ -601,13 +601,21 @@ TEST(BulkTransportTest, AClosedChannelReleasesItsRequestsLends) {
   SendOptions far;
   far.deadline = absl::Now() + absl::Hours(1);
   Replies first_replies, second_replies;
+  // Each channel closes once worker 0 has read its request (a close
+  // before would cancel it unsent).
+  auto await_captured = [&temp0](size_t n) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (captured_frames(temp0.path()).size() < n && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  };
   auto first = w1.connect_to(w0, &first_replies);
   ASSERT_TRUE(first->send(request({big}, 1, 1), far));
-  absl::SleepFor(absl::Milliseconds(300));
+  await_captured(1);
   first->close(false);
   auto second = w1.connect_to(w0, &second_replies);
   ASSERT_TRUE(second->send(request({big}, 2, 1), far));
-  absl::SleepFor(absl::Milliseconds(300));
+  await_captured(2);
   second->close(false);
   const std::vector<Frame> frames = captured_frames(temp0.path());
   ASSERT_EQ(frames.size(), 2u);
