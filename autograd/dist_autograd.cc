@@ -60,6 +60,9 @@ constexpr size_t kMaxRemoteContexts = 1 << 16;    // contexts created by message
 constexpr size_t kMaxRecvsPerContext = 1 << 18;   // recv functions of one context
 constexpr size_t kMaxSendsPerContext = 1 << 18;   // send functions of one context
 std::atomic<int64_t> g_idle_timeout_ns{absl::ToInt64Nanoseconds(absl::Minutes(10))};
+// Bytes of received tensors that contexts of other workers may hold here,
+// all together (each keeps what its graph saved until it is released).
+std::atomic<int64_t> g_max_remote_bytes{int64_t{4} << 30};
 
 // The worker that created context `id` (see global_id).
 int creator_of(ContextId id) { return static_cast<int>(id >> 48); }
@@ -80,6 +83,9 @@ struct ContextState {
   std::atomic<int> introduced_by{-1};
   // When a message of it last came or went (ns since the epoch).
   std::atomic<int64_t> last_used_ns{0};
+  // Bytes of the tensors its received messages brought (remote contexts;
+  // counted by the container, under its mutex).
+  int64_t received_bytes = 0;
   void touch() { last_used_ns.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
   absl::Mutex mu;
   // State below is protected by mu.
@@ -168,9 +174,32 @@ class Container {
     contexts_.erase(it);
     if (ctx->remote) {
       --remote_;
+      remote_bytes_ -= ctx->received_bytes;
       remember_released(id);
     }
     return ctx;
+  }
+  // Counts `bytes` of received tensors against remote context `ctx` and the
+  // bound on all of them. Throws RpcError (kResourceExhausted) past it. A
+  // context dropped meanwhile counts nothing (its tensors go with it).
+  void add_received_bytes(const ContextState& ctx, int64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    auto it = contexts_.find(ctx.id);
+    if (it == contexts_.end() || it->second.get() != &ctx) return;
+    const int64_t most = g_max_remote_bytes.load();
+    if (bytes > most - remote_bytes_) {
+      throw rpc::RpcError(
+          rpc::ErrorCode::kResourceExhausted,
+          absl::StrCat("dist_autograd: contexts of other workers hold ", remote_bytes_,
+                       " bytes of received tensors here already; ", bytes, " more would pass ",
+                       most, " (dist_autograd::set_max_remote_context_bytes)"));
+    }
+    remote_bytes_ += bytes;
+    it->second->received_bytes += bytes;
+  }
+  int64_t remote_bytes() {
+    absl::MutexLock lock(&mu_);
+    return remote_bytes_;
   }
   size_t size() {
     absl::MutexLock lock(&mu_);
@@ -208,6 +237,7 @@ class Container {
               // Remembered as a release is: a late message for it finds it
               // gone instead of making it again.
               remember_released(it->first);
+              remote_bytes_ -= ctx->received_bytes;
               idle.push_back(std::move(it->second));
               contexts_.erase(it);
               --remote_;
@@ -228,6 +258,7 @@ class Container {
   absl::Mutex mu_;
   absl::flat_hash_map<ContextId, std::shared_ptr<ContextState>> contexts_ ABSL_GUARDED_BY(mu_);
   size_t remote_ ABSL_GUARDED_BY(mu_) = 0;  // contexts_ created by messages
+  int64_t remote_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // their received_bytes, all together
   absl::flat_hash_set<ContextId> released_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, ContextId>> released_order_ ABSL_GUARDED_BY(mu_);
   bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
@@ -423,6 +454,11 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
     throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
                         absl::StrCat("dist_autograd: context ", id, " has ", ctx->recvs.size(),
                                      " received messages already"));
+  }
+  if (ctx->remote) {
+    int64_t bytes = 0;
+    for (const at::Tensor& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
+    container().add_received_bytes(*ctx, bytes);
   }
   auto recv = make_node<RecvRpcBackward>(src, message);
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -982,6 +1018,10 @@ ContextInfo context_info(ContextId context_id) {
 void set_idle_context_timeout(absl::Duration timeout) {
   g_idle_timeout_ns.store(absl::ToInt64Nanoseconds(std::max(timeout, absl::Milliseconds(1))));
 }
+
+void set_max_remote_context_bytes(int64_t bytes) { g_max_remote_bytes.store(std::max<int64_t>(bytes, 0)); }
+
+int64_t remote_context_bytes() { return container().remote_bytes(); }
 
 GradientHookHandle add_gradient_hook(GradientHook hook) {
   return GradientHookHandle(gradient_hooks().add(std::move(hook)));

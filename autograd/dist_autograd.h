@@ -114,6 +114,15 @@ ContextInfo context_info(ContextId context_id);
 // its release was lost). Default 10 minutes.
 void set_idle_context_timeout(absl::Duration timeout);
 
+// The tensors that other workers' messages bring into contexts they created
+// stay here, with what their graphs saved, until the context is released:
+// all such contexts together may hold at most `bytes` of received tensors
+// (default 4 GiB). A message past it fails its call with
+// ErrorCode::kResourceExhausted; released contexts give their bytes back.
+void set_max_remote_context_bytes(int64_t bytes);
+// Bytes of received tensors that contexts of other workers hold here now.
+int64_t remote_context_bytes();
+
 // Called after each local backward pass on this worker with the gradients
 // that pass produced (`params` are the pass's leaves, `grads` their
 // gradients, undefined for a leaf the pass gave none), before they are

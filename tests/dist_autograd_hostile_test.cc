@@ -40,6 +40,12 @@ int64_t set_idle_timeout_ms(int64_t ms) {
 }
 DDPRPC_REGISTER_FUNCTION(set_idle_timeout_ms);
 
+int64_t set_max_remote_bytes(int64_t bytes) {
+  dist_autograd::set_max_remote_context_bytes(bytes);
+  return dist_autograd::remote_context_bytes();
+}
+DDPRPC_REGISTER_FUNCTION(set_max_remote_bytes);
+
 int64_t sleep_ms(int64_t ms) {
   absl::SleepFor(absl::Milliseconds(ms));
   return ms;
@@ -148,6 +154,43 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, IdleContextsOfOtherWorkersAreDropped,
     add_ext(&late, "dist_autograd.context", absl::StrCat(int64_t{0} << 48 | 4242));
     EXPECT_EQ(raw_call("worker1", 0, late).header.kind(), wire::RESPONSE);
     EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before);
+  }
+  rpc::shutdown();
+}
+
+// The tensors another worker's requests bring into its contexts stay until
+// the context is released: all such contexts together hold at most
+// set_max_remote_context_bytes of them, and a release gives them back.
+MULTIPROCESS_TEST(DistAutogradHostileTest, ReceivedTensorsOfOtherWorkersContextsAreBoundedInBytes, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "set_max_remote_bytes", int64_t{1} << 20), 0);
+    const at::Tensor x = at::ones({(256 << 10) / 4}).requires_grad_();  // 256 KiB
+    {
+      dist_autograd::Context context;
+      for (int i = 0; i < 4; ++i) rpc::rpc_sync<at::Tensor>("worker1", "square", x);
+      try {
+        rpc::rpc_sync<at::Tensor>("worker1", "square", x);
+        ADD_FAILURE() << "a fifth 256 KiB tensor was taken past a 1 MiB bound";
+      } catch (const rpc::RpcError& e) {
+        EXPECT_EQ(e.code(), rpc::ErrorCode::kResourceExhausted) << e.what();
+        EXPECT_NE(std::string(e.what()).find("set_max_remote_context_bytes"), std::string::npos)
+            << e.what();
+      }
+    }
+    // The release rides in a later call; then the bytes are free again.
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    int64_t held = -1;
+    while ((held = rpc::rpc_sync<int64_t>("worker1", "set_max_remote_bytes", int64_t{1} << 20)) > 0 &&
+           absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(held, 0);
+    {
+      dist_autograd::Context context;
+      for (int i = 0; i < 4; ++i) rpc::rpc_sync<at::Tensor>("worker1", "square", x);
+    }
+    rpc::rpc_sync<int64_t>("worker1", "set_max_remote_bytes", int64_t{4} << 30);
   }
   rpc::shutdown();
 }
