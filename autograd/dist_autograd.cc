@@ -457,7 +457,11 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
   }
   if (ctx->remote) {
     int64_t bytes = 0;
-    for (const at::Tensor& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
+    for (const at::Tensor& t : tensors) {
+      // A sparse tensor's bytes are its indices' and values'.
+      bytes += t.is_sparse() ? static_cast<int64_t>(t._indices().nbytes() + t._values().nbytes())
+                             : static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+    }
     container().add_received_bytes(*ctx, bytes);
   }
   auto recv = make_node<RecvRpcBackward>(src, message);
