@@ -455,15 +455,6 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
                         absl::StrCat("dist_autograd: context ", id, " has ", ctx->recvs.size(),
                                      " received messages already"));
   }
-  if (ctx->remote) {
-    int64_t bytes = 0;
-    for (const at::Tensor& t : tensors) {
-      // A sparse tensor's bytes are its indices' and values'.
-      bytes += t.is_sparse() ? static_cast<int64_t>(t._indices().nbytes() + t._values().nbytes())
-                             : static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
-    }
-    container().add_received_bytes(*ctx, bytes);
-  }
   auto recv = make_node<RecvRpcBackward>(src, message);
   for (size_t i = 0; i < tensors.size(); ++i) {
     at::Tensor& t = tensors[i];
@@ -472,6 +463,22 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
     torch::autograd::impl::set_gradient_edge(t, Edge(recv, static_cast<uint32_t>(i)));
   }
   ctx->recvs.push_back(std::move(recv));
+  if (ctx->remote) {
+    // Counted last, so that a message failing before counts nothing; one
+    // past the bound takes its recv function back out and fails.
+    int64_t bytes = 0;
+    for (const at::Tensor& t : tensors) {
+      // A sparse tensor's bytes are its indices' and values'.
+      bytes += t.is_sparse() ? static_cast<int64_t>(t._indices().nbytes() + t._values().nbytes())
+                             : static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+    }
+    try {
+      container().add_received_bytes(*ctx, bytes);
+    } catch (...) {
+      ctx->recvs.pop_back();
+      throw;
+    }
+  }
   return ctx;
 }
 

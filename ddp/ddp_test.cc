@@ -31,7 +31,6 @@
 #include "ddp/internal/op_queue.h"
 #include "ddp/internal/same_host_allreduce.h"
 #include "ddp/internal/shm_allreduce.h"
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
@@ -305,11 +304,12 @@ MULTIPROCESS_TEST(ProcessGroupTest, ARingThatFailedFailsLaterStripedAllreducesAt
   for (int r = 0; r < 3; ++r) store.get(absl::StrCat("striped_ready/", r));
   auto pg = ddp::make_gloo_group(rank_store.store, "striped/", mp::rank(), 3, options);
   if (mp::rank() == 2) {
-    // Alive, and calling nothing, until the others have checked.
+    // Alive, and calling nothing, until the others have checked; then the
+    // store (rank 0's) may go.
     for (int r = 0; r < 2; ++r) store.get(absl::StrCat("striped_checked/", r));
+    store.set("striped_left/2", "1");
     return;
   }
-  absl::Cleanup checked = [&store] { store.set(absl::StrCat("striped_checked/", mp::rank()), "1"); };
   at::Tensor small = at::ones({(300 << 10) / 4});
   EXPECT_THROW(pg->allreduce({small})->wait(absl::Seconds(30)), std::exception);
   at::Tensor large = at::ones({(1 << 20) / 4});
@@ -322,6 +322,8 @@ MULTIPROCESS_TEST(ProcessGroupTest, ARingThatFailedFailsLaterStripedAllreducesAt
         << e.what();
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  store.set(absl::StrCat("striped_checked/", mp::rank()), "1");
+  if (mp::rank() == 0) store.get("striped_left/2");  // after rank 1's last call too
 }
 
 // A group built on an existing store (as when RPC already hosts one): two

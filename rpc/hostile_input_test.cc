@@ -442,7 +442,7 @@ MULTIPROCESS_TEST(HostileInputTest, UnreadRepliesAndQueuedRequestsAreBounded, 3)
 // stream read only while they hold max_pending_request_bytes_per_stream:
 // the callee holds a few of them at a time, not all, and answers them all.
 // Over gRPC, the stream's flow-control window holds more on top, as wide
-// as gRPC's bandwidth-delay probe makes it (16-30 MiB on a 2-CPU VM) and
+// as gRPC's bandwidth-delay probe makes it (16-31 MiB on a 2-CPU VM) and
 // nothing else bounds it here (the resource quota is far above).
 MULTIPROCESS_TEST(HostileInputTest, PendingRequestBytesPauseTheStream, 3) {
   rpc::RpcBackendOptions options = mp::backend_options();
