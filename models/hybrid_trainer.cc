@@ -49,6 +49,7 @@ constexpr char kReplicaIterationFunction[] = "ddprpc.models.hybrid_trainer.repli
 constexpr char kRestoreFunction[] = "ddprpc.models.hybrid_trainer.restore_shard";
 constexpr char kDropReplicasFunction[] = "ddprpc.models.hybrid_trainer.drop_replicas";
 constexpr char kDieFunction[] = "ddprpc.models.hybrid_trainer.die";
+constexpr char kReleaseLostForksFunction[] = "ddprpc.models.hybrid_trainer.release_lost_forks";
 // Elastic runs: on the master.
 constexpr char kTablesFunction[] = "ddprpc.models.hybrid_trainer.tables";
 
@@ -241,6 +242,30 @@ void drop_replicas_here(std::string job) {
 }
 DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_drop_replicas, kDropReplicasFunction,
                             &drop_replicas_here);
+
+// On a worker of run `run`: lost workers never delete the RRefs they held
+// (a trainer's optimizer state on the servers, its forks of the tables), so
+// those of `workers` that the run's membership no longer lists are released
+// here. Returns the forks released.
+int64_t release_lost_forks(int64_t run, std::vector<std::string> workers) {
+  rpc::MembershipClient::Options options;
+  options.key = membership_key(run);
+  rpc::MembershipClient client(rpc::membership_store(&rpc::current_agent()->store()), options);
+  absl::StatusOr<rpc::Membership> m = client.current();
+  if (!m.ok()) {
+    throw std::runtime_error(absl::StrCat("no membership of run ", run, ": ", m.status().message()));
+  }
+  int64_t released = 0;
+  for (const std::string& w : workers) {
+    if (m->is_member(w) || m->is_joining(w)) {
+      throw std::invalid_argument(absl::StrCat(w, " is still in run ", run, "'s membership"));
+    }
+    released += rpc::release_forks_held_by(w);
+  }
+  return released;
+}
+DDPRPC_REGISTER_FUNCTION_AS(hybrid_trainer_release_lost_forks, kReleaseLostForksFunction,
+                            &release_lost_forks);
 
 // What a restore found: the new table (owned here), the checkpoint's
 // iteration and steps, and where it came from.
@@ -1139,6 +1164,28 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
                                    [](const TrainerResult& t) { return !t.lost && t.joined; });
   if (failures.empty() && !trained) failures.push_back({0, "every trainer was lost"});
   result.wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  if (watch != nullptr && !result.lost_trainers.empty()) {
+    // What the lost trainers held, here and on the servers (best effort).
+    std::vector<std::string> lost;
+    for (int r : result.lost_trainers) lost.push_back(world.name(r));
+    std::vector<std::pair<std::string, rpc::Future<int64_t>>> releases;
+    for (const std::string& s : servers_of(membership)) {
+      releases.emplace_back(s, rpc::rpc_async<int64_t>(rpc::CallOptions{options.collective_timeout},
+                                                       s, kReleaseLostForksFunction, run, lost));
+    }
+    try {
+      release_lost_forks(run, lost);
+    } catch (const std::exception& e) {
+      LOG(WARNING) << "elastic run: releasing the lost trainers' RRefs here failed: " << e.what();
+    }
+    for (auto& [server, call] : releases) {
+      call.wait_for(absl::InfiniteDuration());
+      if (call.has_error()) {
+        LOG(WARNING) << "elastic run: releasing the lost trainers' RRefs on " << server
+                     << " failed: " << call.error_message();
+      }
+    }
+  }
   if (watch != nullptr) {
     // The replicas and checkpoint files go with the run, whether it
     // succeeded or failed (best effort: a server may be gone).

@@ -26,6 +26,7 @@
 #include "models/hybrid_model.h"
 #include "models/hybrid_trainer.h"
 #include "rpc/rpc.h"
+#include "rpc/rref/rref.h"
 #include "tests/multiprocess.h"
 
 namespace rpc = ddprpc::rpc;
@@ -138,6 +139,10 @@ void record(const models::TrainerProgress& p) {
   absl::MutexLock lock(&progress_mu);
   progress.push_back(p);
 }
+
+// RRefs this worker owns that are still referenced somewhere.
+int64_t owned_here() { return static_cast<int64_t>(rpc::owned_rrefs(*rpc::current_agent())); }
+DDPRPC_REGISTER_FUNCTION(owned_here);
 
 // Runs the body of a world's rank: a trainer serves `options` (recording
 // its progress), every rank joins, the master runs `master`.
@@ -277,6 +282,15 @@ MULTIPROCESS_TEST_WITH_TIMEOUT(HybridTrainerTest, ElasticTrainersGoOnWithoutALos
     }
     EXPECT_TRUE(at::equal(r.trainers[0].dense_parameters, r.trainers[2].dense_parameters))
         << "the survivors' dense stacks differ";
+    // Once the run is over nothing references what the server owns: the
+    // lost trainer's forks (of the tables, of its optimizer there) were
+    // released for it.
+    int64_t owned = -1;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while ((owned = rpc::rpc_sync<int64_t>("ps0", "owned_here")) != 0 && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(owned, 0) << "RRefs ps0 still owns after the run";
   });
 }
 

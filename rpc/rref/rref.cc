@@ -86,4 +86,14 @@ int64_t rrefs_alive_at_shutdown(RpcAgent& agent) {
 
 size_t owned_rrefs(RpcAgent& agent) { return internal::context_of(agent).owned_count(); }
 
+int64_t release_forks_held_by(const std::string& worker) {
+  auto agent = current_agent();
+  const int id = agent->worker(worker).id;
+  if (id == agent->self().id) {
+    throw RpcError(ErrorCode::kInvalidArgument,
+                   "release_forks_held_by: '" + worker + "' is this worker itself");
+  }
+  return static_cast<int64_t>(internal::context_of(*agent).release_forks_held_by(id));
+}
+
 }  // namespace ddprpc::rpc

@@ -307,4 +307,14 @@ int64_t rrefs_alive_at_shutdown(RpcAgent& agent);
 // RRefs `agent` owns now that are still referenced somewhere.
 size_t owned_rrefs(RpcAgent& agent);
 
+// For a worker gone for good (it crashed, or an elastic job removed it from
+// its membership): the deletes of the RRefs it held will never come. This
+// releases, on the current agent, every fork `worker` holds of the RRefs
+// this worker owns, as if it had dropped them; values nothing else
+// references go. Returns how many forks were released. Only for a worker
+// that will not come back: handles it still had would name values that
+// may be gone. PyTorch has no counterpart (its RPC group does not outlive
+// a lost worker).
+int64_t release_forks_held_by(const std::string& worker);
+
 }  // namespace ddprpc::rpc

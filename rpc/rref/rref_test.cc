@@ -356,6 +356,33 @@ MULTIPROCESS_TEST(RRefTest, LiveReferenceIsReportedAtShutdown, 2) {
   EXPECT_EQ(rpc::rrefs_alive_at_shutdown(*agent), mp::rank() == 1 ? 1 : 0);
 }
 
+// A worker that dies holding an RRef never deletes it: its owner keeps the
+// value until the program says the worker is gone for good.
+MULTIPROCESS_TEST(RRefTest, ForksOfADeadHolderGoWhenTheProgramReleasesThem, 3) {
+  init(3);
+  auto& store = rpc::current_agent()->store();
+  if (mp::rank() == 2) {
+    rpc::RRef<Table> held = rpc::remote<Table>("worker1", 2, 1);
+    EXPECT_EQ(held.rpc_sync(&Table::rows), 2);  // created: the owner counts our fork
+    store.set("held", "1");
+    mp::die_abruptly();
+  }
+  if (mp::rank() == 0) {
+    store.get("held");
+    auto counts = [] { return rpc::rpc_sync<std::vector<int64_t>>("worker1", "table_counts"); };
+    absl::SleepFor(absl::Milliseconds(500));  // worker2's end reaches worker1
+    EXPECT_EQ(counts()[2], 1) << "the dead worker's RRef was released without being asked";
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "release_forks_of", std::string("worker2")), 1);
+    const std::vector<int64_t> after = counts();
+    EXPECT_EQ(after[1], 1);  // the table was destroyed
+    EXPECT_EQ(after[2], 0);  // and its entry is gone
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "release_forks_of", std::string("worker2")), 0);
+    EXPECT_THROW(rpc::rpc_sync<int64_t>("worker1", "release_forks_of", std::string("worker1")),
+                 rpc::RpcError);
+  }
+  rpc::shutdown();
+}
+
 MULTIPROCESS_TEST(RRefTest, DeadOwnerFailsCalls, 3) {
   init(3);
   if (mp::rank() == 0) {
@@ -378,6 +405,9 @@ MULTIPROCESS_TEST(RRefTest, DeadOwnerFailsCalls, 3) {
   }
   rpc::shutdown();
 }
+
+int64_t release_forks_of(std::string worker) { return rpc::release_forks_held_by(worker); }
+DDPRPC_REGISTER_FUNCTION(release_forks_of);
 
 int64_t die() {
   std::thread([] {

@@ -620,6 +620,31 @@ void RRefContext::expire_early_delete(RRefId id, RRefId fork) {
   doomed = maybe_erase(id);
 }
 
+size_t RRefContext::release_forks_held_by(int worker) {
+  std::vector<std::shared_ptr<OwnerEntry>> doomed;  // destroyed after the lock
+  size_t released = 0;
+  absl::MutexLock lock(&mu_);
+  std::vector<RRefId> touched;
+  for (auto& [id, entry] : owned_) {
+    const size_t before = entry->forks.size();
+    for (auto it = entry->forks.begin(); it != entry->forks.end();) {
+      if (it->second == worker) {
+        entry->forks.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    if (entry->forks.size() < before) {
+      released += before - entry->forks.size();
+      touched.push_back(id);
+    }
+  }
+  for (const RRefId& id : touched) {
+    if (std::shared_ptr<OwnerEntry> d = maybe_erase(id)) doomed.push_back(std::move(d));
+  }
+  return released;
+}
+
 void RRefContext::release_local(RRefId id) {
   std::shared_ptr<OwnerEntry> doomed;
   {

@@ -119,6 +119,11 @@ class RRefContext : public AgentExtension, public std::enable_shared_from_this<R
 
   void release(const RRefState& state);
 
+  // Owner side: drops every fork `worker` holds of the RRefs this worker
+  // owns, as if it had deleted them, and the entries nothing else holds.
+  // Returns how many forks were dropped.
+  size_t release_forks_held_by(int worker);
+
  private:
   struct OwnerEntry {
     std::string type;
