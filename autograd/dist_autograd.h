@@ -114,11 +114,13 @@ ContextInfo context_info(ContextId context_id);
 // its release was lost). Default 10 minutes.
 void set_idle_context_timeout(absl::Duration timeout);
 
-// The tensors that other workers' messages bring into contexts they created
-// stay here, with what their graphs saved, until the context is released:
-// all such contexts together may hold at most `bytes` of received tensors
-// (default 4 GiB). A message past it fails its call with
-// ErrorCode::kResourceExhausted; released contexts give their bytes back.
+// Tensors requiring grad that other workers' messages bring into contexts
+// they created can stay here, with what their graphs saved, until the
+// context is released. Their bytes are counted as they arrive, whether or
+// not a graph keeps them: all such contexts together may hold at most
+// `bytes` (default 4 GiB). A message past it fails its call with
+// ErrorCode::kResourceExhausted; a context released or dropped gives its
+// bytes back.
 void set_max_remote_context_bytes(int64_t bytes);
 // Bytes of received tensors that contexts of other workers hold here now.
 int64_t remote_context_bytes();
