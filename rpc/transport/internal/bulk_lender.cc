@@ -18,6 +18,14 @@
 
 namespace ddprpc::rpc::transport::bulk {
 
+absl::StatusOr<const char*> lent_data(const c10::Storage& storage, uint64_t first,
+                                      uint64_t nbytes) {
+  if (storage.nbytes() < first + nbytes) {
+    return absl::FailedPreconditionError("the storage of the lent tensor shrank");
+  }
+  return static_cast<const char*>(storage.data()) + first;
+}
+
 uint64_t LendTable::lend(int peer, uint64_t frame_id, const at::Tensor& tensor, bool reply,
                          absl::Time not_before, uint64_t channel) {
   const uint64_t nbytes = tensor.numel() * tensor.element_size();
@@ -54,11 +62,11 @@ absl::StatusOr<LendTable::LentBytes> LendTable::find(int peer, uint64_t id, uint
                                               " of ", it->second.nbytes, " bytes"));
   }
   const Lend& lend = it->second;
-  if (lend.storage.nbytes() < lend.begin + lend.nbytes) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("lend ", id, ": the storage of the lent tensor shrank"));
+  absl::StatusOr<const char*> data = lent_data(lend.storage, lend.begin, lend.nbytes);
+  if (!data.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("lend ", id, ": ", data.status().message()));
   }
-  return LentBytes{lend.tensor, lend.storage, static_cast<const char*>(lend.storage.data()) + lend.begin};
+  return LentBytes{lend.tensor, lend.storage, *data};
 }
 
 void LendTable::release(int peer, uint64_t id) {

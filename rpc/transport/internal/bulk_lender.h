@@ -26,6 +26,12 @@
 
 namespace ddprpc::rpc::transport::bulk {
 
+// The first of `nbytes` lent bytes at byte `first` of `storage` (the
+// storage a tensor had when lent), unless the storage has shrunk below them
+// since.
+absl::StatusOr<const char*> lent_data(const c10::Storage& storage, uint64_t first,
+                                      uint64_t nbytes);
+
 // Tensors lent to peers, by (peer, id). What one peer holds is bounded in
 // bytes, for requests and for replies apart: a lend beyond it is refused
 // (the tensor then travels in its frame, where the transport's own bounds

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "glog/logging.h"
+#include "rpc/transport/internal/bulk_lender.h"
 #include "rpc/transport/internal/bulk_wire.h"
 
 namespace ddprpc::rpc::transport::bulk {
@@ -216,10 +217,8 @@ void Pusher::run(size_t slot) {
     const absl::Time deadline = transfer_deadline(absl::Now(), options_.silence, length);
     absl::Status ok = write_all_blocking(fd, head, sizeof(head), deadline);
     if (ok.ok()) {
-      ok = storage.nbytes() < first + total
-               ? absl::FailedPreconditionError("the storage of the lent tensor shrank")
-               : write_all_blocking(fd, static_cast<const char*>(storage.data()) + first + begin,
-                                    length, deadline);
+      absl::StatusOr<const char*> data = lent_data(storage, first, total);
+      ok = data.ok() ? write_all_blocking(fd, *data + begin, length, deadline) : data.status();
     }
     tensor = at::Tensor();
     storage = c10::Storage();
