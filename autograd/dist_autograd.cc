@@ -2,6 +2,7 @@
 
 #include <ATen/ops/ones_like.h>
 #include <ATen/record_function.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
@@ -12,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <string_view>
 #include <thread>
 #include <unordered_set>
 #include <utility>
@@ -54,6 +56,42 @@ constexpr char kFlushReleases[] = "__dist_autograd.flush_releases";
 constexpr absl::Duration kReleaseDelay = absl::Milliseconds(20);
 
 thread_local ContextId t_current = -1;
+
+// A pass's context, for the threads libtorch's engine runs its nodes on
+// besides the one that started it (a CUDA device's thread runs the nodes of
+// tensors on that device, DDP's gradient hooks among them). The engine
+// carries the starting thread's c10::ThreadLocalDebugInfo to them, so the
+// pass sets its context there too (PassContext below).
+struct PassContextInfo : c10::DebugInfoBase {
+  explicit PassContextInfo(ContextId id) : id(id) {}
+  const ContextId id;
+};
+
+// The debug-info slot of a pass's context: a slot of its own where
+// libtorch's DebugInfoKind takes named slots; none before that (an enum of
+// libtorch's own kinds), and then only the starting thread sees it.
+template <typename Kind>
+auto pass_kind_of(int) -> decltype(Kind(static_cast<const std::string_view*>(nullptr)),
+                                   std::optional<Kind>()) {
+  static constexpr std::string_view kName = "ddprpc.dist_autograd.pass_context";
+  return Kind(&kName);
+}
+template <typename Kind>
+std::optional<Kind> pass_kind_of(long) {
+  return std::nullopt;
+}
+const std::optional<c10::DebugInfoKind>& pass_kind() {
+  static const std::optional<c10::DebugInfoKind> kind = pass_kind_of<c10::DebugInfoKind>(0);
+  return kind;
+}
+
+// The context this thread runs a pass's nodes for, or -1.
+ContextId pass_context() {
+  const auto& kind = pass_kind();
+  if (!kind) return -1;
+  const auto* info = static_cast<const PassContextInfo*>(c10::ThreadLocalDebugInfo::get(*kind));
+  return info != nullptr ? info->id : -1;
+}
 
 // Bounds on what other workers' messages can make this worker hold.
 constexpr size_t kMaxRemoteContexts = 1 << 16;    // contexts created by messages
@@ -648,8 +686,9 @@ class DistAutogradHook : public rpc::RpcHook {
     }
   }
   void outgoing_request(int dest, const c10::IValue& args, rpc::MessageExt* ext) override {
-    if (t_current < 0) return;
-    if (auto ctx = container().find(t_current)) attach_send(ctx, dest, args, ext);
+    const ContextId current = current_context_id();
+    if (current < 0) return;
+    if (auto ctx = container().find(current)) attach_send(ctx, dest, args, ext);
   }
   std::shared_ptr<void> incoming_request(int src, const c10::IValue& args,
                                          const rpc::MessageExt& ext) override {
@@ -675,15 +714,20 @@ class DistAutogradHook : public rpc::RpcHook {
   }
 };
 
-// Makes `id` the current context of this thread within its scope (what the
-// hooks of the nodes a pass runs see, e.g. DDP's).
-class CurrentContext {
+// Makes `id` the current context of this thread within its scope, and of
+// the threads the engine runs the pass's nodes on (what the hooks of the
+// nodes a pass runs see, e.g. DDP's).
+class PassContext {
  public:
-  explicit CurrentContext(ContextId id) : saved_(t_current) { t_current = id; }
-  ~CurrentContext() { t_current = saved_; }
+  explicit PassContext(ContextId id) : saved_(t_current) {
+    t_current = id;
+    if (const auto& kind = pass_kind()) guard_.emplace(*kind, std::make_shared<PassContextInfo>(id));
+  }
+  ~PassContext() { t_current = saved_; }
 
  private:
   const ContextId saved_;
+  std::optional<c10::DebugInfoGuard> guard_;
 };
 
 // The gradients `grads` after the pre-hooks of `node`, which the engine runs
@@ -745,7 +789,7 @@ std::vector<rpc::Future<c10::IValue>> run_pass(const std::shared_ptr<ContextStat
     if (retain_graph) ctx->retain_graph = true;
     for (Node* node : seen) ctx->visited.insert(node_ptr(node));
   }
-  CurrentContext in_context(ctx->id);
+  PassContext in_context(ctx->id);
   torch::autograd::variable_list results = torch::autograd::Engine::get_default_engine().execute(
       roots, grads, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
 
@@ -951,7 +995,7 @@ Context::~Context() {
   release_context(id_, -1);
 }
 
-ContextId current_context_id() { return t_current; }
+ContextId current_context_id() { return t_current >= 0 ? t_current : pass_context(); }
 
 void backward(ContextId context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
   std::shared_ptr<ContextState> ctx = container().get(context_id);

@@ -67,7 +67,11 @@ class Context {
   ContextId previous_;
 };
 
-// The current thread's context id, or -1.
+// The current thread's context id, or -1. Within a backward pass that
+// includes the threads libtorch's engine runs the pass's nodes on (a CUDA
+// device's thread, where tensor hooks such as DDP's run), where libtorch
+// carries a thread's debug info into its passes (c10::DebugInfoKind with
+// named slots); with an older libtorch only the thread that runs the pass.
 ContextId current_context_id();
 
 // Runs the distributed backward pass from scalar `roots`.

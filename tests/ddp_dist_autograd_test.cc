@@ -3,15 +3,20 @@
 // starts on a worker (for a tensor it owns, not one of its DDP module's
 // parameters) takes no part in the allreduce, several DDP instances alive at
 // once each average their own parameters, and a gradient something else
-// holds is not averaged under its holder.
+// holds is not averaged under its holder, and hooks run on the engine's
+// device threads know the pass.
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -235,6 +240,66 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, GradientsHeldElsewhereAreNotAveragedUnder
     EXPECT_TRUE(at::allclose(kept, local_weight, 1e-5, 1e-6))
         << "worker" << rank << ": the hook's gradient was averaged under it: " << kept
         << ", its own " << local_weight;
+  }
+  rpc::shutdown();
+}
+
+// libtorch's engine runs the nodes of a CUDA tensor, and the hooks of a
+// CUDA parameter (DDP's among them), on that device's thread, carrying the
+// pass's thread-local state there. A thread given that state, as the
+// engine's device threads are, knows the pass's context, and DDP's hook run
+// there leaves the averaging to the pass instead of starting a local
+// reduction of its own (which needs the engine's thread and fails here).
+MULTIPROCESS_TEST(DdpDistAutogradTest, HooksOnTheEnginesDeviceThreadsKnowThePass, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  const int rank = mp::rank();
+  {
+    torch::nn::Linear model = same_linear_on_both_workers();
+    auto store = mp::connect_rpc_store();
+    ddp::DistributedDataParallel ddp(model.ptr(), both_workers_group(store, "test/device/"),
+                                     ddp_options());
+    const at::Tensor input = at::full({3, 4}, 1.0 + rank);
+    auto loss_of = [&](torch::nn::Linear& m) { return m->forward(input).pow(2).sum(); };
+    const at::Tensor mean =
+        mean_over_workers(*store, "test/device/mean", local_grads(model, loss_of));
+
+    // The thread-local state the pass's hooks run under.
+    std::optional<at::ThreadLocalState> state;
+    at::Tensor grad;
+    model->weight.register_hook([&](const at::Tensor& g) {
+      if (!state) {
+        state.emplace();
+        grad = g;
+      }
+    });
+    dist_autograd::Context context;
+    dist_autograd::backward(context.id(), {loss_of(model)});
+    ASSERT_TRUE(state.has_value());
+    EXPECT_TRUE(at::allclose(flat_grads(context.id(), model), mean, 1e-5, 1e-6));
+
+    dist_autograd::ContextId seen = -2;
+    std::string error;
+    std::thread device([&] {
+      at::ThreadLocalStateGuard as_in_the_pass(*state);
+      seen = dist_autograd::current_context_id();
+      try {
+        for (const auto& hook : torch::autograd::impl::hooks(model->weight)) (*hook)({grad});
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    device.join();
+    EXPECT_EQ(seen, context.id()) << "worker" << rank << ": the device thread saw no context";
+    EXPECT_EQ(error, "") << "worker" << rank << ": DDP's hook reduced on its own";
+    dist_autograd::ContextId outside = -2;
+    std::thread([&] { outside = dist_autograd::current_context_id(); }).join();
+    EXPECT_EQ(outside, -1) << "a thread outside any pass";
+
+    // The next pass still averages.
+    dist_autograd::Context next;
+    dist_autograd::backward(next.id(), {loss_of(model)});
+    EXPECT_TRUE(at::allclose(flat_grads(next.id(), model), mean, 1e-5, 1e-6))
+        << "worker" << rank << ": the pass after got " << flat_grads(next.id(), model);
   }
   rpc::shutdown();
 }

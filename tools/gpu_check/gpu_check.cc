@@ -303,11 +303,41 @@ DDPRPC_REGISTER_FUNCTION(gpu_check_times);
 const std::vector<double> kStart = {0.5, -1.0, 2.0, 0.0};
 const std::vector<std::vector<double>> kGrads = {{1, -2, 0.5, 3}, {0.5, -1, -0.5, 3}, {-1, 2, 0.25, -3}};
 
+// DDP inside a distributed autograd pass, on a model on the target device:
+// the context gets the averaged gradients (one rank: the local ones) and
+// .grad stays untouched. On a GPU, libtorch's engine runs the CUDA
+// parameters' hooks (DDP's) on the device's thread, not the pass's.
+void check_ddp_in_dist_autograd(const std::shared_ptr<ddp::ProcessGroup>& group,
+                                const Target& target) {
+  check(absl::StrCat("DDP inside a dist_autograd pass ", target.device.str()), [&] {
+    torch::manual_seed(0);
+    auto model = small_model();
+    model->to(target.device);
+    auto reference = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone());
+    reference->to(target.device);
+    ddp::DistributedDataParallel wrapped(model.ptr(), group);
+    const at::Tensor x = at::randn({8, 16}, at::TensorOptions().device(target.device));
+    reference->forward(x).pow(2).sum().backward();
+    dist_autograd::Context context;
+    dist_autograd::backward(context.id(), {model->forward(x).pow(2).sum()});
+    const auto grads = dist_autograd::get_gradients(context.id());
+    auto ours = model->parameters(), theirs = reference->parameters();
+    for (size_t i = 0; i < ours.size(); ++i) {
+      if (ours[i].grad().defined() || !grads.contains(ours[i]) ||
+          !at::allclose(grads.at(ours[i]).cpu(), theirs[i].grad().cpu(), 1e-5, 1e-5)) {
+        return false;
+      }
+    }
+    return true;
+  });
+}
+
 // One worker: a parameter on the target device owned through an RRef, a
 // loss computed by RPC, distributed autograd's backward through that RPC
 // (the gradient comes back over the wire and must reach the parameter's
 // device) and DistributedOptimizer's steps, against torch::optim on a copy.
-void check_rpc_autograd_optimizer(const Target& target) {
+void check_rpc_autograd_optimizer(const Target& target,
+                                  const std::shared_ptr<ddp::ProcessGroup>& group) {
   bool running = false;
   check("rpc init, world size 1", [&] {
     rpc::RpcBackendOptions options;
@@ -356,6 +386,7 @@ void check_rpc_autograd_optimizer(const Target& target) {
             });
     }
   }
+  if (group) check_ddp_in_dist_autograd(group, target);
   rpc::shutdown();
 }
 
@@ -392,7 +423,7 @@ int main(int argc, char** argv) {
   }
   check_missing_rank(target, store);
   check_codec(target);
-  check_rpc_autograd_optimizer(target);
+  check_rpc_autograd_optimizer(target, group);
   std::printf("gpu_check: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }
