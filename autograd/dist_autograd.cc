@@ -8,8 +8,9 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <deque>
 #include <atomic>
+#include <deque>
+#include <exception>
 #include <map>
 #include <optional>
 #include <set>
@@ -21,6 +22,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -101,6 +103,8 @@ std::atomic<int64_t> g_idle_timeout_ns{absl::ToInt64Nanoseconds(absl::Minutes(10
 // Bytes of received tensors that contexts of other workers may hold here,
 // all together (each keeps what its graph saved until it is released).
 std::atomic<int64_t> g_max_remote_bytes{int64_t{4} << 30};
+// ... and those of the contexts any one worker created.
+std::atomic<int64_t> g_max_remote_bytes_per_creator{int64_t{1} << 30};
 
 // The worker that created context `id` (see global_id).
 int creator_of(ContextId id) { return static_cast<int>(id >> 48); }
@@ -152,7 +156,9 @@ class Container {
   // this worker's that it has left already (a late reply must not bring it
   // back). Throws RpcError for an id no worker could have made or when the
   // bound is hit.
-  std::shared_ptr<ContextState> find_or_create_remote(ContextId id) {
+  // `*created` tells whether this call made it.
+  std::shared_ptr<ContextState> find_or_create_remote(ContextId id, bool* created) {
+    *created = false;
     {
       absl::MutexLock lock(&mu_);
       auto it = contexts_.find(id);
@@ -184,12 +190,24 @@ class Container {
                                        " contexts of other workers are alive here already"));
     }
     slot = std::make_shared<ContextState>(id, /*remote=*/true);
+    *created = true;
     ++remote_;
     if (!janitor_started_) {
       janitor_started_ = true;
       std::thread([this] { janitor_loop(); }).detach();  // lives as long as the process
     }
     return slot;
+  }
+  // Drops remote context `ctx`, which the message that made it failed to
+  // join (and none other has since): a refused message leaves nothing.
+  // Called holding ctx->mu.
+  void discard_unjoined(const std::shared_ptr<ContextState>& ctx) {
+    absl::MutexLock lock(&mu_);
+    auto it = contexts_.find(ctx->id);
+    if (it == contexts_.end() || it->second != ctx) return;
+    contexts_.erase(it);
+    --remote_;
+    give_back_locked(*ctx);
   }
   std::shared_ptr<ContextState> find(ContextId id) {
     absl::MutexLock lock(&mu_);
@@ -212,18 +230,30 @@ class Container {
     contexts_.erase(it);
     if (ctx->remote) {
       --remote_;
-      remote_bytes_ -= ctx->received_bytes;
+      give_back_locked(*ctx);
       remember_released(id);
     }
     return ctx;
   }
-  // Counts `bytes` of received tensors against remote context `ctx` and the
-  // bound on all of them. Throws RpcError (kResourceExhausted) past it. A
-  // context dropped meanwhile counts nothing (its tensors go with it).
+  // Counts `bytes` of received tensors against remote context `ctx`, the
+  // bound on those of its creator's contexts and the bound on all of them.
+  // Throws RpcError (kResourceExhausted) past either. A context dropped
+  // meanwhile counts nothing (its tensors go with it).
   void add_received_bytes(const ContextState& ctx, int64_t bytes) {
     absl::MutexLock lock(&mu_);
     auto it = contexts_.find(ctx.id);
     if (it == contexts_.end() || it->second.get() != &ctx) return;
+    const int creator = creator_of(ctx.id);
+    const auto mine = bytes_by_creator_.find(creator);
+    const int64_t held = mine == bytes_by_creator_.end() ? 0 : mine->second;
+    const int64_t share = g_max_remote_bytes_per_creator.load();
+    if (bytes > share - held) {
+      throw rpc::RpcError(
+          rpc::ErrorCode::kResourceExhausted,
+          absl::StrCat("dist_autograd: contexts created by worker ", creator, " hold ", held,
+                       " bytes of received tensors here already; ", bytes, " more would pass ",
+                       share, " (dist_autograd::set_max_remote_context_bytes_per_worker)"));
+    }
     const int64_t most = g_max_remote_bytes.load();
     if (bytes > most - remote_bytes_) {
       throw rpc::RpcError(
@@ -233,17 +263,30 @@ class Container {
                        most, " (dist_autograd::set_max_remote_context_bytes)"));
     }
     remote_bytes_ += bytes;
+    bytes_by_creator_[creator] += bytes;
     it->second->received_bytes += bytes;
   }
   int64_t remote_bytes() {
     absl::MutexLock lock(&mu_);
     return remote_bytes_;
   }
+  int64_t remote_bytes_of(int creator) {
+    absl::MutexLock lock(&mu_);
+    const auto it = bytes_by_creator_.find(creator);
+    return it == bytes_by_creator_.end() ? 0 : it->second;
+  }
   size_t size() {
     absl::MutexLock lock(&mu_);
     return contexts_.size();
   }
  private:
+  // A remote context leaving: its received bytes are free again.
+  void give_back_locked(const ContextState& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ctx.received_bytes == 0) return;
+    remote_bytes_ -= ctx.received_bytes;
+    auto it = bytes_by_creator_.find(creator_of(ctx.id));
+    if ((it->second -= ctx.received_bytes) == 0) bytes_by_creator_.erase(it);
+  }
   // Released contexts of other workers, remembered for a while (bounded).
   static constexpr size_t kMaxReleased = 1 << 16;
   static constexpr absl::Duration kReleasedFor = absl::Minutes(2);
@@ -275,7 +318,7 @@ class Container {
               // Remembered as a release is: a late message for it finds it
               // gone instead of making it again.
               remember_released(it->first);
-              remote_bytes_ -= ctx->received_bytes;
+              give_back_locked(*ctx);
               idle.push_back(std::move(it->second));
               contexts_.erase(it);
               --remote_;
@@ -297,6 +340,7 @@ class Container {
   absl::flat_hash_map<ContextId, std::shared_ptr<ContextState>> contexts_ ABSL_GUARDED_BY(mu_);
   size_t remote_ ABSL_GUARDED_BY(mu_) = 0;  // contexts_ created by messages
   int64_t remote_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // their received_bytes, all together
+  absl::flat_hash_map<int, int64_t> bytes_by_creator_ ABSL_GUARDED_BY(mu_);  // and by creator
   absl::flat_hash_set<ContextId> released_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, ContextId>> released_order_ ABSL_GUARDED_BY(mu_);
   bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
@@ -466,12 +510,22 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
   if (!absl::SimpleAtoi(it->second, &id)) {
     throw std::invalid_argument("dist_autograd: malformed context id");
   }
-  std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id);
+  bool created = false;
+  std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id, &created);
   if (!ctx) return nullptr;
   int none = -1;
   ctx->introduced_by.compare_exchange_strong(none, src);
   ctx->touch();
   absl::MutexLock lock(&ctx->mu);
+  // A message refused below leaves no context of its making behind, unless
+  // another message joined it meanwhile.
+  const int unwinding = std::uncaught_exceptions();
+  auto discard = absl::MakeCleanup([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // ctx->mu is held
+    if (created && std::uncaught_exceptions() > unwinding && ctx->recvs.empty() &&
+        ctx->sends.empty() && ctx->grads.empty()) {
+      container().discard_unjoined(ctx);
+    }
+  });
   // A request's reply may record a send function: a context at that bound
   // takes no more requests (refused before they run).
   if (request && ctx->sends.size() >= kMaxSendsPerContext) {
@@ -1077,6 +1131,12 @@ void set_idle_context_timeout(absl::Duration timeout) {
 void set_max_remote_context_bytes(int64_t bytes) { g_max_remote_bytes.store(std::max<int64_t>(bytes, 0)); }
 
 int64_t remote_context_bytes() { return container().remote_bytes(); }
+
+void set_max_remote_context_bytes_per_worker(int64_t bytes) {
+  g_max_remote_bytes_per_creator.store(std::max<int64_t>(bytes, 0));
+}
+
+int64_t remote_context_bytes_of(int worker) { return container().remote_bytes_of(worker); }
 
 GradientHookHandle add_gradient_hook(GradientHook hook) {
   return GradientHookHandle(gradient_hooks().add(std::move(hook)));

@@ -128,6 +128,13 @@ void set_idle_context_timeout(absl::Duration timeout);
 void set_max_remote_context_bytes(int64_t bytes);
 // Bytes of received tensors that contexts of other workers hold here now.
 int64_t remote_context_bytes();
+// The same bound on the contexts that any one worker created (default 1
+// GiB), so that a worker that keeps its contexts alive takes at most its
+// share of the bound above and other workers' messages still get theirs.
+void set_max_remote_context_bytes_per_worker(int64_t bytes);
+// Bytes of received tensors that contexts created by worker id `worker`
+// hold here now.
+int64_t remote_context_bytes_of(int worker);
 
 // Called after each local backward pass on this worker with the gradients
 // that pass produced (`params` are the pass's leaves, `grads` their

@@ -1,12 +1,15 @@
 // Distributed autograd against forged messages: only the workers taking
 // part in a context may release it or send gradients into it, gradients
 // must fit the tensors they are for, contexts that other workers' messages
-// create are bounded and dropped when idle, and a late reply does not bring
-// back a context its creator has left.
+// create are bounded (in bytes also per creating worker) and dropped when
+// idle, a refused message leaves no context, and a late reply does not
+// bring back a context its creator has left.
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
+
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -45,6 +48,15 @@ int64_t set_max_remote_bytes(int64_t bytes) {
   return dist_autograd::remote_context_bytes();
 }
 DDPRPC_REGISTER_FUNCTION(set_max_remote_bytes);
+
+// Sets both byte bounds; returns what contexts created by worker `creator`
+// hold.
+int64_t set_remote_bounds(int64_t bytes, int64_t per_worker, int64_t creator) {
+  dist_autograd::set_max_remote_context_bytes(bytes);
+  dist_autograd::set_max_remote_context_bytes_per_worker(per_worker);
+  return dist_autograd::remote_context_bytes_of(static_cast<int>(creator));
+}
+DDPRPC_REGISTER_FUNCTION(set_remote_bounds);
 
 int64_t sleep_ms(int64_t ms) {
   absl::SleepFor(absl::Milliseconds(ms));
@@ -189,6 +201,102 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, ReceivedTensorsOfOtherWorkersContexts
     {
       dist_autograd::Context context;
       for (int i = 0; i < 4; ++i) rpc::rpc_sync<at::Tensor>("worker1", "square", x);
+    }
+    rpc::rpc_sync<int64_t>("worker1", "set_max_remote_bytes", int64_t{4} << 30);
+  }
+  rpc::shutdown();
+}
+
+// A worker that keeps its contexts alive takes only its share of the bytes:
+// another worker's tensors are still taken.
+MULTIPROCESS_TEST(DistAutogradHostileTest, AWorkerThatKeepsItsContextsTakesOnlyItsShare, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
+  rpc::Store& store = rpc::current_agent()->store();
+  const at::Tensor x = at::ones({(256 << 10) / 4}).requires_grad_();  // 256 KiB
+  const int64_t kMiB = 1 << 20;
+  if (mp::rank() == 0) {
+    ASSERT_EQ(rpc::rpc_sync<int64_t>("worker2", "set_remote_bounds", kMiB, kMiB / 2, int64_t{0}), 0);
+    {
+      dist_autograd::Context hog;  // alive until worker1 is done
+      int taken = 0;
+      for (int i = 0; i < 4; ++i) {
+        try {
+          rpc::rpc_sync<at::Tensor>("worker2", "square", x);
+          ++taken;
+        } catch (const rpc::RpcError& e) {
+          EXPECT_EQ(e.code(), rpc::ErrorCode::kResourceExhausted) << e.what();
+          EXPECT_NE(std::string(e.what()).find("created by worker 0"), std::string::npos)
+              << e.what();
+        }
+      }
+      EXPECT_EQ(taken, 2) << "worker0's contexts took " << taken << " x 256 KiB of a 512 KiB share";
+      store.set("hogged", "1");
+      store.get("worker1_done");
+    }
+    // The release rides in a later call: then the share is free again.
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    int64_t held = -1;
+    while ((held = rpc::rpc_sync<int64_t>("worker2", "set_remote_bounds", kMiB, kMiB / 2,
+                                          int64_t{0})) > 0 &&
+           absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    EXPECT_EQ(held, 0);
+    rpc::rpc_sync<int64_t>("worker2", "set_remote_bounds", int64_t{4} << 30, int64_t{1} << 30,
+                           int64_t{0});
+    store.set("restored", "1");
+  } else if (mp::rank() == 1) {
+    store.get("hogged");
+    {
+      dist_autograd::Context mine;
+      for (int i = 0; i < 2; ++i) {
+        EXPECT_NO_THROW(rpc::rpc_sync<at::Tensor>("worker2", "square", x))
+            << "worker1's message " << i << " was refused while worker0 holds its share";
+      }
+    }
+    store.set("worker1_done", "1");
+  }
+  store.get("restored");
+  rpc::shutdown();
+}
+
+// A message refused as it joins a context it brings here first leaves no
+// context behind: one with a malformed message id, and one whose tensors
+// pass the byte bound.
+MULTIPROCESS_TEST(DistAutogradHostileTest, ARefusedMessageLeavesNoContext, 2) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
+  if (mp::rank() == 0) {
+    const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
+    // A context id worker 0 could have made, never used before.
+    const int64_t fresh = (int64_t{0} << 48) | 424242;
+    auto malformed = rpc::testing::request_frame(0, 1, "square", {at::ones({2})});
+    add_ext(&malformed, "dist_autograd.context", absl::StrCat(fresh));
+    add_ext(&malformed, "dist_autograd.message", "not a number");
+    expect_error(raw_call("worker1", 0, malformed), rpc::ErrorCode::kMalformedMessage,
+                 "malformed message id");
+    EXPECT_EQ(rpc::rpc_sync<int64_t>("worker1", "contexts_here"), before)
+        << "the malformed message left its context";
+
+    ASSERT_EQ(rpc::rpc_sync<int64_t>("worker1", "set_max_remote_bytes", int64_t{1} << 20), 0);
+    // Asked from a thread outside the context: a call inside it brings it.
+    auto contexts_there = [] {
+      int64_t n = -1;
+      std::thread([&n] { n = rpc::rpc_sync<int64_t>("worker1", "contexts_here"); }).join();
+      return n;
+    };
+    {
+      dist_autograd::Context context;
+      const at::Tensor big = at::ones({(2 << 20) / 4}).requires_grad_();  // 2 MiB
+      try {
+        rpc::rpc_sync<at::Tensor>("worker1", "square", big);
+        ADD_FAILURE() << "2 MiB taken past a 1 MiB bound";
+      } catch (const rpc::RpcError& e) {
+        EXPECT_EQ(e.code(), rpc::ErrorCode::kResourceExhausted) << e.what();
+      }
+      EXPECT_EQ(contexts_there(), before) << "the refused message left its context";
+      // The context may still come with a message that fits.
+      rpc::rpc_sync<at::Tensor>("worker1", "square", at::ones({2}).requires_grad_());
+      EXPECT_EQ(contexts_there(), before + 1);
     }
     rpc::rpc_sync<int64_t>("worker1", "set_max_remote_bytes", int64_t{4} << 30);
   }
