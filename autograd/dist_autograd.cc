@@ -67,6 +67,9 @@ thread_local ContextId t_current = -1;
 struct PassContextInfo : c10::DebugInfoBase {
   explicit PassContextInfo(ContextId id) : id(id) {}
   const ContextId id;
+  // False once the pass is over: a thread-local state saved during the
+  // pass (by at::launch in a hook, say) does not carry the context beyond.
+  std::atomic<bool> running{true};
 };
 
 // The debug-info slot of a pass's context: a slot of its own where
@@ -92,7 +95,7 @@ ContextId pass_context() {
   const auto& kind = pass_kind();
   if (!kind) return -1;
   const auto* info = static_cast<const PassContextInfo*>(c10::ThreadLocalDebugInfo::get(*kind));
-  return info != nullptr ? info->id : -1;
+  return info != nullptr && info->running.load(std::memory_order_acquire) ? info->id : -1;
 }
 
 // Bounds on what other workers' messages can make this worker hold.
@@ -103,8 +106,8 @@ std::atomic<int64_t> g_idle_timeout_ns{absl::ToInt64Nanoseconds(absl::Minutes(10
 // Bytes of received tensors that contexts of other workers may hold here,
 // all together (each keeps what its graph saved until it is released).
 std::atomic<int64_t> g_max_remote_bytes{int64_t{4} << 30};
-// ... and those of the contexts any one worker created.
-std::atomic<int64_t> g_max_remote_bytes_per_creator{int64_t{1} << 30};
+// ... and those that any one worker's messages brought.
+std::atomic<int64_t> g_max_remote_bytes_per_sender{int64_t{1} << 30};
 
 // The worker that created context `id` (see global_id).
 int creator_of(ContextId id) { return static_cast<int>(id >> 48); }
@@ -125,9 +128,11 @@ struct ContextState {
   std::atomic<int> introduced_by{-1};
   // When a message of it last came or went (ns since the epoch).
   std::atomic<int64_t> last_used_ns{0};
-  // Bytes of the tensors its received messages brought (remote contexts;
-  // counted by the container, under its mutex).
-  int64_t received_bytes = 0;
+  // Counted by the container, under its mutex (remote contexts): the bytes
+  // of the tensors its received messages brought, by sending worker, and
+  // how many messages found it here (find_or_create_remote).
+  std::map<int, int64_t> received_bytes;
+  int64_t joins = 0;
   void touch() { last_used_ns.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
   absl::Mutex mu;
   // State below is protected by mu.
@@ -162,7 +167,10 @@ class Container {
     {
       absl::MutexLock lock(&mu_);
       auto it = contexts_.find(id);
-      if (it != contexts_.end()) return it->second;
+      if (it != contexts_.end()) {
+        ++it->second->joins;
+        return it->second;
+      }
     }
     int world = -1, self = -1;
     try {
@@ -182,7 +190,10 @@ class Container {
     // while the release came in on another) must not bring it back.
     if (released_.count(id)) return nullptr;
     auto& slot = contexts_[id];
-    if (slot) return slot;
+    if (slot) {
+      ++slot->joins;
+      return slot;
+    }
     if (remote_ >= kMaxRemoteContexts) {
       contexts_.erase(id);
       throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
@@ -190,6 +201,7 @@ class Container {
                                        " contexts of other workers are alive here already"));
     }
     slot = std::make_shared<ContextState>(id, /*remote=*/true);
+    slot->joins = 1;
     *created = true;
     ++remote_;
     if (!janitor_started_) {
@@ -199,12 +211,13 @@ class Container {
     return slot;
   }
   // Drops remote context `ctx`, which the message that made it failed to
-  // join (and none other has since): a refused message leaves nothing.
-  // Called holding ctx->mu.
+  // join, unless another message has found it since (that one may be
+  // waiting for ctx->mu, or running in the context already): a refused
+  // message leaves nothing. Called holding ctx->mu.
   void discard_unjoined(const std::shared_ptr<ContextState>& ctx) {
     absl::MutexLock lock(&mu_);
     auto it = contexts_.find(ctx->id);
-    if (it == contexts_.end() || it->second != ctx) return;
+    if (it == contexts_.end() || it->second != ctx || ctx->joins != 1) return;
     contexts_.erase(it);
     --remote_;
     give_back_locked(*ctx);
@@ -235,24 +248,25 @@ class Container {
     }
     return ctx;
   }
-  // Counts `bytes` of received tensors against remote context `ctx`, the
-  // bound on those of its creator's contexts and the bound on all of them.
-  // Throws RpcError (kResourceExhausted) past either. A context dropped
-  // meanwhile counts nothing (its tensors go with it).
-  void add_received_bytes(const ContextState& ctx, int64_t bytes) {
+  // Counts `bytes` of tensors that worker `src` sent into remote context
+  // `ctx` against the bound on what that worker's messages brought and the
+  // bound on all of them. Throws RpcError (kResourceExhausted) past either.
+  // A context dropped meanwhile counts nothing (its tensors go with it).
+  void add_received_bytes(ContextState& ctx, int src, int64_t bytes) {
+    if (bytes == 0) return;
     absl::MutexLock lock(&mu_);
     auto it = contexts_.find(ctx.id);
     if (it == contexts_.end() || it->second.get() != &ctx) return;
-    const int creator = creator_of(ctx.id);
-    const auto mine = bytes_by_creator_.find(creator);
-    const int64_t held = mine == bytes_by_creator_.end() ? 0 : mine->second;
-    const int64_t share = g_max_remote_bytes_per_creator.load();
+    const auto mine = bytes_by_sender_.find(src);
+    const int64_t held = mine == bytes_by_sender_.end() ? 0 : mine->second;
+    const int64_t share = g_max_remote_bytes_per_sender.load();
     if (bytes > share - held) {
       throw rpc::RpcError(
           rpc::ErrorCode::kResourceExhausted,
-          absl::StrCat("dist_autograd: contexts created by worker ", creator, " hold ", held,
-                       " bytes of received tensors here already; ", bytes, " more would pass ",
-                       share, " (dist_autograd::set_max_remote_context_bytes_per_worker)"));
+          absl::StrCat("dist_autograd: messages of worker ", src, " brought ", held,
+                       " bytes of tensors into contexts of other workers here already; ", bytes,
+                       " more would pass ", share,
+                       " (dist_autograd::set_max_remote_context_bytes_per_worker)"));
     }
     const int64_t most = g_max_remote_bytes.load();
     if (bytes > most - remote_bytes_) {
@@ -263,17 +277,17 @@ class Container {
                        most, " (dist_autograd::set_max_remote_context_bytes)"));
     }
     remote_bytes_ += bytes;
-    bytes_by_creator_[creator] += bytes;
-    it->second->received_bytes += bytes;
+    bytes_by_sender_[src] += bytes;
+    ctx.received_bytes[src] += bytes;
   }
   int64_t remote_bytes() {
     absl::MutexLock lock(&mu_);
     return remote_bytes_;
   }
-  int64_t remote_bytes_of(int creator) {
+  int64_t remote_bytes_from(int sender) {
     absl::MutexLock lock(&mu_);
-    const auto it = bytes_by_creator_.find(creator);
-    return it == bytes_by_creator_.end() ? 0 : it->second;
+    const auto it = bytes_by_sender_.find(sender);
+    return it == bytes_by_sender_.end() ? 0 : it->second;
   }
   size_t size() {
     absl::MutexLock lock(&mu_);
@@ -282,10 +296,11 @@ class Container {
  private:
   // A remote context leaving: its received bytes are free again.
   void give_back_locked(const ContextState& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (ctx.received_bytes == 0) return;
-    remote_bytes_ -= ctx.received_bytes;
-    auto it = bytes_by_creator_.find(creator_of(ctx.id));
-    if ((it->second -= ctx.received_bytes) == 0) bytes_by_creator_.erase(it);
+    for (const auto& [sender, bytes] : ctx.received_bytes) {
+      remote_bytes_ -= bytes;
+      auto it = bytes_by_sender_.find(sender);
+      if ((it->second -= bytes) == 0) bytes_by_sender_.erase(it);
+    }
   }
   // Released contexts of other workers, remembered for a while (bounded).
   static constexpr size_t kMaxReleased = 1 << 16;
@@ -340,7 +355,7 @@ class Container {
   absl::flat_hash_map<ContextId, std::shared_ptr<ContextState>> contexts_ ABSL_GUARDED_BY(mu_);
   size_t remote_ ABSL_GUARDED_BY(mu_) = 0;  // contexts_ created by messages
   int64_t remote_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // their received_bytes, all together
-  absl::flat_hash_map<int, int64_t> bytes_by_creator_ ABSL_GUARDED_BY(mu_);  // and by creator
+  absl::flat_hash_map<int, int64_t> bytes_by_sender_ ABSL_GUARDED_BY(mu_);  // and by sender
   absl::flat_hash_set<ContextId> released_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, ContextId>> released_order_ ABSL_GUARDED_BY(mu_);
   bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
@@ -565,7 +580,7 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
                              : static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
     }
     try {
-      container().add_received_bytes(*ctx, bytes);
+      container().add_received_bytes(*ctx, src, bytes);
     } catch (...) {
       ctx->recvs.pop_back();
       throw;
@@ -775,12 +790,19 @@ class PassContext {
  public:
   explicit PassContext(ContextId id) : saved_(t_current) {
     t_current = id;
-    if (const auto& kind = pass_kind()) guard_.emplace(*kind, std::make_shared<PassContextInfo>(id));
+    if (const auto& kind = pass_kind()) {
+      info_ = std::make_shared<PassContextInfo>(id);
+      guard_.emplace(*kind, info_);
+    }
   }
-  ~PassContext() { t_current = saved_; }
+  ~PassContext() {
+    if (info_) info_->running.store(false, std::memory_order_release);
+    t_current = saved_;
+  }
 
  private:
   const ContextId saved_;
+  std::shared_ptr<PassContextInfo> info_;
   std::optional<c10::DebugInfoGuard> guard_;
 };
 
@@ -1133,10 +1155,10 @@ void set_max_remote_context_bytes(int64_t bytes) { g_max_remote_bytes.store(std:
 int64_t remote_context_bytes() { return container().remote_bytes(); }
 
 void set_max_remote_context_bytes_per_worker(int64_t bytes) {
-  g_max_remote_bytes_per_creator.store(std::max<int64_t>(bytes, 0));
+  g_max_remote_bytes_per_sender.store(std::max<int64_t>(bytes, 0));
 }
 
-int64_t remote_context_bytes_of(int worker) { return container().remote_bytes_of(worker); }
+int64_t remote_context_bytes_from(int worker) { return container().remote_bytes_from(worker); }
 
 GradientHookHandle add_gradient_hook(GradientHook hook) {
   return GradientHookHandle(gradient_hooks().add(std::move(hook)));

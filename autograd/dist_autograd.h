@@ -67,11 +67,12 @@ class Context {
   ContextId previous_;
 };
 
-// The current thread's context id, or -1. Within a backward pass that
+// The current thread's context id, or -1. While a backward pass runs, that
 // includes the threads libtorch's engine runs the pass's nodes on (a CUDA
-// device's thread, where tensor hooks such as DDP's run), where libtorch
-// carries a thread's debug info into its passes (c10::DebugInfoKind with
-// named slots); with an older libtorch only the thread that runs the pass.
+// device's thread, where tensor hooks such as DDP's run), and any thread
+// given the thread-local state of one of them, where libtorch carries a
+// thread's debug info into its passes (c10::DebugInfoKind with named
+// slots); with an older libtorch only the thread that runs the pass.
 ContextId current_context_id();
 
 // Runs the distributed backward pass from scalar `roots`.
@@ -128,13 +129,14 @@ void set_idle_context_timeout(absl::Duration timeout);
 void set_max_remote_context_bytes(int64_t bytes);
 // Bytes of received tensors that contexts of other workers hold here now.
 int64_t remote_context_bytes();
-// The same bound on the contexts that any one worker created (default 1
-// GiB), so that a worker that keeps its contexts alive takes at most its
-// share of the bound above and other workers' messages still get theirs.
+// The same bound on the bytes that any one worker's messages brought
+// (default 1 GiB), so that a worker whose contexts stay alive, or that
+// sends into contexts it names, takes at most that share of the bound
+// above; with the defaults, four such workers still fill it.
 void set_max_remote_context_bytes_per_worker(int64_t bytes);
-// Bytes of received tensors that contexts created by worker id `worker`
-// hold here now.
-int64_t remote_context_bytes_of(int worker);
+// Bytes of tensors that worker id `worker`'s messages brought into
+// contexts of other workers here, held now.
+int64_t remote_context_bytes_from(int worker);
 
 // Called after each local backward pass on this worker with the gradients
 // that pass produced (`params` are the pass's leaves, `grads` their

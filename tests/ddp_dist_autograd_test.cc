@@ -246,10 +246,11 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, GradientsHeldElsewhereAreNotAveragedUnder
 
 // libtorch's engine runs the nodes of a CUDA tensor, and the hooks of a
 // CUDA parameter (DDP's among them), on that device's thread, carrying the
-// pass's thread-local state there. A thread given that state, as the
-// engine's device threads are, knows the pass's context, and DDP's hook run
-// there leaves the averaging to the pass instead of starting a local
-// reduction of its own (which needs the engine's thread and fails here).
+// pass's thread-local state there. A thread given that state while the
+// pass runs, as the engine's device threads are, knows the pass's context,
+// and DDP's hook run there leaves the averaging to the pass instead of
+// starting a local reduction of its own (which needs the engine's thread
+// and fails here). Once the pass is over, that state carries no context.
 MULTIPROCESS_TEST(DdpDistAutogradTest, HooksOnTheEnginesDeviceThreadsKnowThePass, 2) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 2, mp::backend_options());
   const int rank = mp::rank();
@@ -263,39 +264,48 @@ MULTIPROCESS_TEST(DdpDistAutogradTest, HooksOnTheEnginesDeviceThreadsKnowThePass
     const at::Tensor mean =
         mean_over_workers(*store, "test/device/mean", local_grads(model, loss_of));
 
-    // The thread-local state the pass's hooks run under.
+    // During the pass, on the pass's thread: another thread, given this
+    // thread's state, runs the weight's hooks (DDP's and this one) as a
+    // device thread would.
+    bool in_device_thread = false;
     std::optional<at::ThreadLocalState> state;
-    at::Tensor grad;
-    model->weight.register_hook([&](const at::Tensor& g) {
-      if (!state) {
-        state.emplace();
-        grad = g;
-      }
+    dist_autograd::ContextId seen = -2;
+    std::string error;
+    model->weight.register_hook([&](const at::Tensor& grad) {
+      if (in_device_thread || state) return;
+      state.emplace();
+      std::thread device([&] {
+        at::ThreadLocalStateGuard as_in_the_pass(*state);
+        in_device_thread = true;
+        seen = dist_autograd::current_context_id();
+        try {
+          for (const auto& hook : torch::autograd::impl::hooks(model->weight)) (*hook)({grad});
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      });
+      device.join();
+      in_device_thread = false;
     });
     dist_autograd::Context context;
     dist_autograd::backward(context.id(), {loss_of(model)});
     ASSERT_TRUE(state.has_value());
-    EXPECT_TRUE(at::allclose(flat_grads(context.id(), model), mean, 1e-5, 1e-6));
-
-    dist_autograd::ContextId seen = -2;
-    std::string error;
-    std::thread device([&] {
-      at::ThreadLocalStateGuard as_in_the_pass(*state);
-      seen = dist_autograd::current_context_id();
-      try {
-        for (const auto& hook : torch::autograd::impl::hooks(model->weight)) (*hook)({grad});
-      } catch (const std::exception& e) {
-        error = e.what();
-      }
-    });
-    device.join();
     EXPECT_EQ(seen, context.id()) << "worker" << rank << ": the device thread saw no context";
     EXPECT_EQ(error, "") << "worker" << rank << ": DDP's hook reduced on its own";
+    EXPECT_TRUE(at::allclose(flat_grads(context.id(), model), mean, 1e-5, 1e-6));
+
+    dist_autograd::ContextId after = -2;
+    std::thread([&] {
+      at::ThreadLocalStateGuard saved_in_the_pass(*state);
+      after = dist_autograd::current_context_id();
+    }).join();
+    EXPECT_EQ(after, -1) << "the pass's state carried its context beyond the pass";
     dist_autograd::ContextId outside = -2;
     std::thread([&] { outside = dist_autograd::current_context_id(); }).join();
     EXPECT_EQ(outside, -1) << "a thread outside any pass";
 
     // The next pass still averages.
+    state.reset();
     dist_autograd::Context next;
     dist_autograd::backward(next.id(), {loss_of(model)});
     EXPECT_TRUE(at::allclose(flat_grads(next.id(), model), mean, 1e-5, 1e-6))

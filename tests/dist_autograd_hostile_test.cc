@@ -1,7 +1,7 @@
 // Distributed autograd against forged messages: only the workers taking
 // part in a context may release it or send gradients into it, gradients
 // must fit the tensors they are for, contexts that other workers' messages
-// create are bounded (in bytes also per creating worker) and dropped when
+// create are bounded (in bytes also per sending worker) and dropped when
 // idle, a refused message leaves no context, and a late reply does not
 // bring back a context its creator has left.
 #include <ATen/TensorOperators.h>
@@ -49,12 +49,12 @@ int64_t set_max_remote_bytes(int64_t bytes) {
 }
 DDPRPC_REGISTER_FUNCTION(set_max_remote_bytes);
 
-// Sets both byte bounds; returns what contexts created by worker `creator`
-// hold.
-int64_t set_remote_bounds(int64_t bytes, int64_t per_worker, int64_t creator) {
+// Sets both byte bounds; returns what worker `sender`'s messages brought
+// into contexts here.
+int64_t set_remote_bounds(int64_t bytes, int64_t per_worker, int64_t sender) {
   dist_autograd::set_max_remote_context_bytes(bytes);
   dist_autograd::set_max_remote_context_bytes_per_worker(per_worker);
-  return dist_autograd::remote_context_bytes_of(static_cast<int>(creator));
+  return dist_autograd::remote_context_bytes_from(static_cast<int>(sender));
 }
 DDPRPC_REGISTER_FUNCTION(set_remote_bounds);
 
@@ -207,8 +207,9 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, ReceivedTensorsOfOtherWorkersContexts
   rpc::shutdown();
 }
 
-// A worker that keeps its contexts alive takes only its share of the bytes:
-// another worker's tensors are still taken.
+// A worker that keeps its contexts alive takes only its share of the bytes
+// (counted by the worker whose messages brought them): another worker's
+// tensors are still taken.
 MULTIPROCESS_TEST(DistAutogradHostileTest, AWorkerThatKeepsItsContextsTakesOnlyItsShare, 3) {
   rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
   rpc::Store& store = rpc::current_agent()->store();
@@ -225,11 +226,12 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, AWorkerThatKeepsItsContextsTakesOnlyI
           ++taken;
         } catch (const rpc::RpcError& e) {
           EXPECT_EQ(e.code(), rpc::ErrorCode::kResourceExhausted) << e.what();
-          EXPECT_NE(std::string(e.what()).find("created by worker 0"), std::string::npos)
+          EXPECT_NE(std::string(e.what()).find("messages of worker 0"), std::string::npos)
               << e.what();
         }
       }
-      EXPECT_EQ(taken, 2) << "worker0's contexts took " << taken << " x 256 KiB of a 512 KiB share";
+      EXPECT_EQ(taken, 2) << "worker0's messages brought " << taken
+                          << " x 256 KiB of a 512 KiB share";
       store.set("hogged", "1");
       store.get("worker1_done");
     }
