@@ -100,6 +100,7 @@ ContextId pass_context() {
 
 // Bounds on what other workers' messages can make this worker hold.
 constexpr size_t kMaxRemoteContexts = 1 << 16;    // contexts created by messages
+constexpr size_t kMaxRemoteContextsPerSender = kMaxRemoteContexts / 4;  // by one worker's
 constexpr size_t kMaxRecvsPerContext = 1 << 18;   // recv functions of one context
 constexpr size_t kMaxSendsPerContext = 1 << 18;   // send functions of one context
 std::atomic<int64_t> g_idle_timeout_ns{absl::ToInt64Nanoseconds(absl::Minutes(10))};
@@ -133,6 +134,7 @@ struct ContextState {
   // how many messages found it here (find_or_create_remote).
   std::map<int, int64_t> received_bytes;
   int64_t joins = 0;
+  int brought_by = -1;  // the worker whose message created it here
   void touch() { last_used_ns.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
   absl::Mutex mu;
   // State below is protected by mu.
@@ -161,8 +163,9 @@ class Container {
   // this worker's that it has left already (a late reply must not bring it
   // back). Throws RpcError for an id no worker could have made or when the
   // bound is hit.
-  // `*created` tells whether this call made it.
-  std::shared_ptr<ContextState> find_or_create_remote(ContextId id, bool* created) {
+  // A message of worker `src` makes at most kMaxRemoteContextsPerSender of
+  // them live at once. `*created` tells whether this call made it.
+  std::shared_ptr<ContextState> find_or_create_remote(ContextId id, int src, bool* created) {
     *created = false;
     {
       absl::MutexLock lock(&mu_);
@@ -200,10 +203,19 @@ class Container {
                           absl::StrCat("dist_autograd: ", remote_,
                                        " contexts of other workers are alive here already"));
     }
+    const auto by_src = contexts_by_sender_.find(src);
+    if (by_src != contexts_by_sender_.end() && by_src->second >= kMaxRemoteContextsPerSender) {
+      contexts_.erase(id);
+      throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
+                          absl::StrCat("dist_autograd: messages of worker ", src, " brought ",
+                                       by_src->second, " contexts here that are alive still"));
+    }
     slot = std::make_shared<ContextState>(id, /*remote=*/true);
     slot->joins = 1;
+    slot->brought_by = src;
     *created = true;
     ++remote_;
+    ++contexts_by_sender_[src];
     if (!janitor_started_) {
       janitor_started_ = true;
       std::thread([this] { janitor_loop(); }).detach();  // lives as long as the process
@@ -219,8 +231,7 @@ class Container {
     auto it = contexts_.find(ctx->id);
     if (it == contexts_.end() || it->second != ctx || ctx->joins != 1) return;
     contexts_.erase(it);
-    --remote_;
-    give_back_locked(*ctx);
+    forget_remote_locked(*ctx);
   }
   std::shared_ptr<ContextState> find(ContextId id) {
     absl::MutexLock lock(&mu_);
@@ -242,8 +253,7 @@ class Container {
     auto ctx = std::move(it->second);
     contexts_.erase(it);
     if (ctx->remote) {
-      --remote_;
-      give_back_locked(*ctx);
+      forget_remote_locked(*ctx);
       remember_released(id);
     }
     return ctx;
@@ -294,8 +304,14 @@ class Container {
     return contexts_.size();
   }
  private:
-  // A remote context leaving: its received bytes are free again.
-  void give_back_locked(const ContextState& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // A remote context leaving: it no longer counts, and its received bytes
+  // are free again.
+  void forget_remote_locked(const ContextState& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    --remote_;
+    auto by_src = contexts_by_sender_.find(ctx.brought_by);
+    if (by_src != contexts_by_sender_.end() && --by_src->second == 0) {
+      contexts_by_sender_.erase(by_src);
+    }
     for (const auto& [sender, bytes] : ctx.received_bytes) {
       remote_bytes_ -= bytes;
       auto it = bytes_by_sender_.find(sender);
@@ -333,10 +349,9 @@ class Container {
               // Remembered as a release is: a late message for it finds it
               // gone instead of making it again.
               remember_released(it->first);
-              give_back_locked(*ctx);
+              forget_remote_locked(*ctx);
               idle.push_back(std::move(it->second));
               contexts_.erase(it);
-              --remote_;
             }
             it = next;
           }
@@ -356,6 +371,7 @@ class Container {
   size_t remote_ ABSL_GUARDED_BY(mu_) = 0;  // contexts_ created by messages
   int64_t remote_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // their received_bytes, all together
   absl::flat_hash_map<int, int64_t> bytes_by_sender_ ABSL_GUARDED_BY(mu_);  // and by sender
+  absl::flat_hash_map<int, size_t> contexts_by_sender_ ABSL_GUARDED_BY(mu_);  // remote_, by sender
   absl::flat_hash_set<ContextId> released_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<absl::Time, ContextId>> released_order_ ABSL_GUARDED_BY(mu_);
   bool janitor_started_ ABSL_GUARDED_BY(mu_) = false;
@@ -526,7 +542,7 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
     throw std::invalid_argument("dist_autograd: malformed context id");
   }
   bool created = false;
-  std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id, &created);
+  std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id, src, &created);
   if (!ctx) return nullptr;
   int none = -1;
   ctx->introduced_by.compare_exchange_strong(none, src);

@@ -1,15 +1,17 @@
 // Distributed autograd against forged messages: only the workers taking
 // part in a context may release it or send gradients into it, gradients
 // must fit the tensors they are for, contexts that other workers' messages
-// create are bounded (in bytes also per sending worker) and dropped when
-// idle, a refused message leaves no context, and a late reply does not
-// bring back a context its creator has left.
+// create are bounded (in number and bytes, also per sending worker) and
+// dropped when idle, a refused message leaves no context, and a late reply
+// does not bring back a context its creator has left.
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 
+#include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -259,6 +261,56 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, AWorkerThatKeepsItsContextsTakesOnlyI
     store.set("worker1_done", "1");
   }
   store.get("restored");
+  rpc::shutdown();
+}
+
+// One worker's messages make at most a quarter of the 65,536 contexts that
+// other workers' messages may keep alive here: past it only that worker's
+// new contexts are refused, and another worker's still come.
+MULTIPROCESS_TEST(DistAutogradHostileTest, AWorkerMakesOnlyItsShareOfContextsHere, 3) {
+  rpc::init_rpc(mp::worker_name(), mp::rank(), 3, mp::backend_options());
+  rpc::Store& store = rpc::current_agent()->store();
+  constexpr int kShare = (1 << 16) / 4;
+  if (mp::rank() == 0) {
+    const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
+    std::vector<std::unique_ptr<dist_autograd::Context>> alive;
+    alive.reserve(kShare + 1);
+    for (int i = 0; i < kShare; ++i) {
+      alive.push_back(std::make_unique<dist_autograd::Context>());
+      rpc::rpc_sync<int64_t>("worker1", "contexts_here");  // brings the context there
+    }
+    alive.push_back(std::make_unique<dist_autograd::Context>());
+    try {
+      rpc::rpc_sync<int64_t>("worker1", "contexts_here");
+      ADD_FAILURE() << "worker0's messages kept " << kShare + 1 << " contexts alive on worker1";
+    } catch (const rpc::RpcError& e) {
+      EXPECT_EQ(e.code(), rpc::ErrorCode::kResourceExhausted) << e.what();
+      EXPECT_NE(std::string(e.what()).find("messages of worker 0"), std::string::npos) << e.what();
+    }
+    store.set("share_used", "1");
+    store.get("worker2_done");
+    while (!alive.empty()) alive.pop_back();  // innermost first
+    // Their releases ride in later calls, and the flusher's.
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    int64_t now = -1;
+    std::thread([&] {
+      while ((now = rpc::rpc_sync<int64_t>("worker1", "contexts_here")) > before &&
+             absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+    }).join();
+    EXPECT_EQ(now, before);
+    store.set("released", "1");
+  } else if (mp::rank() == 2) {
+    store.get("share_used");
+    {
+      dist_autograd::Context mine;
+      EXPECT_NO_THROW(rpc::rpc_sync<int64_t>("worker1", "contexts_here"))
+          << "worker2's context was refused while worker0 holds its share";
+    }
+    store.set("worker2_done", "1");
+  }
+  store.get("released");
   rpc::shutdown();
 }
 
