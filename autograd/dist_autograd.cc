@@ -154,8 +154,9 @@ class Container {
   // A context of this worker's own.
   std::shared_ptr<ContextState> create(ContextId id) {
     absl::MutexLock lock(&mu_);
-    auto& slot = contexts_[id];
-    if (!slot) slot = std::make_shared<ContextState>(id, /*remote=*/false);
+    if (auto it = contexts_.find(id); it != contexts_.end()) return it->second;
+    auto slot = std::make_shared<ContextState>(id, /*remote=*/false);
+    contexts_.emplace(id, slot);
     return slot;
   }
   // The context a message names, created if new and another worker's:
@@ -192,30 +193,29 @@ class Container {
     // A request served after its context's release (it waited for a thread
     // while the release came in on another) must not bring it back.
     if (released_.count(id)) return nullptr;
-    auto& slot = contexts_[id];
-    if (slot) {
-      ++slot->joins;
-      return slot;
+    if (auto it = contexts_.find(id); it != contexts_.end()) {
+      ++it->second->joins;
+      return it->second;
     }
     if (remote_ >= kMaxRemoteContexts) {
-      contexts_.erase(id);
       throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
                           absl::StrCat("dist_autograd: ", remote_,
                                        " contexts of other workers are alive here already"));
     }
-    const auto by_src = contexts_by_sender_.find(src);
-    if (by_src != contexts_by_sender_.end() && by_src->second >= kMaxRemoteContextsPerSender) {
-      contexts_.erase(id);
+    size_t& brought = contexts_by_sender_[src];
+    if (brought >= kMaxRemoteContextsPerSender) {
       throw rpc::RpcError(rpc::ErrorCode::kResourceExhausted,
                           absl::StrCat("dist_autograd: messages of worker ", src, " brought ",
-                                       by_src->second, " contexts here that are alive still"));
+                                       brought, " contexts here that are alive still"));
     }
-    slot = std::make_shared<ContextState>(id, /*remote=*/true);
+    auto slot = std::make_shared<ContextState>(id, /*remote=*/true);
     slot->joins = 1;
     slot->brought_by = src;
+    slot->introduced_by.store(src);  // before any other message can find it
+    contexts_.emplace(id, slot);
     *created = true;
     ++remote_;
-    ++contexts_by_sender_[src];
+    ++brought;
     if (!janitor_started_) {
       janitor_started_ = true;
       std::thread([this] { janitor_loop(); }).detach();  // lives as long as the process

@@ -275,10 +275,14 @@ MULTIPROCESS_TEST(DistAutogradHostileTest, AWorkerMakesOnlyItsShareOfContextsHer
     const int64_t before = rpc::rpc_sync<int64_t>("worker1", "contexts_here");
     std::vector<std::unique_ptr<dist_autograd::Context>> alive;
     alive.reserve(kShare + 1);
+    std::vector<rpc::Future<int64_t>> calls;
+    calls.reserve(kShare);
     for (int i = 0; i < kShare; ++i) {
       alive.push_back(std::make_unique<dist_autograd::Context>());
-      rpc::rpc_sync<int64_t>("worker1", "contexts_here");  // brings the context there
+      // Each brings its context there.
+      calls.push_back(rpc::rpc_async<int64_t>("worker1", "contexts_here"));
     }
+    for (auto& call : calls) call.value();
     alive.push_back(std::make_unique<dist_autograd::Context>());
     try {
       rpc::rpc_sync<int64_t>("worker1", "contexts_here");
