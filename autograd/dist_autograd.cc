@@ -122,11 +122,15 @@ struct SendRecord {
 
 // One context on this worker.
 struct ContextState {
-  ContextState(ContextId id, bool remote) : id(id), remote(remote) { touch(); }
+  // A context of this worker's own, or (remote) one that a message of
+  // worker `introduced_by` brought here.
+  ContextState(ContextId id, bool remote, int introduced_by = -1)
+      : id(id), remote(remote), introduced_by(introduced_by) {
+    touch();
+  }
   const ContextId id;
   const bool remote;  // created by a message from another worker
-  // For a remote context, the worker whose message brought it here first.
-  std::atomic<int> introduced_by{-1};
+  const int introduced_by;  // for a remote context, the worker whose message made it here
   // When a message of it last came or went (ns since the epoch).
   std::atomic<int64_t> last_used_ns{0};
   // Counted by the container, under its mutex (remote contexts): the bytes
@@ -134,7 +138,6 @@ struct ContextState {
   // how many messages found it here (find_or_create_remote).
   std::map<int, int64_t> received_bytes;
   int64_t joins = 0;
-  int brought_by = -1;  // the worker whose message created it here
   void touch() { last_used_ns.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
   absl::Mutex mu;
   // State below is protected by mu.
@@ -208,10 +211,8 @@ class Container {
                           absl::StrCat("dist_autograd: messages of worker ", src, " brought ",
                                        brought, " contexts here that are alive still"));
     }
-    auto slot = std::make_shared<ContextState>(id, /*remote=*/true);
+    auto slot = std::make_shared<ContextState>(id, /*remote=*/true, /*introduced_by=*/src);
     slot->joins = 1;
-    slot->brought_by = src;
-    slot->introduced_by.store(src);  // before any other message can find it
     contexts_.emplace(id, slot);
     *created = true;
     ++remote_;
@@ -308,7 +309,7 @@ class Container {
   // are free again.
   void forget_remote_locked(const ContextState& ctx) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     --remote_;
-    auto by_src = contexts_by_sender_.find(ctx.brought_by);
+    auto by_src = contexts_by_sender_.find(ctx.introduced_by);
     if (by_src != contexts_by_sender_.end() && --by_src->second == 0) {
       contexts_by_sender_.erase(by_src);
     }
@@ -544,8 +545,6 @@ std::shared_ptr<ContextState> attach_recv(int src, const c10::IValue& value,
   bool created = false;
   std::shared_ptr<ContextState> ctx = container().find_or_create_remote(id, src, &created);
   if (!ctx) return nullptr;
-  int none = -1;
-  ctx->introduced_by.compare_exchange_strong(none, src);
   ctx->touch();
   absl::MutexLock lock(&ctx->mu);
   // A message refused below leaves no context of its making behind, unless
@@ -1055,7 +1054,7 @@ void release_attached(int src, const rpc::MessageExt& ext) {
     }
     std::shared_ptr<ContextState> ctx = container().find(id);
     if (!ctx) continue;  // released already
-    const bool may = ctx->remote && (creator_of(id) == src || ctx->introduced_by.load() == src);
+    const bool may = ctx->remote && (creator_of(id) == src || ctx->introduced_by == src);
     if (!may) {
       LOG(WARNING) << "dist_autograd: ignoring the release of context " << id << " by worker "
                    << src << ", which neither created it nor brought it here";

@@ -1179,7 +1179,7 @@ HybridRunResult run_hybrid_training(const HybridTrainerOptions& options) {
       LOG(WARNING) << "elastic run: releasing the lost trainers' RRefs here failed: " << e.what();
     }
     for (auto& [server, call] : releases) {
-      call.wait_for(absl::InfiniteDuration());
+      call.wait();  // ends by the call's timeout
       if (call.has_error()) {
         LOG(WARNING) << "elastic run: releasing the lost trainers' RRefs on " << server
                      << " failed: " << call.error_message();
