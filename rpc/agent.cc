@@ -1065,16 +1065,22 @@ void RpcAgent::stop(bool graceful) {
   }
   fail_pending(failed, ErrorCode::kShutdown, "RPC was shut down before the reply arrived");
   if (timer_.joinable()) timer_.join();
+  // A graceful close waits for the peer to end the stream: not for one
+  // that is unreachable. Every stream is half-closed first, so that the
+  // waits run together.
+  std::vector<std::pair<std::shared_ptr<transport::Channel>, bool>> streams;
   for (int to = 0; to < static_cast<int>(peers_.size()); ++to) {
     std::shared_ptr<transport::Channel> stream;
     {
       absl::MutexLock lock(&peers_[to]->mu);
       stream = std::move(peers_[to]->stream);
     }
-    // A graceful close waits for the peer to end the stream: not for one
-    // that is unreachable.
-    if (stream) stream->close(graceful && is_reachable(to));
+    if (!stream) continue;
+    const bool gently = graceful && is_reachable(to);
+    if (gently) stream->begin_close();
+    streams.emplace_back(std::move(stream), gently);
   }
+  for (auto& [stream, gently] : streams) stream->close(gently);
   std::vector<BrokenStream> broken;
   {
     absl::MutexLock lock(&mu_);

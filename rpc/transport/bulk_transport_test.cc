@@ -25,6 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "rpc/core/internal/auth.h"
 #include "rpc/transport/internal/bulk_wire.h"
 
@@ -86,10 +87,13 @@ class Worker {
     limits.self = self;
     limits.world_size = world_size;
     auto echo = [this](std::shared_ptr<Responder> r, Frame f) {
+      absl::Notification* hold;
       {
         absl::MutexLock lock(&mu_);
         ++served_;
+        hold = hold_;
       }
+      if (hold) hold->WaitForNotificationWithTimeout(absl::Seconds(20));
       f.header.set_kind(wire::RESPONSE);
       f.header.set_src(self_);
       r->send(std::move(f));
@@ -104,6 +108,11 @@ class Worker {
   int served() {
     absl::MutexLock lock(&mu_);
     return served_;
+  }
+  // Requests from now on are answered once `hold` is notified.
+  void hold_replies(absl::Notification* hold) {
+    absl::MutexLock lock(&mu_);
+    hold_ = hold;
   }
   std::shared_ptr<Channel> connect_to(const Worker& other, Replies* replies) {
     PeerOptions options;
@@ -120,6 +129,7 @@ class Worker {
   std::unique_ptr<Server> server_;
   absl::Mutex mu_;
   int served_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Notification* hold_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 // `from` sends `t` to `to` on a new channel and gets it back whole.
@@ -794,6 +804,36 @@ TEST(BulkTransportTest, StrangersAndMalformedPushesEndTheirConnectionOnly) {
   }
   EXPECT_EQ(w0.served(), 0);
   echoes(&w1, w0, at::arange(8, at::kInt));  // worker 0 goes on
+}
+
+// Closing channels to several peers that do not end their streams (each
+// holds a request unanswered) waits about 5 s in all when each channel's
+// close was begun first, not 5 s per channel.
+TEST(BulkTransportTest, GracefulClosesBegunTogetherWaitTogether) {
+  absl::Notification release;
+  Worker w0(0, 3), w2(2, 3), w1(1, 3);
+  w0.hold_replies(&release);
+  w2.hold_replies(&release);
+  Replies r0, r2;
+  auto c0 = w1.connect_to(w0, &r0);
+  auto c2 = w1.connect_to(w2, &r2);
+  ASSERT_TRUE(c0->send(request({at::arange(4)}, 1, 1), {}));
+  ASSERT_TRUE(c2->send(request({at::arange(4)}, 1, 1), {}));
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((w0.served() < 1 || w2.served() < 1) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(w0.served() + w2.served(), 2);
+  const absl::Time start = absl::Now();
+  c0->begin_close();
+  c2->begin_close();
+  EXPECT_FALSE(c0->send(request({at::arange(4)}, 2, 1), {})) << "a frame after begin_close";
+  c0->close(/*graceful=*/true);
+  c2->close(/*graceful=*/true);
+  const absl::Duration took = absl::Now() - start;
+  release.Notify();
+  EXPECT_GE(took, absl::Seconds(4)) << "the closes did not wait for the peers";
+  EXPECT_LT(took, absl::Seconds(8)) << "the closes waited one after the other";
 }
 
 }  // namespace

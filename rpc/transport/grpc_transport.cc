@@ -1160,7 +1160,7 @@ void* PeerStream::post(Op op) {
 
 bool PeerStream::broken() const {
   absl::MutexLock lock(&mu_);
-  return read_failed_ || (writes_closed_ && !closing_);
+  return read_failed_ || (writes_closed_ && !closing_ && !half_closed_);
 }
 
 bool PeerStream::send(Frame message, const transport::SendOptions& options) {
@@ -1171,7 +1171,7 @@ bool PeerStream::send(Frame message, const transport::SendOptions& options) {
   void* read_tag = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    if (writes_closed_ || closing_) return false;
+    if (writes_closed_ || closing_ || half_closed_) return false;
     if (expects_reply) ++expecting_;
     if (!write_in_flight_) {
       write_in_flight_ = true;  // this thread writes it, below
@@ -1322,7 +1322,7 @@ void PeerStream::on_read(bool ok) {
     // Reading on only while replies are due (or the stream is closing and
     // its end must be seen): a read posted on an idle stream sends a
     // WINDOW_UPDATE that wakes the peer for nothing.
-    if ((expecting_ > 0 || closing_) && claim_read()) {
+    if ((expecting_ > 0 || closing_ || half_closed_) && claim_read()) {
       call_->Read(&read_buffer_, post(kRead));
     }
   }
@@ -1383,6 +1383,28 @@ void PeerStream::maybe_finish() {
   call_->Finish(&finish_status_, post(kFinish));
 }
 
+bool PeerStream::half_close_locked() {
+  if (closing_) return false;
+  if (half_closed_) return true;
+  if (writes_closed_) return false;
+  half_closed_ = true;
+  close_deadline_ = absl::Now() + absl::Seconds(5);
+  // The stream's end arrives as a failed read, which starts Finish.
+  if (claim_read()) call_->Read(&read_buffer_, post(kRead));
+  if (write_in_flight_) {
+    half_close_ = true;
+  } else {
+    writes_closed_ = true;
+    call_->WritesDone(post(kWritesDone));
+  }
+  return true;
+}
+
+void PeerStream::begin_close() {
+  absl::MutexLock lock(&mu_);
+  half_close_locked();
+}
+
 void PeerStream::close(bool graceful) {
   const std::function<bool()> over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return finished_ && ops_pending_ == 0;
@@ -1390,20 +1412,15 @@ void PeerStream::close(bool graceful) {
   {
     absl::MutexLock lock(&mu_);
     if (closing_) return;
+    const bool wait = graceful && half_close_locked();
     closing_ = true;
     // The stream's end (the peer's, or our cancel below) arrives as a failed
     // read, which starts Finish.
     if (claim_read()) call_->Read(&read_buffer_, post(kRead));
-    if (graceful && !writes_closed_) {
-      if (write_in_flight_) {
-        half_close_ = true;
-      } else {
-        writes_closed_ = true;
-        call_->WritesDone(post(kWritesDone));
-      }
+    if (wait) {
       // The peer ends the stream once it has answered everything it received.
       wait_reading([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return finished_; },
-                   absl::Now() + absl::Seconds(5));
+                   close_deadline_);
     }
     writes_closed_ = true;
   }

@@ -191,6 +191,8 @@ class PeerStream : public transport::Channel {
   // stream; otherwise cancel at once. Returns once every operation of the
   // stream has completed: no callback runs after it.
   void close(bool graceful) override;
+  // Half-closes now; a later close(true) waits until 5 s after this call.
+  void begin_close() override;
 
  private:
   friend class ClientQueue;
@@ -216,6 +218,10 @@ class PeerStream : public transport::Channel {
   // Starts the write of `frame`; write_in_flight_ was set for it.
   void write(const grpc::ByteBuffer& frame, bool more, void* tag);
   void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Half-closes the stream (at once, or once the write in flight ends) and
+  // starts reading for its end; false if writes had ended otherwise (the
+  // stream broke), when there is no end to wait for.
+  bool half_close_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (mu_ held; released meanwhile) until cond() or `deadline`,
   // reading the queue itself whenever no other thread does.
   bool wait_reading(const std::function<bool()>& cond, absl::Time deadline)
@@ -248,6 +254,10 @@ class PeerStream : public transport::Channel {
   bool finish_started_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;       // the stream has ended
   bool closing_ ABSL_GUARDED_BY(mu_) = false;        // close() was called
+  // A half-close was asked for (begin_close, or a graceful close), and
+  // until when a graceful close waits for the peer's end.
+  bool half_closed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time close_deadline_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   bool connected_ ABSL_GUARDED_BY(mu_) = false;      // a reply has come (the channel was up)
   int64_t expecting_ ABSL_GUARDED_BY(mu_) = 0;       // replies not yet read
 };

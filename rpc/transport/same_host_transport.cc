@@ -70,6 +70,7 @@ class FallbackChannel : public Channel {
   }
   void check_connection() override { inner_->check_connection(); }
   void close(bool graceful) override { inner_->close(graceful); }
+  void begin_close() override { inner_->begin_close(); }
   Channel* inner() const { return inner_.get(); }
 
  private:

@@ -8,6 +8,8 @@
 #include <ATen/ops/equal.h>
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -21,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "rpc/transport/internal/bulk_lender.h"
 #include "rpc/transport/internal/bulk_puller.h"
+#include "rpc/transport/internal/bulk_pusher.h"
 #include "rpc/transport/internal/bulk_wire.h"
 #include "rpc/core/internal/auth.h"
 
@@ -309,6 +312,88 @@ TEST(BulkLenderTest, AHelloTrickledAByteAtATimeEndsAtTheHandshakeTimeout) {
   }
   EXPECT_LT(closed_after, absl::Seconds(3)) << "the trickled hello held its connection";
   ::close(fd);
+}
+
+// A loopback socket that listens and never accepts nor answers. With a
+// backlog of one and one connection already queued, later connects get no
+// answer to their SYN and wait; with `fill_backlog` false, they are
+// accepted by the kernel and wait for a handshake that never comes.
+struct SilentListener {
+  explicit SilentListener(bool fill_backlog) {
+    fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), len), 0);
+    EXPECT_EQ(::listen(fd, fill_backlog ? 0 : 8), 0);
+    EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    endpoint = absl::StrCat("127.0.0.1:", ntohs(a.sin_port));
+    if (fill_backlog) {
+      std::string error;
+      for (int i = 0; i < 2; ++i) {
+        const int queued = bulk::connect_to(endpoint, absl::Milliseconds(200), &error);
+        if (queued >= 0) queued_.push_back(queued);
+      }
+    }
+  }
+  ~SilentListener() {
+    for (int q : queued_) ::close(q);
+    ::close(fd);
+  }
+  int fd;
+  std::string endpoint;
+  std::vector<int> queued_;
+};
+
+// A pull whose connection waits on a lender that never answers its
+// hello ends as soon as the puller is aborted, not at the connect timeout.
+TEST(BulkLenderTest, AbortingAPullerEndsItsConnectInProgress) {
+  SilentListener silent(/*fill_backlog=*/false);
+  bulk::PullerOptions o;
+  o.self = 1;
+  o.lender = 0;
+  o.endpoint = silent.endpoint;
+  o.token = kToken;
+  o.connect_timeout = absl::Seconds(30);
+  bulk::Puller puller(o);
+  std::vector<char> into(1 << 20);
+  absl::Status pulled;
+  absl::Time ended;
+  std::thread pull([&] {
+    pulled = puller.pull(1, into.data(), into.size());
+    ended = absl::Now();
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time aborted = absl::Now();
+  puller.abort();
+  pull.join();
+  EXPECT_EQ(pulled.code(), absl::StatusCode::kCancelled) << pulled;
+  EXPECT_LT(ended - aborted, absl::Seconds(2)) << "the pull waited out its connect";
+}
+
+// A pusher whose receiver does not answer its SYN, and one whose receiver
+// does not answer its hello, are each destroyed at once (a worker's
+// shutdown waits for them), not at the connect timeout.
+TEST(BulkLenderTest, DestroyingAPusherEndsItsConnectInProgress) {
+  for (bool fill_backlog : {true, false}) {
+    SCOPED_TRACE(fill_backlog ? "SYN unanswered" : "hello unanswered");
+    SilentListener silent(fill_backlog);
+    bulk::PusherOptions o;
+    o.self = 1;
+    o.receiver = 0;
+    o.endpoint = silent.endpoint;
+    o.token = kToken;
+    o.connect_timeout = absl::Seconds(30);
+    auto pusher = std::make_unique<bulk::Pusher>(o);
+    const at::Tensor tensor = at::arange(int64_t{1} << 18);
+    // The first push finds no connection and opens them in the background.
+    EXPECT_EQ(pusher->push(1, tensor), 0u);
+    absl::SleepFor(absl::Milliseconds(300));
+    const absl::Time start = absl::Now();
+    pusher.reset();
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "the pusher waited out its connect";
+  }
 }
 
 }  // namespace

@@ -30,8 +30,11 @@ void Puller::close_locked() {
 absl::Status Puller::open_one(int* fd) {
   std::string error;
   *fd = connect_proven(options_.endpoint, kHelloMagic, "bulk", options_.self, options_.lender,
-                       options_.token, options_.connect_timeout, options_.silence, &error);
-  return *fd < 0 ? absl::UnavailableError(error) : absl::OkStatus();
+                       options_.token, options_.connect_timeout, options_.silence, &error,
+                       &interrupt_);
+  if (*fd >= 0) return absl::OkStatus();
+  if (interrupt_.fired()) return absl::CancelledError("the transport is shutting down");
+  return absl::UnavailableError(error);
 }
 
 absl::Status Puller::connect_locked(size_t count) {
@@ -88,6 +91,7 @@ void Puller::release(uint64_t id) {
 }
 
 void Puller::abort() {
+  interrupt_.fire();
   absl::MutexLock lock(&abort_mu_);
   aborted_ = true;
   for (int fd : active_) ::shutdown(fd, SHUT_RDWR);

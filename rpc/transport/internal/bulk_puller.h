@@ -68,6 +68,7 @@ class Puller {
   bool aborted_ ABSL_GUARDED_BY(abort_mu_) = false;
   // The connections of the pull that runs now (open until it clears them).
   std::vector<int> active_ ABSL_GUARDED_BY(abort_mu_);
+  Interrupt interrupt_;  // fired by abort(): a connect in progress ends
 };
 
 }  // namespace ddprpc::rpc::transport::bulk

@@ -48,6 +48,7 @@ Pusher::~Pusher() {
 }
 
 void Pusher::abort() {
+  interrupt_.fire();
   absl::MutexLock lock(&mu_);
   stopped_ = true;
   ready_ = false;
@@ -68,7 +69,7 @@ void Pusher::fail_locked() {
 int Pusher::open_one(std::string* error) {
   return connect_proven(options_.endpoint, kPushHelloMagic, "bulk-push", options_.self,
                         options_.receiver, options_.token, options_.connect_timeout,
-                        options_.silence, error);
+                        options_.silence, error, &interrupt_);
 }
 
 void Pusher::connect_all() {

@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "rpc/transport/internal/bulk_wire.h"
 
 namespace ddprpc::rpc::transport::bulk {
 
@@ -82,6 +83,7 @@ class Pusher {
   int failures_ ABSL_GUARDED_BY(mu_) = 0;  // connections failed in a row
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   std::thread connector_;
+  Interrupt interrupt_;  // fired by abort(): a connect in progress ends
 };
 
 }  // namespace ddprpc::rpc::transport::bulk

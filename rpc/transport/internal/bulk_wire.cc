@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -24,11 +25,17 @@ int poll_ms(absl::Duration d) {
   return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d) + 1, 1 << 30));
 }
 
-// Waits until `fd` is ready for `events`; false after `silence`.
-absl::Status wait_ready(int fd, short events, absl::Duration silence) {
-  pollfd p{fd, events, 0};
+absl::Status interrupted() { return absl::CancelledError("interrupted: shutting down"); }
+
+// Waits until `fd` is ready for `events`; an error after `silence`, or
+// once `interrupt` fires.
+absl::Status wait_ready(int fd, short events, absl::Duration silence,
+                        const Interrupt* interrupt) {
+  pollfd p[2] = {{fd, events, 0}, {interrupt ? interrupt->fd() : -1, POLLIN, 0}};
   for (;;) {
-    const int n = ::poll(&p, 1, poll_ms(silence));
+    if (interrupt && interrupt->fired()) return interrupted();
+    const int n = ::poll(p, 2, poll_ms(silence));
+    if (n > 0 && p[1].revents != 0) return interrupted();
     if (n > 0) return absl::OkStatus();
     if (n == 0) {
       return absl::DeadlineExceededError(
@@ -48,7 +55,7 @@ namespace {
 // the socket's own timeout passes (set_silence). Either way `deadline`
 // is looked at between calls.
 absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::Duration silence,
-                      absl::Time deadline) {
+                      absl::Time deadline, const Interrupt* interrupt = nullptr) {
   const int flags = out ? (MSG_NOSIGNAL | (blocking ? 0 : MSG_DONTWAIT))
                         : (blocking ? MSG_WAITALL : MSG_DONTWAIT);
   while (n > 0) {
@@ -67,7 +74,8 @@ absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::
       if (left <= absl::ZeroDuration()) {
         return absl::DeadlineExceededError("the transfer took too long");
       }
-      absl::Status ready = wait_ready(fd, out ? POLLOUT : POLLIN, std::min(silence, left));
+      absl::Status ready =
+          wait_ready(fd, out ? POLLOUT : POLLIN, std::min(silence, left), interrupt);
       if (!ready.ok()) return ready;
       continue;
     }
@@ -78,16 +86,29 @@ absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::
 
 }  // namespace
 
+Interrupt::Interrupt() : fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+
+Interrupt::~Interrupt() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void Interrupt::fire() {
+  fired_.store(true, std::memory_order_release);
+  if (fd_ >= 0) (void)!::eventfd_write(fd_, 1);
+}
+
+bool Interrupt::fired() const { return fired_.load(std::memory_order_acquire); }
+
 absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence,
-                       absl::Time deadline) {
+                       absl::Time deadline, const Interrupt* interrupt) {
   return transfer(fd, const_cast<char*>(static_cast<const char*>(data)), n, /*out=*/true,
-                  /*blocking=*/false, silence, deadline);
+                  /*blocking=*/false, silence, deadline, interrupt);
 }
 
 absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence,
-                        absl::Time deadline) {
+                        absl::Time deadline, const Interrupt* interrupt) {
   return transfer(fd, static_cast<char*>(data), n, /*out=*/false, /*blocking=*/false, silence,
-                  deadline);
+                  deadline, interrupt);
 }
 
 absl::Status write_all_blocking(int fd, const void* data, size_t n, absl::Time deadline) {
@@ -133,7 +154,12 @@ bool split_endpoint(const std::string& endpoint, std::string* host, std::string*
 
 }  // namespace
 
-int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error) {
+int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error,
+               const Interrupt* interrupt) {
+  if (interrupt && interrupt->fired()) {
+    *error = absl::StrCat("did not connect to ", endpoint, ": shutting down");
+    return -1;
+  }
   std::string host, port;
   if (!split_endpoint(endpoint, &host, &port)) {
     *error = absl::StrCat("malformed bulk endpoint '", endpoint, "'");
@@ -152,12 +178,17 @@ int connect_to(const std::string& endpoint, absl::Duration timeout, std::string*
     if (fd < 0) continue;
     int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
     if (rc != 0 && errno == EINPROGRESS) {
-      absl::Status ready = wait_ready(fd, POLLOUT, timeout);
+      absl::Status ready = wait_ready(fd, POLLOUT, timeout, interrupt);
       int so_error = 0;
       socklen_t len = sizeof(so_error);
       if (ready.ok() && ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len) == 0 &&
           so_error == 0) {
         rc = 0;
+      } else if (absl::IsCancelled(ready)) {
+        *error = absl::StrCat("did not connect to ", endpoint, ": shutting down");
+        ::close(fd);
+        fd = -1;
+        break;
       } else {
         errno = ready.ok() ? so_error : ETIMEDOUT;
       }
@@ -179,8 +210,8 @@ int connect_to(const std::string& endpoint, absl::Duration timeout, std::string*
 
 int connect_proven(const std::string& endpoint, const char (&magic)[4], const char* transport,
                    int from, int to, const std::string& token, absl::Duration connect_timeout,
-                   absl::Duration silence, std::string* error) {
-  const int fd = connect_to(endpoint, connect_timeout, error);
+                   absl::Duration silence, std::string* error, const Interrupt* interrupt) {
+  const int fd = connect_to(endpoint, connect_timeout, error, interrupt);
   if (fd < 0) return -1;
   std::string proof;
   try {
@@ -200,14 +231,18 @@ int connect_proven(const std::string& endpoint, const char (&magic)[4], const ch
   // The hello and its answer within connect_timeout in all: a listener that
   // trickles its answer cannot hold this thread longer.
   const absl::Time deadline = absl::Now() + connect_timeout;
-  absl::Status ok = write_all(fd, hello.data(), hello.size(), connect_timeout, deadline);
-  if (ok.ok()) ok = read_exact(fd, ack, sizeof(ack), connect_timeout, deadline);
+  absl::Status ok =
+      write_all(fd, hello.data(), hello.size(), connect_timeout, deadline, interrupt);
+  if (ok.ok()) ok = read_exact(fd, ack, sizeof(ack), connect_timeout, deadline, interrupt);
   if (ok.ok() && std::memcmp(ack, kHelloAck, sizeof(ack)) != 0) {
     ok = absl::DataLossError("it answered the hello with something else");
   }
   if (!ok.ok()) {
     ::close(fd);
-    *error = absl::StrCat("refused the bulk connection (", ok.message(), ")");
+    *error = absl::IsCancelled(ok)
+                 ? absl::StrCat("did not finish the bulk handshake with ", endpoint,
+                                ": shutting down")
+                 : absl::StrCat("refused the bulk connection (", ok.message(), ")");
     return -1;
   }
   set_silence(fd, silence);

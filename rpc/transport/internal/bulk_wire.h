@@ -28,6 +28,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -82,14 +83,35 @@ inline absl::Time transfer_deadline(absl::Time start, absl::Duration silence, ui
          absl::Seconds(static_cast<double>(bytes) / std::max(1.0, bytes_per_second));
 }
 
+// Cuts short, at once and for good, every wait of the calls below that
+// were given it: a connect, or a handshake, in progress when its owner
+// shuts down. Thread-safe.
+class Interrupt {
+ public:
+  Interrupt();  // without an eventfd to wake polls, fire() only marks it
+  ~Interrupt();
+  Interrupt(const Interrupt&) = delete;
+  Interrupt& operator=(const Interrupt&) = delete;
+
+  void fire();
+  bool fired() const;
+  int fd() const { return fd_; }  // readable once fired; -1 without one
+
+ private:
+  const int fd_;
+  std::atomic<bool> fired_{false};
+};
+
 // Blocking I/O on a socket, each call bounded by `silence`: no progress
 // for that long is an error (DEADLINE_EXCEEDED), and so is `deadline`
 // passing, however slowly bytes still come. The peer's end is
-// UNAVAILABLE. Never raises SIGPIPE.
+// UNAVAILABLE; `interrupt` firing, CANCELLED. Never raises SIGPIPE.
 absl::Status write_all(int fd, const void* data, size_t n, absl::Duration silence,
-                       absl::Time deadline = absl::InfiniteFuture());
+                       absl::Time deadline = absl::InfiniteFuture(),
+                       const Interrupt* interrupt = nullptr);
 absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence,
-                        absl::Time deadline = absl::InfiniteFuture());
+                        absl::Time deadline = absl::InfiniteFuture(),
+                        const Interrupt* interrupt = nullptr);
 
 // The same on a blocking socket whose SO_SNDTIMEO / SO_RCVTIMEO bound
 // the silence (set_silence): the bulk bytes themselves, where sleeping in
@@ -108,9 +130,11 @@ void set_silence(int fd, absl::Duration silence);
 // that died) ends within about 20 s even while nobody uses it.
 void set_keepalive(int fd);
 
-// Connects to "host:port" (numeric host or name) within `timeout`; the
-// socket has TCP_NODELAY. -1 and `*error` on failure.
-int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error);
+// Connects to "host:port" (numeric host or name) within `timeout`, or
+// until `interrupt` fires; the socket has TCP_NODELAY. -1 and `*error` on
+// failure.
+int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error,
+               const Interrupt* interrupt = nullptr);
 
 // Connects to `endpoint` and proves worker `from` there: a hello with
 // `magic` (kHelloMagic to pull, kPushHelloMagic to push) from `from` to
@@ -118,10 +142,11 @@ int connect_to(const std::string& endpoint, absl::Duration timeout, std::string*
 // when empty), then the listener's acknowledgement, each step within
 // `connect_timeout`; the socket then blocks, failing after `silence`
 // without progress (set_silence). -1 and `*error` on failure, a proof that
-// cannot be made included.
+// cannot be made included, and at once when `interrupt` fires.
 int connect_proven(const std::string& endpoint, const char (&magic)[4], const char* transport,
                    int from, int to, const std::string& token, absl::Duration connect_timeout,
-                   absl::Duration silence, std::string* error);
+                   absl::Duration silence, std::string* error,
+                   const Interrupt* interrupt = nullptr);
 
 // Listens on host:0 (an IPv6 host with or without brackets); -1 and
 // `*error` on failure. `*port` is the port.
