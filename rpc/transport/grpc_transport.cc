@@ -1160,6 +1160,8 @@ void* PeerStream::post(Op op) {
 
 bool PeerStream::broken() const {
   absl::MutexLock lock(&mu_);
+  // After a half-close, writes are closed on purpose; a write that failed
+  // meanwhile shows as the read's failure, which follows it.
   return read_failed_ || (writes_closed_ && !closing_ && !half_closed_);
 }
 

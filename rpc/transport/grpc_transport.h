@@ -219,8 +219,8 @@ class PeerStream : public transport::Channel {
   void write(const grpc::ByteBuffer& frame, bool more, void* tag);
   void maybe_finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Half-closes the stream (at once, or once the write in flight ends) and
-  // starts reading for its end; false if writes had ended otherwise (the
-  // stream broke), when there is no end to wait for.
+  // starts reading for its end; false if close() was called already, or
+  // writes had ended otherwise (the stream broke): no end to wait for.
   bool half_close_locked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Waits (mu_ held; released meanwhile) until cond() or `deadline`,
   // reading the queue itself whenever no other thread does.

@@ -185,8 +185,9 @@ class Channel {
   // The first half of a graceful close, without waiting: the peer is told
   // that no more requests come, and the 5 s start now. A program closing
   // many channels calls this on each, then close(true) on each, and waits
-  // about 5 s in all rather than 5 s per channel. No frame may be sent
-  // after it. Does nothing where a channel has no such half.
+  // about 5 s in all rather than 5 s per channel. The caller sends no
+  // frame after it. Does nothing where a channel has no such half (a
+  // same-host channel's graceful close waits only for its own writes).
   virtual void begin_close() {}
 };
 

@@ -10,6 +10,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -314,10 +315,11 @@ TEST(BulkLenderTest, AHelloTrickledAByteAtATimeEndsAtTheHandshakeTimeout) {
   ::close(fd);
 }
 
-// A loopback socket that listens and never accepts nor answers. With a
-// backlog of one and one connection already queued, later connects get no
-// answer to their SYN and wait; with `fill_backlog` false, they are
-// accepted by the kernel and wait for a handshake that never comes.
+// A loopback socket that listens and never accepts nor answers. Listening
+// with a backlog of 0, Linux queues one connection; with that one queued
+// (`fill_backlog`), later connects get no answer to their SYN and wait.
+// Otherwise they are queued by the kernel and wait for an answer to their
+// hello that never comes.
 struct SilentListener {
   explicit SilentListener(bool fill_backlog) {
     fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -331,19 +333,31 @@ struct SilentListener {
     endpoint = absl::StrCat("127.0.0.1:", ntohs(a.sin_port));
     if (fill_backlog) {
       std::string error;
-      for (int i = 0; i < 2; ++i) {
-        const int queued = bulk::connect_to(endpoint, absl::Milliseconds(200), &error);
-        if (queued >= 0) queued_.push_back(queued);
-      }
+      queued = bulk::connect_to(endpoint, absl::Seconds(5), &error);
+      EXPECT_GE(queued, 0) << error;
     }
   }
   ~SilentListener() {
-    for (int q : queued_) ::close(q);
+    if (queued >= 0) ::close(queued);
     ::close(fd);
   }
+  // Waits until `n` connections wait in the queue (at most 10 s).
+  bool wait_queued(unsigned n) const {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    for (;;) {
+      tcp_info info{};
+      socklen_t len = sizeof(info);
+      // On a listening socket, tcpi_unacked is the accept queue's length.
+      if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0 && info.tcpi_unacked >= n) {
+        return true;
+      }
+      if (absl::Now() > until) return false;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+  }
   int fd;
+  int queued = -1;
   std::string endpoint;
-  std::vector<int> queued_;
 };
 
 // A pull whose connection waits on a lender that never answers its
@@ -364,7 +378,8 @@ TEST(BulkLenderTest, AbortingAPullerEndsItsConnectInProgress) {
     pulled = puller.pull(1, into.data(), into.size());
     ended = absl::Now();
   });
-  absl::SleepFor(absl::Milliseconds(300));
+  ASSERT_TRUE(silent.wait_queued(1)) << "the puller did not connect";
+  absl::SleepFor(absl::Milliseconds(50));  // its hello sent, it waits for the answer
   const absl::Time aborted = absl::Now();
   puller.abort();
   pull.join();
@@ -389,7 +404,12 @@ TEST(BulkLenderTest, DestroyingAPusherEndsItsConnectInProgress) {
     const at::Tensor tensor = at::arange(int64_t{1} << 18);
     // The first push finds no connection and opens them in the background.
     EXPECT_EQ(pusher->push(1, tensor), 0u);
-    absl::SleepFor(absl::Milliseconds(300));
+    if (fill_backlog) {
+      absl::SleepFor(absl::Milliseconds(300));  // its SYN dropped, it waits
+    } else {
+      ASSERT_TRUE(silent.wait_queued(1)) << "the pusher did not connect";
+      absl::SleepFor(absl::Milliseconds(50));
+    }
     const absl::Time start = absl::Now();
     pusher.reset();
     EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "the pusher waited out its connect";

@@ -32,15 +32,20 @@ absl::Status interrupted() { return absl::CancelledError("interrupted: shutting 
 absl::Status wait_ready(int fd, short events, absl::Duration silence,
                         const Interrupt* interrupt) {
   pollfd p[2] = {{fd, events, 0}, {interrupt ? interrupt->fd() : -1, POLLIN, 0}};
+  // An interrupt without an eventfd is looked at every 100 ms.
+  const bool look = interrupt != nullptr && interrupt->fd() < 0;
+  const absl::Time until = absl::Now() + silence;
   for (;;) {
     if (interrupt && interrupt->fired()) return interrupted();
-    const int n = ::poll(p, 2, poll_ms(silence));
+    const absl::Duration left = until - absl::Now();
+    const int n = ::poll(p, 2, poll_ms(look ? std::min(left, absl::Milliseconds(100)) : left));
     if (n > 0 && p[1].revents != 0) return interrupted();
     if (n > 0) return absl::OkStatus();
-    if (n == 0) {
+    if (n == 0 && (!look || absl::Now() >= until)) {
       return absl::DeadlineExceededError(
           absl::StrCat("no progress for ", absl::FormatDuration(silence)));
     }
+    if (n == 0) continue;
     if (errno != EINTR) return absl::UnavailableError(absl::StrCat("poll: ", strerror(errno)));
   }
 }

@@ -88,7 +88,7 @@ inline absl::Time transfer_deadline(absl::Time start, absl::Duration silence, ui
 // shuts down. Thread-safe.
 class Interrupt {
  public:
-  Interrupt();  // without an eventfd to wake polls, fire() only marks it
+  Interrupt();  // without an eventfd, waits look at it every 100 ms
   ~Interrupt();
   Interrupt(const Interrupt&) = delete;
   Interrupt& operator=(const Interrupt&) = delete;
@@ -131,8 +131,8 @@ void set_silence(int fd, absl::Duration silence);
 void set_keepalive(int fd);
 
 // Connects to "host:port" (numeric host or name) within `timeout`, or
-// until `interrupt` fires; the socket has TCP_NODELAY. -1 and `*error` on
-// failure.
+// until `interrupt` fires (a name's resolution is not cut short); the
+// socket has TCP_NODELAY. -1 and `*error` on failure.
 int connect_to(const std::string& endpoint, absl::Duration timeout, std::string* error,
                const Interrupt* interrupt = nullptr);
 
