@@ -1519,5 +1519,51 @@ TEST(SameHostTransportTest, ARefusalCarriesNothingUsable) {
   EXPECT_NE(admitted.probe, 0u);
 }
 
+// Channels to two servers that stop reading (each holds a request, and
+// reads no more while one is pending) keep writes queued; closing both
+// gracefully, each close begun first, waits about 5 s in all for those
+// writes, not 5 s per channel.
+TEST(SameHostTransportTest, GracefulClosesBegunTogetherWaitTogether) {
+  absl::Notification release;
+  ServerLimits limits;
+  limits.world_size = 2;
+  limits.max_pending_requests = 1;
+  auto hold = [&](std::shared_ptr<Responder> r, Frame f) {
+    release.WaitForNotificationWithTimeout(absl::Seconds(20));
+    Echo::reply(r, std::move(f));
+  };
+  std::vector<std::shared_ptr<Transport>> transports;
+  std::vector<std::unique_ptr<Server>> servers;
+  std::vector<std::shared_ptr<Channel>> channels;
+  Replies replies[2];
+  for (int i = 0; i < 2; ++i) {
+    transports.push_back(make_same_host_transport(make_default_transport()));
+    servers.push_back(transports[i]->listen(
+        "127.0.0.1", limits, Security{}, [](int, const Frame&) { return absl::OkStatus(); }, hold,
+        hold));
+    PeerOptions options;
+    options.self = 1;
+    options.same_host_endpoint = servers[i]->same_host_endpoint();
+    channels.push_back(transports[i]->connect(
+        "127.0.0.1:" + std::to_string(servers[i]->port()), options, replies[i].on_frame(),
+        replies[i].on_close()));
+  }
+  // Inline tensors (below the cross-memory size): 4 MiB per channel, far
+  // more than a socket holds.
+  const at::Tensor t = at::arange(static_cast<int64_t>(kCrossMemoryMinBytes / 8 - 1), at::kDouble);
+  for (int i = 0; i < 2; ++i) {
+    for (uint64_t id = 1; id <= 160; ++id) ASSERT_TRUE(channels[i]->send(request(t, id), {}));
+  }
+  absl::SleepFor(absl::Milliseconds(200));
+  const absl::Time start = absl::Now();
+  for (auto& ch : channels) ch->begin_close();
+  for (auto& ch : channels) ch->close(/*graceful=*/true);
+  const absl::Duration took = absl::Now() - start;
+  release.Notify();
+  EXPECT_GE(took, absl::Seconds(4)) << "the closes did not wait for the queued writes";
+  EXPECT_LT(took, absl::Seconds(8)) << "the closes waited one after the other";
+  for (auto& server : servers) server->shutdown(absl::ZeroDuration());
+}
+
 }  // namespace
 }  // namespace ddprpc::rpc::transport

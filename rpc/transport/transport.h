@@ -186,8 +186,8 @@ class Channel {
   // that no more requests come, and the 5 s start now. A program closing
   // many channels calls this on each, then close(true) on each, and waits
   // about 5 s in all rather than 5 s per channel. The caller sends no
-  // frame after it. Does nothing where a channel has no such half (a
-  // same-host channel's graceful close waits only for its own writes).
+  // frame after it. (A same-host channel's graceful close waits only for
+  // its own queued writes to go out: here its 5 s start.)
   virtual void begin_close() {}
 };
 

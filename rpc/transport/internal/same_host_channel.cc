@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -91,12 +92,21 @@ void SameHostChannel::check_connection() {
   if (!ok.ok()) end(failed(ok));
 }
 
+void SameHostChannel::begin_close() {
+  absl::MutexLock lock(&gate_->mu);
+  if (!closing_ && close_by_ == absl::InfiniteFuture()) close_by_ = absl::Now() + absl::Seconds(5);
+}
+
 void SameHostChannel::close(bool graceful) {
   const std::thread::id me = std::this_thread::get_id();
+  absl::Duration flush_for = absl::Seconds(5);
   {
     absl::MutexLock lock(&gate_->mu);
     if (!closing_) {
       closing_ = true;
+      if (close_by_ != absl::InfiniteFuture()) {
+        flush_for = std::max(absl::ZeroDuration(), close_by_ - absl::Now());
+      }
     } else {
       // Closed already: wait for the first close's end.
       auto over = [this, me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(gate_->mu) {
@@ -108,7 +118,7 @@ void SameHostChannel::close(bool graceful) {
   }
   conn_->send_control(kGoodbye, 0, 0);
   if (graceful) {
-    conn_->shutdown_after_flush(absl::Seconds(5));
+    conn_->shutdown_after_flush(flush_for);
   } else {
     conn_->shutdown();
   }

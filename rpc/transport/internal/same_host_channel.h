@@ -46,6 +46,9 @@ class SameHostChannel : public Channel,
   void check_connection() override;
 
   void close(bool graceful) override;
+  // A later close(true) lets this channel's queued writes out until 5 s
+  // after this call, not 5 s after its own.
+  void begin_close() override;
 
   // ---- DrivenChannel, for drive_same_host
 
@@ -113,6 +116,7 @@ class SameHostChannel : public Channel,
   bool ended_ ABSL_GUARDED_BY(gate_->mu) = false;
   bool closing_ ABSL_GUARDED_BY(gate_->mu) = false;
   bool close_done_ ABSL_GUARDED_BY(gate_->mu) = false;
+  absl::Time close_by_ ABSL_GUARDED_BY(gate_->mu) = absl::InfiniteFuture();  // begin_close()
   bool welcomed_ ABSL_GUARDED_BY(gate_->mu) = false;  // the handshake is over
   bool background_done_ ABSL_GUARDED_BY(gate_->mu) = false;
   int64_t expecting_ ABSL_GUARDED_BY(gate_->mu) = 0;  // replies not yet read
