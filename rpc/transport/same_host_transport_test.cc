@@ -1525,6 +1525,7 @@ TEST(SameHostTransportTest, ARefusalCarriesNothingUsable) {
 // writes, not 5 s per channel.
 TEST(SameHostTransportTest, GracefulClosesBegunTogetherWaitTogether) {
   absl::Notification release;
+  Replies replies[2];  // outlives the channels
   ServerLimits limits;
   limits.world_size = 2;
   limits.max_pending_requests = 1;
@@ -1535,7 +1536,12 @@ TEST(SameHostTransportTest, GracefulClosesBegunTogetherWaitTogether) {
   std::vector<std::shared_ptr<Transport>> transports;
   std::vector<std::unique_ptr<Server>> servers;
   std::vector<std::shared_ptr<Channel>> channels;
-  Replies replies[2];
+  // However the test ends: the handlers return, and the channels close.
+  absl::Cleanup done = [&] {
+    if (!release.HasBeenNotified()) release.Notify();
+    for (auto& ch : channels) ch->close(/*graceful=*/false);
+    for (auto& server : servers) server->shutdown(absl::ZeroDuration());
+  };
   for (int i = 0; i < 2; ++i) {
     transports.push_back(make_same_host_transport(make_default_transport()));
     servers.push_back(transports[i]->listen(
@@ -1548,21 +1554,21 @@ TEST(SameHostTransportTest, GracefulClosesBegunTogetherWaitTogether) {
         "127.0.0.1:" + std::to_string(servers[i]->port()), options, replies[i].on_frame(),
         replies[i].on_close()));
   }
-  // Inline tensors (below the cross-memory size): 4 MiB per channel, far
-  // more than a socket holds.
+  // Inline tensors (below the cross-memory size): about 5 MiB per
+  // channel, far more than a socket holds.
   const at::Tensor t = at::arange(static_cast<int64_t>(kCrossMemoryMinBytes / 8 - 1), at::kDouble);
   for (int i = 0; i < 2; ++i) {
     for (uint64_t id = 1; id <= 160; ++id) ASSERT_TRUE(channels[i]->send(request(t, id), {}));
   }
+  // Each server reads its first request and stops; the rest stays queued.
   absl::SleepFor(absl::Milliseconds(200));
   const absl::Time start = absl::Now();
   for (auto& ch : channels) ch->begin_close();
+  EXPECT_FALSE(channels[0]->send(request(t, 161), {})) << "a frame after begin_close";
   for (auto& ch : channels) ch->close(/*graceful=*/true);
   const absl::Duration took = absl::Now() - start;
-  release.Notify();
   EXPECT_GE(took, absl::Seconds(4)) << "the closes did not wait for the queued writes";
   EXPECT_LT(took, absl::Seconds(8)) << "the closes waited one after the other";
-  for (auto& server : servers) server->shutdown(absl::ZeroDuration());
 }
 
 }  // namespace

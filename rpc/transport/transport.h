@@ -182,12 +182,12 @@ class Channel {
   // graceful: let the peer end the connection (at most 5 s); otherwise
   // cancel at once. Returns once no callback of the channel runs any more.
   virtual void close(bool graceful) = 0;
-  // The first half of a graceful close, without waiting: the peer is told
-  // that no more requests come, and the 5 s start now. A program closing
+  // The first half of a graceful close, without waiting: no more frames
+  // go out (send() fails), and the 5 s start now. A program closing
   // many channels calls this on each, then close(true) on each, and waits
-  // about 5 s in all rather than 5 s per channel. The caller sends no
-  // frame after it. (A same-host channel's graceful close waits only for
-  // its own queued writes to go out: here its 5 s start.)
+  // about 5 s in all rather than 5 s per channel. (Over gRPC the peer
+  // learns that no more requests come; a same-host channel's graceful
+  // close waits only for its own queued writes to go out.)
   virtual void begin_close() {}
 };
 

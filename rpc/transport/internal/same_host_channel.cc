@@ -72,7 +72,7 @@ std::shared_ptr<SameHostChannel> SameHostChannel::open(const std::shared_ptr<Rea
 bool SameHostChannel::send(Frame frame, const SendOptions& options) {
   {
     absl::MutexLock lock(&gate_->mu);
-    if (ended_ || closing_) return false;
+    if (ended_ || closing_ || close_by_ != absl::InfiniteFuture()) return false;
     if (options.expects_reply) ++expecting_;
   }
   frame.more_in_flight = options.more_in_flight;

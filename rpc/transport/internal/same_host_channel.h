@@ -47,7 +47,8 @@ class SameHostChannel : public Channel,
 
   void close(bool graceful) override;
   // A later close(true) lets this channel's queued writes out until 5 s
-  // after this call, not 5 s after its own.
+  // after this call, not 5 s after its own (begun more than 5 s before,
+  // they get one attempt). Sends fail from now on.
   void begin_close() override;
 
   // ---- DrivenChannel, for drive_same_host
