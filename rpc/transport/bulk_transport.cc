@@ -528,9 +528,9 @@ class BulkChannel : public Channel {
     inner_->drive(done, deadline);
   }
   void check_connection() override { inner_->check_connection(); }
+  void begin_close() override { inner_->begin_close(); }
   // Replies still being pulled are dropped: their calls fail with the
   // channel, and so do its requests' lends.
-  void begin_close() override { inner_->begin_close(); }
   void close(bool graceful) override {
     inner_->close(graceful);
     gate_->close();

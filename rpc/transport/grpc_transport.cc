@@ -1390,7 +1390,7 @@ bool PeerStream::half_close_locked() {
   if (half_closed_) return true;
   if (writes_closed_) return false;
   half_closed_ = true;
-  close_deadline_ = absl::Now() + absl::Seconds(5);
+  close_deadline_ = absl::Now() + transport::kGracefulCloseWait;
   // The stream's end arrives as a failed read, which starts Finish.
   if (claim_read()) call_->Read(&read_buffer_, post(kRead));
   if (write_in_flight_) {

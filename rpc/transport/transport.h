@@ -158,6 +158,9 @@ class Responder {
   virtual const std::string& address() const = 0;
 };
 
+// How long a graceful close waits for its channel's end (Channel::close).
+inline constexpr absl::Duration kGracefulCloseWait = absl::Seconds(5);
+
 class Channel {
  public:
   // A reply frame; a non-OK status ends the channel with it (a reply that
@@ -179,8 +182,9 @@ class Channel {
   // operation: if the connection is gone, this ends the channel (OnClose)
   // now. Cheap.
   virtual void check_connection() = 0;
-  // graceful: let the peer end the connection (at most 5 s); otherwise
-  // cancel at once. Returns once no callback of the channel runs any more.
+  // graceful: let the peer end the connection (at most kGracefulCloseWait);
+  // otherwise cancel at once. Returns once no callback of the channel runs
+  // any more.
   virtual void close(bool graceful) = 0;
   // The first half of a graceful close, without waiting: no more frames
   // go out (send() fails), and the 5 s start now. A program closing

@@ -94,12 +94,14 @@ void SameHostChannel::check_connection() {
 
 void SameHostChannel::begin_close() {
   absl::MutexLock lock(&gate_->mu);
-  if (!closing_ && close_by_ == absl::InfiniteFuture()) close_by_ = absl::Now() + absl::Seconds(5);
+  if (!closing_ && close_by_ == absl::InfiniteFuture()) {
+    close_by_ = absl::Now() + kGracefulCloseWait;
+  }
 }
 
 void SameHostChannel::close(bool graceful) {
   const std::thread::id me = std::this_thread::get_id();
-  absl::Duration flush_for = absl::Seconds(5);
+  absl::Duration flush_for = kGracefulCloseWait;
   {
     absl::MutexLock lock(&gate_->mu);
     if (!closing_) {
