@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "rpc/core/internal/receive_low_water.h"
 
 namespace ddprpc::benchmarks {
 namespace {
@@ -83,16 +84,27 @@ absl::Status read_all(int fd, char* data, size_t size, int spin_us = 0) {
     if (absl::Now() >= spin_end) break;
     sched_yield();
   }
-  while (size > 0) {
-    if (!wait_for(fd, POLLIN)) return absl::DeadlineExceededError("raw TCP: the peer went silent");
-    const ssize_t n = ::recv(fd, data, size, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n == 0) return absl::UnavailableError("raw TCP: the peer closed the connection");
-    if (n < 0) return errno_status("recv");
+  // Large reads wait for the receive low-water mark, as the runtime's bulk
+  // streams do (rpc/core/internal/receive_low_water.h).
+  const bool low_water = size >= rpc::internal::kLowWaterMinReadBytes;
+  int mark = 1;
+  absl::Status ok;
+  while (ok.ok() && size > 0) {
+    if (low_water) rpc::internal::expect_bytes(fd, size, &mark);
+    if (!wait_for(fd, POLLIN)) {
+      ok = absl::DeadlineExceededError("raw TCP: the peer went silent");
+      break;
+    }
+    const ssize_t n = ::recv(fd, data, size, MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (n == 0) ok = absl::UnavailableError("raw TCP: the peer closed the connection");
+    if (n < 0) ok = errno_status("recv");
+    if (n <= 0) break;
     data += n;
     size -= static_cast<size_t>(n);
   }
-  return absl::OkStatus();
+  rpc::internal::reset_low_water(fd, &mark);
+  return ok;
 }
 
 // A barrier for `n` threads, passed once per round.

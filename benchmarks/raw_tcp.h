@@ -7,7 +7,9 @@
 // every stream has its thread, at the normal scheduling policy):
 // one TCP stream is processed by one CPU at a time in the kernel, several
 // spread over the CPUs. TCP_NODELAY on every connection, the kernel's own
-// buffer sizes. With `spin_us`, each read of a message first looks for its
+// buffer sizes; reads of 64 KiB and more wait for the receive low-water
+// mark (rpc/core/internal/receive_low_water.h), as the runtime's bulk
+// reads do. With `spin_us`, each read of a message first looks for its
 // bytes without sleeping for up to that long, as the runtime's waits do
 // under RpcBackendOptions::max_spin.
 #pragma once

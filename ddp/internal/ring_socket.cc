@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "rpc/core/internal/receive_low_water.h"
 
 namespace ddprpc::ddp::internal::ring {
 
@@ -95,9 +96,46 @@ std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
   return "";
 }
 
+std::string recv_some(int fd, char* p, size_t max, size_t left, absl::Time deadline,
+                      const std::atomic<bool>* cancel, const std::string& peer, int* low_water,
+                      size_t* got) {
+  *got = 0;
+  for (;;) {
+    rpc::internal::expect_bytes(fd, left, low_water);
+    const ssize_t k = ::recv(fd, p, max, MSG_DONTWAIT);
+    if (k > 0) {
+      *got = static_cast<size_t>(k);
+      return "";
+    }
+    std::string error = stalled(static_cast<int>(k), errno, deadline, cancel, peer);
+    if (!error.empty()) return error;
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd ready{fd, POLLIN, 0};
+      if (::poll(&ready, 1, poll_ms(std::min(deadline, absl::Now() + kSlice))) < 0 &&
+          errno != EINTR) {
+        return absl::StrCat("the connection with ", peer, " failed: ", errno_text(errno));
+      }
+    }
+  }
+}
+
 // Reads exactly n bytes; "" or the error.
 std::string recv_all(int fd, char* p, size_t n, absl::Time deadline,
-                     const std::atomic<bool>* cancel, const std::string& peer) {
+                     const std::atomic<bool>* cancel, const std::string& peer, int* low_water) {
+  if (low_water != nullptr) {
+    while (n > 0) {
+      size_t got = 0;
+      std::string error = recv_some(fd, p, n, n, deadline, cancel, peer, low_water, &got);
+      if (!error.empty()) return error;
+      p += got;
+      n -= got;
+      if (n > 0) {  // as in send_all
+        error = overdue(deadline, cancel, peer);
+        if (!error.empty()) return error;
+      }
+    }
+    return "";
+  }
   while (n > 0) {
     const ssize_t k = ::recv(fd, p, n, MSG_WAITALL);
     if (k > 0) {

@@ -74,8 +74,19 @@ std::string overdue(absl::Time deadline, const std::atomic<bool>* cancel, const 
 // does the deadline, whether or not the peer still moves bytes.
 std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
                      const std::atomic<bool>* cancel, const std::string& peer);
+// With `low_water` (the socket's receive low-water mark as last set,
+// rpc/core/internal/receive_low_water.h), recv_all waits in poll() until
+// the kernel holds min(what is left, the mark's size) bytes, instead of
+// blocking in recv() and being woken for every segment.
 std::string recv_all(int fd, char* p, size_t n, absl::Time deadline,
-                     const std::atomic<bool>* cancel, const std::string& peer);
+                     const std::atomic<bool>* cancel, const std::string& peer,
+                     int* low_water = nullptr);
+// Waits as recv_all does with `low_water` for `left` more bytes (at
+// least 1) to come, then reads what is there, at most `max`, into p; ""
+// with *got > 0, or the error.
+std::string recv_some(int fd, char* p, size_t max, size_t left, absl::Time deadline,
+                      const std::atomic<bool>* cancel, const std::string& peer, int* low_water,
+                      size_t* got);
 
 // Connects to ip:port (host byte order) before the deadline or `cancel`;
 // the socket is prepared by prepare_stream. An empty Fd and *error on

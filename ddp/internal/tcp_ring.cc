@@ -24,6 +24,7 @@ using ring::put_u64;
 using ring::overdue;
 using ring::rank_name;
 using ring::recv_all;
+using ring::recv_some;
 using ring::send_all;
 using ring::slice_until;
 using ring::stalled;
@@ -38,7 +39,9 @@ constexpr size_t kHeaderBytes = 48;
 // there, at most this much per read. Between 4 network namespaces on 2
 // cores, pieces of 128 KiB, 256 KiB and 1 MiB (and writes of 256 KiB to 4
 // MiB) all came within 1.04-1.23x of a plain TCP ring at 4-64 MiB, the
-// differences inside the runs' spread; 1 MiB pieces wake the reader least.
+// differences inside the runs' spread. Reads wait for the receive
+// low-water mark (ring::recv_all), so a piece wakes the reader about twice
+// whatever its size.
 constexpr size_t kPieceBytes = 1 << 20;
 // The writer sends at most this much per call.
 constexpr int64_t kMaxWriteBytes = 1 << 20;
@@ -193,7 +196,7 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
   // Nothing may leave this block by an exception while the writer runs.
   try {
     char theirs[kHeaderBytes];
-    error = recv_all(from_previous_, theirs, kHeaderBytes, deadline, &failed_, from);
+    error = recv_all(from_previous_, theirs, kHeaderBytes, deadline, &failed_, from, &low_water_);
     if (error.empty() && std::memcmp(theirs, kHeaderMagic, 4) != 0) {
       error = absl::StrCat("rank ", previous, " sent no allreduce header");
     } else if (error.empty() && std::memcmp(theirs, header, kHeaderBytes) != 0) {
@@ -232,23 +235,23 @@ void TcpRing::allreduce(void* data, int64_t numel, size_t element_size, int dtyp
         if (reducing) {
           const auto piece = static_cast<size_t>(
               std::min<int64_t>(left, kPieceBytes - kPieceBytes % element_size));
-          error = recv_all(from_previous_, staging_.data(), piece, deadline, &failed_, from);
+          error = recv_all(from_previous_, staging_.data(), piece, deadline, &failed_, from,
+                           &low_water_);
           if (!error.empty()) break;
           reduce(at, at, staging_.data(), piece / element_size);
           at += piece;
           left -= static_cast<int64_t>(piece);
           done(static_cast<int64_t>(piece));
         } else {
-          const ssize_t k = ::recv(from_previous_, at,
-                                   static_cast<size_t>(std::min<int64_t>(left, kPieceBytes)), 0);
-          if (k > 0) {
-            at += k;
-            left -= k;
-            done(k);
-            if (left > 0) error = overdue(deadline, &failed_, from);
-          } else {
-            error = stalled(static_cast<int>(k), errno, deadline, &failed_, from);
-          }
+          size_t k = 0;
+          error = recv_some(from_previous_, at,
+                            static_cast<size_t>(std::min<int64_t>(left, kPieceBytes)),
+                            static_cast<size_t>(left), deadline, &failed_, from, &low_water_, &k);
+          if (!error.empty()) break;
+          at += k;
+          left -= static_cast<int64_t>(k);
+          done(static_cast<int64_t>(k));
+          if (left > 0) error = overdue(deadline, &failed_, from);
         }
       }
     }

@@ -123,6 +123,7 @@ class TcpRing {
   const int rank_, size_;
   int to_next_ = -1;
   int from_previous_ = -1;
+  int low_water_ = 1;  // from_previous_'s receive low-water mark (ring::recv_all)
   uint32_t sequence_ = 0;
   std::string broken_;  // empty while the ring works
   std::vector<char> staging_;

@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "ddp/internal/ring_socket.h"
 #include "gtest/gtest.h"
 
@@ -367,6 +369,46 @@ std::array<Fd, 2> tcp_pair() {
   Fd far(::accept(listener.get(), nullptr, nullptr));
   ring::prepare_stream(near.get());
   return {std::move(near), std::move(far)};
+}
+
+// A read that waits for the receive low-water mark ends when its last
+// bytes come, though part of them waited before it began and the rest are
+// fewer than the mark: a blocking recv() would copy the first part and
+// sleep on (this socket has no receive timeout), since the kernel wakes it
+// only once a full mark of new bytes waits.
+TEST(TcpRingTest, ALowWaterReadEndsWhenItsLastBytesComeAfterAPause) {
+  std::array<Fd, 2> pair = tcp_pair();
+  timeval none{};
+  ::setsockopt(pair[0].get(), SOL_SOCKET, SO_RCVTIMEO, &none, sizeof(none));
+  constexpr size_t kBytes = 400 << 10;
+  std::vector<char> out(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) out[i] = static_cast<char>(i * 7);
+  absl::Notification read;
+  std::thread sender([&] {
+    size_t at = 0;
+    for (size_t part : {size_t{200} << 10, size_t{200} << 10}) {
+      if (at > 0) absl::SleepFor(absl::Milliseconds(200));
+      EXPECT_EQ(ring::send_all(pair[1].get(), out.data() + at, part, absl::Now() + absl::Seconds(5),
+                               nullptr, "rank 0"),
+                "");
+      at += part;
+    }
+    // Bounds the test if the read sleeps on: its socket is shut down.
+    if (!read.WaitForNotificationWithTimeout(absl::Seconds(5))) {
+      ::shutdown(pair[0].get(), SHUT_RDWR);
+    }
+  });
+  std::vector<char> in(kBytes);
+  int mark = 1;
+  absl::SleepFor(absl::Milliseconds(100));  // the first part waits
+  const absl::Time start = absl::Now();
+  const std::string error = ring::recv_all(pair[0].get(), in.data(), in.size(),
+                                           start + absl::Seconds(10), nullptr, "rank 1", &mark);
+  read.Notify();
+  sender.join();
+  EXPECT_EQ(error, "");
+  EXPECT_TRUE(in == out);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
 // A peer that moves a byte now and then keeps every socket call making

@@ -315,6 +315,56 @@ TEST(BulkLenderTest, AHelloTrickledAByteAtATimeEndsAtTheHandshakeTimeout) {
   ::close(fd);
 }
 
+// A large blocking read waits for the receive low-water mark in poll(),
+// so it ends when its last bytes come, though part of them waited before
+// it began and the rest are fewer than the mark (a blocking recv() would
+// copy the first part and sleep on until the silence limit), and it
+// leaves the mark at its default.
+TEST(BulkLenderTest, ALargeReadEndsWhenItsLastBytesComeAfterAPause) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&a), len), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  std::string error;
+  const int writer = bulk::connect_to(absl::StrCat("127.0.0.1:", ntohs(a.sin_port)),
+                                      absl::Seconds(5), &error);
+  ASSERT_GE(writer, 0) << error;
+  const int reader = ::accept(listener, nullptr, nullptr);
+  ::close(listener);
+  ASSERT_GE(reader, 0);
+  bulk::set_silence(reader, absl::Seconds(5));
+  constexpr size_t kBytes = 400 << 10;
+  std::vector<char> out(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) out[i] = static_cast<char>(i * 7);
+  std::thread sender([&] {
+    size_t at = 0;
+    for (size_t part : {size_t{200} << 10, size_t{200} << 10}) {
+      if (at > 0) absl::SleepFor(absl::Milliseconds(200));
+      EXPECT_TRUE(bulk::write_all(writer, out.data() + at, part, absl::Seconds(5)).ok());
+      at += part;
+    }
+  });
+  std::vector<char> in(kBytes);
+  absl::SleepFor(absl::Milliseconds(100));  // the first part waits
+  const absl::Time start = absl::Now();
+  const absl::Status read = bulk::read_exact_blocking(reader, in.data(), in.size());
+  const absl::Duration took = absl::Now() - start;
+  sender.join();
+  EXPECT_TRUE(read.ok()) << read;
+  EXPECT_TRUE(in == out);
+  EXPECT_LT(took, absl::Seconds(3)) << "the read waited for its silence limit";
+  int mark = 0;
+  len = sizeof(mark);
+  ASSERT_EQ(::getsockopt(reader, SOL_SOCKET, SO_RCVLOWAT, &mark, &len), 0);
+  EXPECT_EQ(mark, 1);
+  ::close(writer);
+  ::close(reader);
+}
+
 // A loopback socket that listens and never accepts nor answers. Listening
 // with a backlog of 0, Linux queues one connection; with that one queued
 // (`fill_backlog`), later connects get no answer to their SYN and wait.

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/core/internal/auth.h"
+#include "rpc/core/internal/receive_low_water.h"
 
 namespace ddprpc::rpc::transport::bulk {
 
@@ -89,6 +91,49 @@ absl::Status transfer(int fd, char* p, size_t n, bool out, bool blocking, absl::
   return absl::OkStatus();
 }
 
+// Reads n bytes from a blocking socket, each wait in poll() until the
+// kernel holds min(what is left, the low-water mark) bytes; each read
+// takes what is there without blocking. The silence is the socket's own
+// receive timeout (set_silence).
+absl::Status read_at_low_water(int fd, char* p, size_t n, absl::Time deadline) {
+  absl::Duration silence = absl::InfiniteDuration();
+  timeval limit{};
+  socklen_t limit_size = sizeof(limit);
+  if (::getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, &limit_size) == 0 &&
+      (limit.tv_sec != 0 || limit.tv_usec != 0)) {
+    silence = absl::DurationFromTimeval(limit);
+  }
+  int mark = 1;
+  absl::Status ok;
+  while (ok.ok() && n > 0) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left < absl::ZeroDuration()) {
+      ok = absl::DeadlineExceededError("the transfer took too long");
+      break;
+    }
+    internal::expect_bytes(fd, n, &mark);
+    const ssize_t done = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (done > 0) {
+      p += done;
+      n -= static_cast<size_t>(done);
+    } else if (done == 0) {
+      ok = absl::UnavailableError("the connection was closed by the peer");
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      pollfd ready{fd, POLLIN, 0};
+      const int r = ::poll(&ready, 1, poll_ms(std::min(silence, left)));
+      if (r == 0 && silence <= left) {
+        ok = absl::DeadlineExceededError("no progress for the silence limit");
+      } else if (r < 0 && errno != EINTR) {
+        ok = absl::UnavailableError(absl::StrCat("poll: ", strerror(errno)));
+      }
+    } else if (errno != EINTR) {
+      ok = absl::UnavailableError(absl::StrCat("recv: ", strerror(errno)));
+    }
+  }
+  internal::reset_low_water(fd, &mark);
+  return ok;
+}
+
 }  // namespace
 
 Interrupt::Interrupt() : fd_(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
@@ -122,6 +167,9 @@ absl::Status write_all_blocking(int fd, const void* data, size_t n, absl::Time d
 }
 
 absl::Status read_exact_blocking(int fd, void* data, size_t n, absl::Time deadline) {
+  if (n >= internal::kLowWaterMinReadBytes) {
+    return read_at_low_water(fd, static_cast<char*>(data), n, deadline);
+  }
   return transfer(fd, static_cast<char*>(data), n, /*out=*/false, /*blocking=*/true,
                   absl::ZeroDuration(), deadline);
 }

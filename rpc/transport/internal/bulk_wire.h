@@ -116,7 +116,11 @@ absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence,
 // The same on a blocking socket whose SO_SNDTIMEO / SO_RCVTIMEO bound
 // the silence (set_silence): the bulk bytes themselves, where sleeping in
 // the kernel until the whole range has moved costs fewer wake-ups than a
-// poll per segment.
+// poll per segment. A read of internal::kLowWaterMinReadBytes or more
+// waits in poll()
+// for the socket's receive low-water mark instead
+// (rpc/core/internal/receive_low_water.h): woken once per half megabyte,
+// not once per segment; the mark is back at its default when it returns.
 // Past `deadline` (checked at least once per silence period) they fail
 // too, however slowly bytes still come.
 absl::Status write_all_blocking(int fd, const void* data, size_t n,
