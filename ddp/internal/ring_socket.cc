@@ -96,20 +96,26 @@ std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
   return "";
 }
 
+// Waits in poll(), every kSlice at most, for the receive low-water mark;
+// reads never block, so a mark above the bytes still to come cannot
+// strand a read that already took some (receive_low_water.h). Reads
+// shorter than kLowWaterMinReadBytes keep the default mark of a byte.
 std::string recv_some(int fd, char* p, size_t max, size_t left, absl::Time deadline,
                       const std::atomic<bool>* cancel, const std::string& peer, int* low_water,
                       size_t* got) {
   *got = 0;
   for (;;) {
-    rpc::internal::expect_bytes(fd, left, low_water);
+    rpc::internal::expect_bytes(fd, left >= rpc::internal::kLowWaterMinReadBytes ? left : 1,
+                                low_water);
     const ssize_t k = ::recv(fd, p, max, MSG_DONTWAIT);
+    const int e = errno;
     if (k > 0) {
       *got = static_cast<size_t>(k);
       return "";
     }
-    std::string error = stalled(static_cast<int>(k), errno, deadline, cancel, peer);
+    std::string error = stalled(static_cast<int>(k), e, deadline, cancel, peer);
     if (!error.empty()) return error;
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    if (k < 0 && (e == EAGAIN || e == EWOULDBLOCK)) {
       pollfd ready{fd, POLLIN, 0};
       if (::poll(&ready, 1, poll_ms(std::min(deadline, absl::Now() + kSlice))) < 0 &&
           errno != EINTR) {

@@ -77,7 +77,8 @@ std::string send_all(int fd, const char* p, size_t n, absl::Time deadline,
 // With `low_water` (the socket's receive low-water mark as last set,
 // rpc/core/internal/receive_low_water.h), recv_all waits in poll() until
 // the kernel holds min(what is left, the mark's size) bytes, instead of
-// blocking in recv() and being woken for every segment.
+// blocking in recv() and being woken for every segment; with less than
+// kLowWaterMinReadBytes left, any byte wakes it.
 std::string recv_all(int fd, char* p, size_t n, absl::Time deadline,
                      const std::atomic<bool>* cancel, const std::string& peer,
                      int* low_water = nullptr);

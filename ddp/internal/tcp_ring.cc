@@ -40,8 +40,8 @@ constexpr size_t kHeaderBytes = 48;
 // cores, pieces of 128 KiB, 256 KiB and 1 MiB (and writes of 256 KiB to 4
 // MiB) all came within 1.04-1.23x of a plain TCP ring at 4-64 MiB, the
 // differences inside the runs' spread. Reads wait for the receive
-// low-water mark (ring::recv_all), so a piece wakes the reader about twice
-// whatever its size.
+// low-water mark (ring::recv_all), so a piece wakes the reader once or
+// twice whatever its size.
 constexpr size_t kPieceBytes = 1 << 20;
 // The writer sends at most this much per call.
 constexpr int64_t kMaxWriteBytes = 1 << 20;

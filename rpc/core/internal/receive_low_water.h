@@ -17,6 +17,9 @@
 //     *new* bytes is waiting, which the end of the stream may never bring.
 //   - Put the mark back (reset_low_water) before the socket is read in
 //     any other way.
+// The reads still end when the kernel runs short of receive window or
+// memory below the mark: it then wakes the reader early, which Linux does
+// since fixes for such hangs in its 5.x series. Measured on 6.18.
 #pragma once
 
 #include <cstddef>

@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -315,26 +316,33 @@ TEST(BulkLenderTest, AHelloTrickledAByteAtATimeEndsAtTheHandshakeTimeout) {
   ::close(fd);
 }
 
+// A connected loopback pair of bulk-path sockets: {writer, reader}.
+std::pair<int, int> connected_pair() {
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  EXPECT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&a), len), 0);
+  EXPECT_EQ(::listen(listener, 1), 0);
+  EXPECT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  std::string error;
+  const int writer = bulk::connect_to(absl::StrCat("127.0.0.1:", ntohs(a.sin_port)),
+                                      absl::Seconds(5), &error);
+  EXPECT_GE(writer, 0) << error;
+  const int reader = writer >= 0 ? ::accept(listener, nullptr, nullptr) : -1;
+  ::close(listener);
+  return {writer, reader};
+}
+
 // A large blocking read waits for the receive low-water mark in poll(),
 // so it ends when its last bytes come, though part of them waited before
 // it began and the rest are fewer than the mark (a blocking recv() would
 // copy the first part and sleep on until the silence limit), and it
 // leaves the mark at its default.
 TEST(BulkLenderTest, ALargeReadEndsWhenItsLastBytesComeAfterAPause) {
-  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&a), len), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  std::string error;
-  const int writer = bulk::connect_to(absl::StrCat("127.0.0.1:", ntohs(a.sin_port)),
-                                      absl::Seconds(5), &error);
-  ASSERT_GE(writer, 0) << error;
-  const int reader = ::accept(listener, nullptr, nullptr);
-  ::close(listener);
+  const std::pair<int, int> pair = connected_pair();
+  const int writer = pair.first, reader = pair.second;
   ASSERT_GE(reader, 0);
   bulk::set_silence(reader, absl::Seconds(5));
   constexpr size_t kBytes = 400 << 10;
@@ -358,9 +366,40 @@ TEST(BulkLenderTest, ALargeReadEndsWhenItsLastBytesComeAfterAPause) {
   EXPECT_TRUE(in == out);
   EXPECT_LT(took, absl::Seconds(3)) << "the read waited for its silence limit";
   int mark = 0;
-  len = sizeof(mark);
+  socklen_t len = sizeof(mark);
   ASSERT_EQ(::getsockopt(reader, SOL_SOCKET, SO_RCVLOWAT, &mark, &len), 0);
   EXPECT_EQ(mark, 1);
+  ::close(writer);
+  ::close(reader);
+}
+
+// Under the low-water mark a large read still counts bytes below the mark
+// as progress: a peer that sends a little every 700 ms with a silence
+// limit of 1 s is read to the end, and only a silence without a byte
+// fails the read.
+TEST(BulkLenderTest, ALargeReadFailsOnlyAfterASilenceWithoutAByte) {
+  const std::pair<int, int> pair = connected_pair();
+  const int writer = pair.first, reader = pair.second;
+  ASSERT_GE(reader, 0);
+  bulk::set_silence(reader, absl::Seconds(1));
+  constexpr size_t kPart = 150 << 10;
+  std::vector<char> out(4 * kPart, 'b');
+  std::thread sender([&] {
+    for (size_t at = 0; at < out.size(); at += kPart) {
+      absl::SleepFor(at == 0 ? absl::Milliseconds(100) : absl::Milliseconds(700));
+      EXPECT_TRUE(bulk::write_all(writer, out.data() + at, kPart, absl::Seconds(5)).ok());
+    }
+  });
+  std::vector<char> in(out.size());
+  absl::Status read = bulk::read_exact_blocking(reader, in.data(), in.size());
+  sender.join();
+  EXPECT_TRUE(read.ok()) << read;
+  EXPECT_TRUE(in == out);
+
+  const absl::Time start = absl::Now();
+  read = bulk::read_exact_blocking(reader, in.data(), in.size());
+  EXPECT_EQ(read.code(), absl::StatusCode::kDeadlineExceeded) << read;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
   ::close(writer);
   ::close(reader);
 }

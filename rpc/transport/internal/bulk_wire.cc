@@ -104,6 +104,9 @@ absl::Status read_at_low_water(int fd, char* p, size_t n, absl::Time deadline) {
     silence = absl::DurationFromTimeval(limit);
   }
   int mark = 1;
+  // A wait that ran out looks once more: bytes below the mark are still
+  // progress, and only a silence without any fails the read.
+  bool waited_out = false;
   absl::Status ok;
   while (ok.ok() && n > 0) {
     const absl::Duration left = deadline - absl::Now();
@@ -113,21 +116,27 @@ absl::Status read_at_low_water(int fd, char* p, size_t n, absl::Time deadline) {
     }
     internal::expect_bytes(fd, n, &mark);
     const ssize_t done = ::recv(fd, p, n, MSG_DONTWAIT);
+    const int e = errno;
     if (done > 0) {
       p += done;
       n -= static_cast<size_t>(done);
+      waited_out = false;
     } else if (done == 0) {
       ok = absl::UnavailableError("the connection was closed by the peer");
-    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+    } else if (e == EAGAIN || e == EWOULDBLOCK) {
+      if (waited_out) {
+        ok = absl::DeadlineExceededError("no progress for the silence limit");
+        break;
+      }
       pollfd ready{fd, POLLIN, 0};
       const int r = ::poll(&ready, 1, poll_ms(std::min(silence, left)));
       if (r == 0 && silence <= left) {
-        ok = absl::DeadlineExceededError("no progress for the silence limit");
+        waited_out = true;
       } else if (r < 0 && errno != EINTR) {
         ok = absl::UnavailableError(absl::StrCat("poll: ", strerror(errno)));
       }
-    } else if (errno != EINTR) {
-      ok = absl::UnavailableError(absl::StrCat("recv: ", strerror(errno)));
+    } else if (e != EINTR) {
+      ok = absl::UnavailableError(absl::StrCat("recv: ", strerror(e)));
     }
   }
   internal::reset_low_water(fd, &mark);

@@ -114,13 +114,13 @@ absl::Status read_exact(int fd, void* data, size_t n, absl::Duration silence,
                         const Interrupt* interrupt = nullptr);
 
 // The same on a blocking socket whose SO_SNDTIMEO / SO_RCVTIMEO bound
-// the silence (set_silence): the bulk bytes themselves, where sleeping in
-// the kernel until the whole range has moved costs fewer wake-ups than a
-// poll per segment. A read of internal::kLowWaterMinReadBytes or more
-// waits in poll()
-// for the socket's receive low-water mark instead
-// (rpc/core/internal/receive_low_water.h): woken once per half megabyte,
-// not once per segment; the mark is back at its default when it returns.
+// the silence (set_silence): the bulk bytes themselves. A write, and a
+// read shorter than internal::kLowWaterMinReadBytes, sleep in the kernel
+// until all has moved. A longer read waits in poll() for the socket's
+// receive low-water mark (rpc/core/internal/receive_low_water.h), woken
+// once per half megabyte rather than once per segment, and fails only
+// after a silence period in which no byte came; the mark is back at its
+// default when it returns.
 // Past `deadline` (checked at least once per silence period) they fail
 // too, however slowly bytes still come.
 absl::Status write_all_blocking(int fd, const void* data, size_t n,
