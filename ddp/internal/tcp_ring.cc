@@ -27,7 +27,6 @@ using ring::recv_all;
 using ring::recv_some;
 using ring::send_all;
 using ring::slice_until;
-using ring::stalled;
 
 // Each allreduce's header: magic, u32 sequence, u64 elements, u32 element
 // size, u32 dtype, u32 reduction, u32 op, u64 elements of the whole
